@@ -1,0 +1,40 @@
+"""Single-device sparse attention: index types, pattern builders, exact attention.
+
+Layout: q ``[B, S, Hq, D]``, k and v ``[B, S, Hkv, D]`` (Hq a multiple of Hkv),
+lse ``[B, Hq, S]`` float32; causal.
+"""
+
+from .attention import merge_attention_outputs, sparse_attention
+from .index import BlockColumnLayout, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from .metrics import attention_recall
+from .moba import MoBAConfig, build_moba_index
+from .msa import IndexBranch, MSAConfig, msa_kl_loss, msa_select_blocks
+from .vertical_slash import (
+    VerticalSlashConfig,
+    WindowStatistics,
+    build_vertical_slash_index,
+    select_vertical_slash,
+    window_statistics,
+)
+
+__all__ = [
+    "BlockColumnLayout",
+    "BlockTopKIndex",
+    "DenseIndex",
+    "IndexBranch",
+    "MSAConfig",
+    "MoBAConfig",
+    "SparseIndex",
+    "VerticalSlashConfig",
+    "VerticalSlashIndex",
+    "WindowStatistics",
+    "attention_recall",
+    "build_moba_index",
+    "build_vertical_slash_index",
+    "merge_attention_outputs",
+    "msa_kl_loss",
+    "msa_select_blocks",
+    "select_vertical_slash",
+    "sparse_attention",
+    "window_statistics",
+]

@@ -1,0 +1,64 @@
+"""Public attention entry points: ``sparse_attention`` and ``merge_attention_outputs``."""
+
+from __future__ import annotations
+
+import torch
+
+from .index import SparseIndex
+from .reference import ReferenceSparseAttention, finite_or_zero
+from .validation import check_qkv, check_softmax_scale, check_tensor, fail
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal softmax attention restricted to ``index``.
+
+    q ``[B, S, Hq, D]``, k and v ``[B, S, Hkv, D]`` (Hq a multiple of Hkv). Returns
+    ``out [B, S, Hq, D]`` in q's dtype and ``lse [B, Hq, S]`` float32. A row with no
+    visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
+    through ``lse``).
+    """
+    check_qkv(q, k, v)
+    if not isinstance(index, SparseIndex):
+        fail("index", type(index).__name__, "a sparse index (DenseIndex, VerticalSlashIndex, BlockTopKIndex)")
+    b, s, hq, d = q.shape
+    index.check_compatible(b, hq, s, k.shape[2])
+    scale = check_softmax_scale(softmax_scale, d)
+    return ReferenceSparseAttention.apply(q, k, v, index, scale)
+
+
+def merge_attention_outputs(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combines attention over two disjoint key sets into attention over their union.
+
+    ``out_*`` ``[B, S, H, D]``, ``lse_*`` ``[B, H, S]``; ``lse = log(e^lse_a + e^lse_b)``,
+    ``out = w_a out_a + w_b out_b`` with ``w_i = e^(lse_i - lse)``. Rows empty on both
+    sides stay zero with ``lse = -inf``; no NaN appears in values or gradients.
+    """
+    for name, t in (("out_a", out_a), ("out_b", out_b)):
+        check_tensor(name, t, ndim=4)
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(name, t, ndim=3)
+    if out_b.shape != out_a.shape:
+        fail("out_b.shape", tuple(out_b.shape), f"the shape of out_a {tuple(out_a.shape)}")
+    bsz, seq, heads, _ = out_a.shape
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != (bsz, heads, seq):
+            fail(f"{name}.shape", tuple(t.shape), f"[B, H, S] = {[bsz, heads, seq]} to match out_a")
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    peak = finite_or_zero(torch.maximum(lse_a, lse_b))
+    total = torch.exp(lse_a - peak) + torch.exp(lse_b - peak)
+    # The clamp keeps log's gradient finite on rows empty on both sides, which the where discards.
+    lse = torch.where(total > 0, peak + torch.log(total.clamp_min(torch.finfo(total.dtype).tiny)), float("-inf"))
+    safe = finite_or_zero(lse)
+    w_a = torch.exp(lse_a - safe).transpose(1, 2).unsqueeze(-1)
+    w_b = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
+    dt = torch.promote_types(out_a.dtype, torch.float32)
+    out = w_a.to(dt) * out_a.to(dt) + w_b.to(dt) * out_b.to(dt)
+    return out.to(out_a.dtype), lse

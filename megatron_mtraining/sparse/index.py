@@ -1,0 +1,301 @@
+"""Sparse attention index types.
+
+An index says which (query, key) pairs a head attends; causality (key <= query) is
+always applied on top. Every type is a plain dataclass of tensors with two views:
+
+* ``to_dense_mask(seq_len)``: the boolean ``[B, Hq, S, S]`` mask, written straight
+  from the index's own fields. It exists for tests and debugging only.
+* ``key_lists(q_start, q_end)``: for one chunk of query rows, the key positions a
+  kernel visits, ``[B, Hs, R, nk]`` (``-1`` padded; ``R`` is 1 when all rows of the
+  chunk share the list, else ``q_end - q_start``). ``Hs`` is the number of
+  *selection heads*: 1 (shared by all heads), or a multiple of the KV head count
+  that divides the query head count; selection head ``s`` serves query heads
+  ``[s * Hq/Hs, (s+1) * Hq/Hs)``.
+
+The two views are derived independently on purpose: the attention tests compare
+the kernels, which read ``key_lists``, with dense attention under
+``to_dense_mask``, so a conversion bug cannot hide behind a shared helper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .validation import fail
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+class SparseIndex:
+    """Behaviour common to every index dataclass."""
+
+    batch_size: int
+    num_heads: int
+    seq_len: int
+
+    def to(self, device) -> "SparseIndex":
+        moved = {
+            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return type(self)(**moved)
+
+    @property
+    def selection_heads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def query_chunk(self) -> int:
+        """Query rows per ``key_lists`` call; chunks must start at multiples of it."""
+        raise NotImplementedError
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_dense_mask(self, seq_len: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_compatible(self, batch_size: int, num_heads: int, seq_len: int, num_kv_heads: int) -> None:
+        """Raises ValueError unless this index was built for these shapes."""
+        name = type(self).__name__
+        if self.seq_len != seq_len:
+            fail(f"index.seq_len ({name})", self.seq_len, f"the sequence length of q ({seq_len})")
+        if self.batch_size != batch_size:
+            fail(f"index.batch_size ({name})", self.batch_size, f"the batch size of q ({batch_size})")
+        if self.num_heads != num_heads:
+            fail(f"index.num_heads ({name})", self.num_heads, f"the query head count of q ({num_heads})")
+        hs = self.selection_heads
+        if hs != 1 and (hs % num_kv_heads or num_heads % hs):
+            fail(
+                f"index selection heads ({name})",
+                hs,
+                f"1, or a multiple of the KV head count {num_kv_heads} that divides {num_heads}",
+            )
+
+    def attended_area(self) -> torch.Tensor:
+        """Attended (query, key) pairs per (batch, query head), ``[B, Hq]`` int64,
+        counted from the key lists the kernels read (causality included)."""
+        device = self.device
+        area = torch.zeros(self.batch_size, self.selection_heads, dtype=torch.int64, device=device)
+        for q0 in range(0, self.seq_len, self.query_chunk):
+            q1 = min(q0 + self.query_chunk, self.seq_len)
+            keys = self.key_lists(q0, q1)
+            rows = torch.arange(q0, q1, device=keys.device).view(1, 1, -1, 1)
+            visible = (keys >= 0) & (keys <= rows)
+            area += visible.flatten(2).sum(-1).to(device).expand(self.batch_size, -1)
+        return area.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
+
+    def density(self) -> float:
+        """Attended fraction of the causal triangle, averaged over batch and heads."""
+        causal = self.seq_len * (self.seq_len + 1) // 2
+        return float(self.attended_area().double().mean() / causal)
+
+    @property
+    def device(self) -> torch.device:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
+
+def _causal(seq_len: int, device) -> torch.Tensor:
+    i = torch.arange(seq_len, device=device)
+    return i.view(-1, 1) >= i.view(1, -1)
+
+
+def _blocks_to_tokens(blocks: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """Expands block ids ``[..., n]`` (-1 = none) to token positions ``[..., n * block_size]``."""
+    tokens = blocks.long().unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device)
+    tokens = torch.where((blocks.unsqueeze(-1) >= 0) & (tokens < seq_len), tokens, -1)
+    return tokens.flatten(-2)
+
+
+def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per query row: its own block plus the ``topk - 1`` best-scoring visible others.
+
+    ``block_scores [..., nq, n_blocks]`` holds -inf for blocks the row cannot see;
+    ``own_block [nq]``. Returns int32 ``[..., nq, topk]``, ascending, ``-1`` padded
+    (all visible blocks when fewer than ``topk`` are). Ranks raw scores: no
+    softmax is needed to choose.
+    """
+    scores = block_scores.scatter(-1, own_block.view(-1, 1).expand(block_scores.shape[:-1] + (1,)).long(), float("inf"))
+    k = min(topk, scores.shape[-1])
+    values, chosen = scores.topk(k, dim=-1)
+    chosen, _ = compact(chosen.int(), values > float("-inf"))
+    pad = topk - chosen.shape[-1]
+    return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad else chosen
+
+
+def compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves the kept entries of ``values`` (ascending where ``values`` is) to the front
+    of the last dimension, pads with -1, and trims to the longest row.
+    Returns ``(compacted int32, count int32)``."""
+    count = keep.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    ordered = torch.where(keep, values, _INT32_MAX).sort(dim=-1).values[..., :width]
+    ordered = torch.where(ordered == _INT32_MAX, -1, ordered)
+    return ordered.to(torch.int32), count.to(torch.int32)
+
+
+@dataclass
+class DenseIndex(SparseIndex):
+    """Full causal attention, expressed as an index so one code path serves all."""
+
+    batch_size: int
+    num_heads: int
+    seq_len: int
+
+    @property
+    def selection_heads(self) -> int:
+        return 1
+
+    @property
+    def query_chunk(self) -> int:
+        return 64
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        return torch.arange(q_end, device=self.device).view(1, 1, 1, -1).expand(self.batch_size, 1, 1, q_end)
+
+    def to_dense_mask(self, seq_len: int) -> torch.Tensor:
+        _check_mask_len(self, seq_len)
+        return _causal(seq_len, self.device).expand(self.batch_size, self.num_heads, seq_len, seq_len).clone()
+
+
+@dataclass
+class BlockColumnLayout:
+    """Kernel form of a vertical-slash index for a range of query blocks: per query
+    block, the active KV blocks (whole tiles, ascending) and the extra single key
+    columns ("bars", ascending) that no active tile covers. ``-1`` pads."""
+
+    block_idx: torch.Tensor  # [B, Hq, n_qblocks, max_blocks] int32
+    block_count: torch.Tensor  # [B, Hq, n_qblocks] int32
+    column_idx: torch.Tensor  # [B, Hq, n_qblocks, max_columns] int32
+    column_count: torch.Tensor  # [B, Hq, n_qblocks] int32
+
+
+@dataclass
+class VerticalSlashIndex(SparseIndex):
+    """MTraining's vertical-slash index, per (batch, query head).
+
+    ``slash`` holds *block-diagonal* offsets ``d``: tile (query block qb, key block kb)
+    is attended when ``qb - kb == d``. ``vertical`` holds key token positions attended
+    by every (causally later) query. Both ascending, ``-1`` padded.
+    """
+
+    vertical: torch.Tensor  # [B, Hq, max_vertical] int32
+    slash: torch.Tensor  # [B, Hq, max_slash] int32
+    seq_len: int
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.vertical.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.vertical.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.seq_len // self.block_size)
+
+    @property
+    def selection_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def query_chunk(self) -> int:
+        return self.block_size
+
+    def active_diagonals(self) -> torch.Tensor:
+        """``[B, Hq, n_blocks]`` bool: which block diagonals are attended."""
+        active = torch.zeros(self.batch_size, self.num_heads, self.num_blocks + 1, dtype=torch.bool, device=self.device)
+        active.scatter_(-1, torch.where(self.slash >= 0, self.slash.long(), self.num_blocks), True)
+        return active[..., :-1]
+
+    def block_columns(self, qblock_start: int = 0, qblock_end: int | None = None) -> BlockColumnLayout:
+        qblock_end = self.num_blocks if qblock_end is None else qblock_end
+        bs, dev = self.block_size, self.device
+        qb = torch.arange(qblock_start, qblock_end, device=dev, dtype=torch.int32)
+        # Tiles: key block qb - d for each attended diagonal d <= qb.
+        kb = qb.view(1, 1, -1, 1) - self.slash.unsqueeze(2)
+        block_idx, block_count = compact(kb, (self.slash.unsqueeze(2) >= 0) & (kb >= 0))
+        # Bars: vertical columns visible to some row of the block and outside its tiles.
+        diag = qb.view(1, 1, -1, 1) - (self.vertical // bs).unsqueeze(2)
+        active = self.active_diagonals()
+        in_tile = (diag >= 0) & active.gather(-1, diag.clamp(0, self.num_blocks - 1).long().flatten(2)).view(diag.shape)
+        last_row = torch.clamp((qb + 1) * bs, max=self.seq_len) - 1
+        visible = (self.vertical.unsqueeze(2) >= 0) & (self.vertical.unsqueeze(2) <= last_row.view(1, 1, -1, 1))
+        column_idx, column_count = compact(self.vertical.unsqueeze(2).expand_as(diag), visible & ~in_tile)
+        return BlockColumnLayout(block_idx, block_count, column_idx, column_count)
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        qb = q_start // self.block_size
+        layout = self.block_columns(qb, qb + 1)
+        tiles = _blocks_to_tokens(layout.block_idx, self.block_size, self.seq_len)
+        return torch.cat([tiles, layout.column_idx.long()], dim=-1)
+
+    def to_dense_mask(self, seq_len: int) -> torch.Tensor:
+        _check_mask_len(self, seq_len)
+        pos = torch.arange(seq_len, device=self.device)
+        diag = (pos.view(-1, 1) // self.block_size) - (pos.view(1, -1) // self.block_size)
+        on_slash = self.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
+        on_vertical = torch.zeros(self.batch_size, self.num_heads, seq_len + 1, dtype=torch.bool, device=self.device)
+        on_vertical.scatter_(-1, torch.where(self.vertical >= 0, self.vertical.long(), seq_len), True)
+        return _causal(seq_len, self.device) & (on_slash | on_vertical[..., None, :seq_len])
+
+
+@dataclass
+class BlockTopKIndex(SparseIndex):
+    """Per-query top-k key blocks (MSA, MoBA).
+
+    ``blocks[b, i, s]`` lists the key blocks (ascending, ``-1`` padded) that query ``i``
+    attends under selection head ``s``; selection head ``s`` is shared by query
+    heads ``[s * Hq/Hs, (s+1) * Hq/Hs)`` (MSA: one per GQA group; MoBA: one per
+    query head).
+    """
+
+    blocks: torch.Tensor  # [B, S, Hs, k] int32
+    block_size: int
+    num_heads: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.blocks.shape[1]
+
+    @property
+    def selection_heads(self) -> int:
+        return self.blocks.shape[2]
+
+    @property
+    def query_chunk(self) -> int:
+        # Bounds the gathered keys per call to ~32K per (batch, selection head) row set.
+        return max(1, 32768 // (self.blocks.shape[3] * self.block_size))
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        chosen = self.blocks[:, q_start:q_end].permute(0, 2, 1, 3)
+        return _blocks_to_tokens(chosen, self.block_size, self.seq_len)
+
+    def to_dense_mask(self, seq_len: int) -> torch.Tensor:
+        _check_mask_len(self, seq_len)
+        n_blocks = -(-seq_len // self.block_size)
+        chosen = torch.zeros(*self.blocks.shape[:3], n_blocks + 1, dtype=torch.bool, device=self.device)
+        chosen.scatter_(-1, torch.where(self.blocks >= 0, self.blocks.long(), n_blocks), True)
+        key_block = torch.arange(seq_len, device=self.device) // self.block_size
+        per_selection = chosen[..., key_block].permute(0, 2, 1, 3)  # [B, Hs, S, S]
+        per_head = per_selection.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
+        return per_head & _causal(seq_len, self.device)
+
+
+def _check_mask_len(index: SparseIndex, seq_len: int) -> None:
+    if seq_len != index.seq_len:
+        fail("seq_len", seq_len, f"the length the index was built for ({index.seq_len})")

@@ -1,0 +1,208 @@
+"""MiniMax Sparse Attention (MSA): index branch, block selection and KL alignment loss.
+
+* Index branch: one index query head per GQA group and one shared index key
+  head, computed from the *detached* layer input, so only the KL loss trains it.
+* Selection: block score = max over the causally visible keys of the block of
+  ``q_idx . k_idx / sqrt(d_idx)``; per (query, group) the query's own block plus
+  the top ``topk - 1`` other visible blocks, shared by the group's query heads.
+* KL loss: teacher = mean over the group's heads of the main-branch softmax on
+  the selected tokens (no gradient); student = softmax of the index scores on
+  the same tokens; ``KL(teacher || student)`` averaged over query positions,
+  groups and batch. Gradient reaches q_idx and k_idx only.
+* Warmup: for the first ``warmup_steps`` steps the main branch is dense and the
+  KL spans every visible token (pass a ``DenseIndex``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
+from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
+from .validation import (
+    check_int,
+    check_positive_float,
+    check_power_of_two,
+    check_qk,
+    check_softmax_scale,
+    check_tensor,
+    fail,
+)
+
+
+@dataclass(frozen=True)
+class MSAConfig:
+    block_size: int = 128
+    topk: int = 16
+    index_head_dim: int = 128
+    # The KL gradient reaches only the index projections, so under Adam its scale
+    # mostly matters for logging and for the share of the global grad norm
+    # (clipping); 0.1 keeps the indexer from dominating the clip.
+    kl_coeff: float = 0.1
+    # Paper: warm up the indexer before sparse routing (~10% of continued pretraining).
+    warmup_steps: int = 1000
+
+    def __post_init__(self):
+        n = type(self).__name__
+        check_power_of_two(f"{n}.block_size", self.block_size, minimum=16)
+        check_int(f"{n}.topk", self.topk, minimum=1)
+        check_int(f"{n}.index_head_dim", self.index_head_dim, minimum=1)
+        check_positive_float(f"{n}.kl_coeff", self.kl_coeff)
+        check_int(f"{n}.warmup_steps", self.warmup_steps, minimum=0)
+
+    def in_warmup(self, step: int) -> bool:
+        """Dense main branch (and dense KL) at this training step."""
+        return step < self.warmup_steps
+
+
+class IndexBranch(nn.Module):
+    """The MSA index projections of one layer: ``W_q_idx`` (one head per GQA group)
+    and the shared ``W_k_idx``."""
+
+    def __init__(self, hidden_size: int, num_kv_heads: int, config: MSAConfig, init_std: float = 0.02):
+        super().__init__()
+        check_int("hidden_size", hidden_size, minimum=1)
+        check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.num_kv_heads, self.head_dim = num_kv_heads, config.index_head_dim
+        self.linear_q = nn.Linear(hidden_size, num_kv_heads * config.index_head_dim, bias=False)
+        self.linear_k = nn.Linear(hidden_size, config.index_head_dim, bias=False)
+        for lin in (self.linear_q, self.linear_k):
+            nn.init.normal_(lin.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[B, S, hidden]`` -> (q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``)."""
+        check_tensor("x", x, ndim=3)
+        if x.shape[-1] != self.linear_q.in_features:
+            fail("x.shape[2]", x.shape[-1], f"the hidden size {self.linear_q.in_features}")
+        x = x.detach()  # the KL must not train the backbone (MSA paper, B.3)
+        q_idx = self.linear_q(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return q_idx, self.linear_k(x).unsqueeze(2)
+
+
+def _check_index_inputs(q_idx, k_idx, index_head_dim: int | None = None) -> None:
+    check_tensor("q_idx", q_idx, ndim=4)
+    check_tensor("k_idx", k_idx, ndim=4)
+    if k_idx.shape[2] != 1:
+        fail("k_idx.shape[2]", k_idx.shape[2], "1 (one index key head shared by all groups)")
+    if k_idx.shape[:2] != q_idx.shape[:2] or k_idx.shape[3] != q_idx.shape[3]:
+        fail("k_idx.shape", tuple(k_idx.shape), f"[B, S, 1, d_idx] matching q_idx {tuple(q_idx.shape)}")
+    if k_idx.device != q_idx.device or k_idx.dtype != q_idx.dtype:
+        fail("k_idx", f"{k_idx.dtype} on {k_idx.device}", f"{q_idx.dtype} on {q_idx.device} like q_idx")
+    if index_head_dim is not None and q_idx.shape[3] != index_head_dim:
+        fail("q_idx.shape[3]", q_idx.shape[3], f"MSAConfig.index_head_dim ({index_head_dim})")
+
+
+@torch.no_grad()
+def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int) -> BlockTopKIndex:
+    """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count."""
+    _check_index_inputs(q_idx, k_idx, config.index_head_dim)
+    bsz, seq, groups, d = q_idx.shape
+    check_int("num_heads", num_heads, minimum=1)
+    if num_heads % groups:
+        fail("num_heads", num_heads, f"a multiple of the index query head count {groups} (one per GQA group)")
+    bs = config.block_size
+    n_blocks = -(-seq // bs)
+    rows_per_chunk = max(bs, (1 << 22) // max(seq, 1) // bs * bs)
+    blocks = torch.empty(bsz, seq, groups, config.topk, dtype=torch.int32, device=q_idx.device)
+    k_all = k_idx[:, :, 0].float()
+    for q0 in range(0, seq, rows_per_chunk):
+        q1 = min(q0 + rows_per_chunk, seq)
+        scores = torch.einsum("bqrd,bkd->brqk", q_idx[:, q0:q1].float(), k_all[:, :q1]) / math.sqrt(d)
+        rows = torch.arange(q0, q1, device=q_idx.device)
+        scores.masked_fill_(torch.arange(q1, device=q_idx.device).view(1, -1) > rows.view(-1, 1), float("-inf"))
+        nb = -(-q1 // bs)
+        scores = torch.nn.functional.pad(scores, (0, nb * bs - q1), value=float("-inf"))
+        block_max = torch.nn.functional.pad(scores.unflatten(-1, (nb, bs)).amax(-1), (0, n_blocks - nb), value=float("-inf"))
+        chosen = select_topk_blocks(block_max, rows // bs, config.topk)  # [B, G, nq, k]
+        blocks[:, q0:q1] = chosen.permute(0, 2, 1, 3)
+    return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
+
+
+class _MSAKLLoss(torch.autograd.Function):
+    """Chunked KL forward; the backward recomputes per chunk and returns the
+    analytic gradient ``(p_student - p_teacher) / (B S Hkv)`` of the index logits."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, q, k, index, scale):
+        ctx.save_for_backward(q_idx, k_idx, q, k)
+        ctx.index, ctx.scale = index, scale
+        total = sum(part.sum() for part, *_ in _kl_chunks(q_idx, k_idx, q, k, index, scale))
+        return total / _kl_rows(q_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_idx, k_idx, q, k = ctx.saved_tensors
+        dt = compute_dtype(q_idx.dtype)
+        dq_idx = torch.empty(q_idx.shape, dtype=dt, device=q_idx.device)
+        dk_flat = torch.zeros_like(_index_keys_flat(k_idx, q_idx.shape[2]))
+        inv_sqrt_d = 1.0 / math.sqrt(q_idx.shape[-1])
+        for _, c, teacher, student, qh_idx, kk_idx in _kl_chunks(q_idx, k_idx, q, k, ctx.index, ctx.scale):
+            ds = (student - teacher).unsqueeze(2) * (grad / _kl_rows(q_idx))
+            dq_idx[:, c.q0 : c.q1] = to_rows(c.weighted_values(ds, kk_idx) * inv_sqrt_d)
+            c.scatter_add(dk_flat, c.key_grad(ds, qh_idx) * inv_sqrt_d)
+        groups = q_idx.shape[2]
+        dk_idx = unflat_kv(dk_flat, k_idx.expand(-1, -1, groups, -1)).sum(2, keepdim=True)
+        return dq_idx.to(q_idx.dtype), dk_idx.to(k_idx.dtype), None, None, None, None
+
+
+def _kl_rows(q_idx: torch.Tensor) -> int:
+    return q_idx.shape[0] * q_idx.shape[1] * q_idx.shape[2]
+
+
+def _index_keys_flat(k_idx: torch.Tensor, groups: int) -> torch.Tensor:
+    return flat_kv(k_idx.expand(-1, -1, groups, -1), compute_dtype(k_idx.dtype))
+
+
+def _kl_chunks(q_idx, k_idx, q, k, index, scale):
+    """Yields, per chunk of query rows: the per-row KL ``[B, G, nq]``, the chunk, the
+    teacher and student probabilities ``[B, G, nq, nk]``, and the index queries
+    and gathered index keys (for the backward)."""
+    dt = compute_dtype(q.dtype)
+    k_flat = flat_kv(k, dt)
+    kidx_flat = _index_keys_flat(k_idx, q_idx.shape[2])
+    inv_sqrt_d = 1.0 / math.sqrt(q_idx.shape[-1])
+    for c in chunks(index, q, k):
+        main = c.scores(c.heads(q).to(dt) * scale, c.gather(k_flat))
+        lse = torch.logsumexp(main, dim=-1, keepdim=True)
+        teacher = torch.exp(main - finite_or_zero(lse)).mean(dim=2)
+        qh_idx = c.heads(q_idx).to(dt)
+        kk_idx = c.gather(kidx_flat)
+        log_student = torch.log_softmax(c.scores(qh_idx * inv_sqrt_d, kk_idx), dim=-1).squeeze(2)
+        visible = c.valid.squeeze(2).expand_as(teacher)
+        terms = torch.xlogy(teacher, teacher) - teacher * torch.where(visible, log_student, 0.0)
+        yield terms.sum(-1), c, teacher, torch.exp(log_student), qh_idx, kk_idx
+
+
+def msa_kl_loss(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """KL(teacher || index distribution) over the tokens ``index`` selects, a scalar.
+
+    ``index`` is the ``BlockTopKIndex`` from :func:`msa_select_blocks` (sparse
+    phase) or a ``DenseIndex`` (warmup: KL over all visible tokens). Only q_idx
+    and k_idx receive gradient.
+    """
+    check_qk(q, k)
+    _check_index_inputs(q_idx, k_idx)
+    bsz, seq, hq, d = q.shape
+    hkv = k.shape[2]
+    if q_idx.shape[:3] != (bsz, seq, hkv):
+        fail("q_idx.shape", tuple(q_idx.shape), f"[B, S, Hkv, d_idx] = [{bsz}, {seq}, {hkv}, d_idx] (one head per GQA group)")
+    if q_idx.device != q.device:
+        fail("q_idx.device", str(q_idx.device), f"the device of q ({q.device})")
+    if not isinstance(index, (BlockTopKIndex, DenseIndex)):
+        fail("index", type(index).__name__, "a BlockTopKIndex from msa_select_blocks, or a DenseIndex (warmup)")
+    index.check_compatible(bsz, hq, seq, hkv)
+    if index.selection_heads not in (1, hkv):
+        fail("index selection heads", index.selection_heads, f"{hkv} (one per GQA group), as msa_select_blocks builds")
+    scale = check_softmax_scale(softmax_scale, d)
+    return _MSAKLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), index, scale)

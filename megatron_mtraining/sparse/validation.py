@@ -1,0 +1,89 @@
+"""Argument checks shared by the sparse API.
+
+Every check raises ``ValueError`` naming the argument, the value it got and what
+would be accepted, so a misconfigured run fails at its first call with a message
+the user can act on (no silent broadcasting, no shape errors from deep inside a
+kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fail(name: str, value, accepted: str) -> None:
+    raise ValueError(f"{name}={value!r} is not accepted: expected {accepted}")
+
+
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        fail(name, value, "an integer")
+    if minimum is not None and value < minimum:
+        fail(name, value, f"an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        fail(name, value, f"an integer <= {maximum}")
+
+
+def check_power_of_two(name: str, value, *, minimum: int) -> None:
+    check_int(name, value, minimum=minimum)
+    if value & (value - 1):
+        fail(name, value, f"a power of two >= {minimum} (the kernels tile by it)")
+
+
+def check_fraction(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 < value <= 1.0):
+        fail(name, value, "a number in (0, 1]")
+
+
+def check_positive_float(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value > 0 and math.isfinite(value)):
+        fail(name, value, "a positive finite number")
+
+
+def check_tensor(name: str, t, *, ndim: int, float_dtype: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        fail(name, type(t).__name__, "a torch.Tensor")
+    if t.dim() != ndim:
+        fail(f"{name}.shape", tuple(t.shape), f"a {ndim}-d tensor")
+    if float_dtype and t.dtype not in FLOAT_DTYPES:
+        fail(f"{name}.dtype", t.dtype, f"one of {', '.join(str(d) for d in FLOAT_DTYPES)}")
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """Returns the scale to use: 1/sqrt(head_dim) unless one is given."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    check_positive_float("softmax_scale", softmax_scale)
+    return float(softmax_scale)
+
+
+def check_qk(q, k, *, q_name: str = "q", k_name: str = "k") -> None:
+    """q [B, S, Hq, D] against k [B, S, Hkv, D]: same batch, length, dtype, device,
+    head dim, and Hq a multiple of Hkv (GQA)."""
+    check_tensor(q_name, q, ndim=4)
+    check_tensor(k_name, k, ndim=4)
+    if k.device != q.device:
+        fail(f"{k_name}.device", str(k.device), f"the device of {q_name} ({q.device})")
+    if k.dtype != q.dtype:
+        fail(f"{k_name}.dtype", k.dtype, f"the dtype of {q_name} ({q.dtype})")
+    bq, sq, hq, dq = q.shape
+    bk, sk, hk, dk = k.shape
+    if (bk, sk) != (bq, sq):
+        fail(f"{k_name}.shape", tuple(k.shape), f"batch and length of {q_name} [{bq}, {sq}, Hkv, D] (causal self-attention)")
+    if dk != dq:
+        fail(f"{k_name}.shape[3]", dk, f"the head dim of {q_name} ({dq})")
+    if hk < 1 or hq % hk:
+        fail(f"{k_name}.shape[2]", hk, f"a divisor of the query head count {hq} (GQA)")
+
+
+def check_qkv(q, k, v) -> None:
+    check_qk(q, k)
+    check_tensor("v", v, ndim=4)
+    if v.shape != k.shape:
+        fail("v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
+    if v.dtype != k.dtype or v.device != k.device:
+        fail("v", f"{v.dtype} on {v.device}", f"{k.dtype} on {k.device} like k")

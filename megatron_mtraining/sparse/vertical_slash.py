@@ -1,0 +1,138 @@
+"""MTraining's dynamic vertical-slash pattern with online top-p budgets.
+
+Per (sample, query head, step), from the softmax of the last ``last_q`` queries
+(the observation window, fp32):
+
+* vertical score of key ``j``: the window's average attention on column ``j``;
+* slash score of a *block diagonal* ``d`` (tiles with ``query_block - key_block
+  == d``): the expected share of a row's attention that the diagonal's tiles
+  capture, estimated from the window's token-level diagonal sums. A token
+  diagonal at offset ``o = d * bs + t`` (0 <= t < bs) falls in block diagonal
+  ``d`` for a fraction ``(bs - t) / bs`` of a block's rows and in ``d + 1`` for
+  the rest, so the token profile is pooled with those triangular weights. This
+  is the paper's block-pooled slash (the kernel computes whole tiles, so the
+  budget is counted in tiles) and it conserves the window's mass.
+
+Budgets: per head, the fewest columns (block diagonals) whose sorted scores
+reach ``vertical_topp`` (``slash_topp``) of the total, at most ``vertical_cap``
+columns and ``ceil(slash_cap / block_size)`` block diagonals (caps are given in
+token lines, as in the reference configs). ``sink_tokens`` first columns and the
+block diagonals that hold the last ``local_window`` offsets are added on top.
+
+Statistics and selection are separate so that a context-parallel builder can
+reduce partial statistics across ranks and run the same selection everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .index import VerticalSlashIndex, compact
+from .validation import check_fraction, check_int, check_power_of_two, check_qk, check_softmax_scale
+
+
+@dataclass(frozen=True)
+class VerticalSlashConfig:
+    last_q: int = 64
+    vertical_topp: float = 0.9
+    slash_topp: float = 0.9
+    vertical_cap: int = 4096
+    slash_cap: int = 4096
+    block_size: int = 64
+    sink_tokens: int = 0
+    local_window: int = 0
+
+    def __post_init__(self):
+        n = type(self).__name__
+        check_int(f"{n}.last_q", self.last_q, minimum=1)
+        check_fraction(f"{n}.vertical_topp", self.vertical_topp)
+        check_fraction(f"{n}.slash_topp", self.slash_topp)
+        check_int(f"{n}.vertical_cap", self.vertical_cap, minimum=1)
+        check_int(f"{n}.slash_cap", self.slash_cap, minimum=1)
+        check_power_of_two(f"{n}.block_size", self.block_size, minimum=16)
+        check_int(f"{n}.sink_tokens", self.sink_tokens, minimum=0)
+        check_int(f"{n}.local_window", self.local_window, minimum=0)
+
+    @property
+    def slash_block_cap(self) -> int:
+        return -(-self.slash_cap // self.block_size)
+
+
+@dataclass
+class WindowStatistics:
+    """Observation-window statistics, fp32, each normalised to sum to 1 per head."""
+
+    vertical: torch.Tensor  # [B, Hq, S]: mass per key column
+    slash: torch.Tensor  # [B, Hq, n_blocks]: expected mass per block diagonal
+
+
+def window_statistics(
+    q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, softmax_scale: float | None = None
+) -> WindowStatistics:
+    check_qk(q, k)
+    bsz, seq, hq, d = q.shape
+    hkv = k.shape[2]
+    scale = check_softmax_scale(softmax_scale, d)
+    w = min(config.last_q, seq)
+    rows = torch.arange(seq - w, seq, device=q.device)
+    qw = q[:, seq - w :].float().reshape(bsz, w, hkv, hq // hkv, d)
+    logits = torch.einsum("bwkgd,bskd->bkgws", qw, k.float()).reshape(bsz, hq, w, seq) * scale
+    keys = torch.arange(seq, device=q.device)
+    logits.masked_fill_(keys.view(1, -1) > rows.view(-1, 1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    vertical = probs.sum(dim=2) / w
+    # Token diagonal o of window row r is key rows[r] - o.
+    diag_keys = rows.view(-1, 1) - keys.view(1, -1)
+    on_diag = probs.gather(-1, diag_keys.clamp(min=0).expand(bsz, hq, w, seq)) * (diag_keys >= 0)
+    return WindowStatistics(vertical, _pool_diagonals(on_diag.sum(dim=2) / w, config.block_size))
+
+
+def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Token-diagonal profile ``[..., S]`` -> block-diagonal scores ``[..., n_blocks]``."""
+    seq = token_slash.shape[-1]
+    n_blocks = -(-seq // block_size)
+    padded = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq)).unflatten(-1, (n_blocks, block_size))
+    t = torch.arange(block_size, device=token_slash.device, dtype=token_slash.dtype)
+    own = (padded * (block_size - t)).sum(-1) / block_size
+    spill = (padded * t).sum(-1) / block_size  # goes to diagonal d + 1
+    pooled = own.clone()
+    pooled[..., 1:] += spill[..., :-1]
+    pooled[..., -1] += spill[..., -1]  # no diagonal beyond the last: keep the mass
+    return pooled
+
+
+def _top_p(scores: torch.Tensor, p: float, cap: int) -> torch.Tensor:
+    """Boolean ``[..., n]``: the fewest top entries whose mass reaches ``p`` of the
+    total (at most ``cap``, never a zero-mass entry)."""
+    ordered, order = scores.double().sort(dim=-1, descending=True)
+    total = ordered.sum(-1, keepdim=True)
+    before = ordered.cumsum(-1) - ordered  # mass of the strictly better entries
+    take = (before < p * total) & (ordered > 0)
+    take &= torch.arange(scores.shape[-1], device=scores.device) < cap
+    return torch.zeros_like(take).scatter(-1, order, take)
+
+
+def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, seq_len: int) -> VerticalSlashIndex:
+    vertical = _top_p(stats.vertical, config.vertical_topp, config.vertical_cap)
+    vertical[..., : config.sink_tokens] = True
+    slash = _top_p(stats.slash, config.slash_topp, config.slash_block_cap)
+    if config.local_window:
+        slash[..., : (config.local_window - 1) // config.block_size + 2] = True
+    columns = torch.arange(seq_len, device=vertical.device, dtype=torch.int32).expand_as(vertical)
+    diagonals = torch.arange(slash.shape[-1], device=slash.device, dtype=torch.int32).expand_as(slash)
+    return VerticalSlashIndex(
+        vertical=compact(columns, vertical)[0],
+        slash=compact(diagonals, slash)[0],
+        seq_len=seq_len,
+        block_size=config.block_size,
+    )
+
+
+@torch.no_grad()
+def build_vertical_slash_index(
+    q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, softmax_scale: float | None = None
+) -> VerticalSlashIndex:
+    """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``."""
+    return select_vertical_slash(window_statistics(q, k, config, softmax_scale), config, q.shape[1])

@@ -1,0 +1,16 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture
+def rng():
+    """A fresh seed per test, printed so a failure can be replayed with
+    MTRAINING_TEST_SEED=<seed>: inputs differ from run to run."""
+    seed = int(os.environ.get("MTRAINING_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
