@@ -61,8 +61,10 @@ def check_against_dense(q, k, v, index, rng, atol, scale=None):
     ):
         got = torch.autograd.grad(loss_got, (q, k, v), retain_graph=True)
         want = torch.autograd.grad(loss_want, (q, k, v), retain_graph=True, allow_unused=True)
-        want = [torch.zeros_like(x, dtype=torch.float64) if w is None else w for w, x in zip(want, (q, k, v))]
-        for name, a, e in zip(("dq", "dk", "dv"), got, want):
+        want = [
+            torch.zeros_like(x, dtype=torch.float64) if w is None else w for w, x in zip(want, (q, k, v), strict=True)
+        ]
+        for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
             assert torch.isfinite(a).all(), name
             torch.testing.assert_close(a.double(), e.double(), atol=tol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -122,7 +124,9 @@ def test_16k_tokens_vertical_slash_on_sampled_rows(rng):
     rows and the gradients they induce match dense attention on those rows."""
     s, hq, hkv, d = 16384, 2, 1, 16
     q, k, v = make_qkv(rng, 1, s, hq, hkv, d, dtype=torch.float32)
-    cfg = VerticalSlashConfig(last_q=64, vertical_topp=0.5, slash_topp=0.5, block_size=64, vertical_cap=256, slash_cap=512)
+    cfg = VerticalSlashConfig(
+        last_q=64, vertical_topp=0.5, slash_topp=0.5, block_size=64, vertical_cap=256, slash_cap=512
+    )
     index = build_vertical_slash_index(q, k, cfg)
     assert index.density() < 0.1
     out, lse = sparse_attention(q, k, v, index)

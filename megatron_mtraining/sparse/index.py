@@ -36,7 +36,7 @@ class SparseIndex:
     num_heads: int
     seq_len: int
 
-    def to(self, device) -> "SparseIndex":
+    def to(self, device) -> SparseIndex:
         moved = {
             f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
             for f in dataclasses.fields(self)
@@ -278,8 +278,8 @@ class BlockTopKIndex(SparseIndex):
 
     @property
     def query_chunk(self) -> int:
-        # Bounds the gathered keys per call to ~32K per (batch, selection head) row set.
-        return max(1, 32768 // (self.blocks.shape[3] * self.block_size))
+        # Bounds the gathered keys per call to ~8K per (batch, selection head) row set.
+        return max(1, 8192 // (self.blocks.shape[3] * self.block_size))
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         chosen = self.blocks[:, q_start:q_end].permute(0, 2, 1, 3)

@@ -116,7 +116,9 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
         scores.masked_fill_(torch.arange(q1, device=q_idx.device).view(1, -1) > rows.view(-1, 1), float("-inf"))
         nb = -(-q1 // bs)
         scores = torch.nn.functional.pad(scores, (0, nb * bs - q1), value=float("-inf"))
-        block_max = torch.nn.functional.pad(scores.unflatten(-1, (nb, bs)).amax(-1), (0, n_blocks - nb), value=float("-inf"))
+        block_max = torch.nn.functional.pad(
+            scores.unflatten(-1, (nb, bs)).amax(-1), (0, n_blocks - nb), value=float("-inf")
+        )
         chosen = select_topk_blocks(block_max, rows // bs, config.topk)  # [B, G, nq, k]
         blocks[:, q0:q1] = chosen.permute(0, 2, 1, 3)
     return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
@@ -196,7 +198,11 @@ def msa_kl_loss(
     bsz, seq, hq, d = q.shape
     hkv = k.shape[2]
     if q_idx.shape[:3] != (bsz, seq, hkv):
-        fail("q_idx.shape", tuple(q_idx.shape), f"[B, S, Hkv, d_idx] = [{bsz}, {seq}, {hkv}, d_idx] (one head per GQA group)")
+        fail(
+            "q_idx.shape",
+            tuple(q_idx.shape),
+            f"[B, S, Hkv, d_idx] = [{bsz}, {seq}, {hkv}, d_idx] (one head per GQA group)",
+        )
     if q_idx.device != q.device:
         fail("q_idx.device", str(q_idx.device), f"the device of q ({q.device})")
     if not isinstance(index, (BlockTopKIndex, DenseIndex)):

@@ -29,9 +29,9 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
 
 
 def check_power_of_two(name: str, value, *, minimum: int) -> None:
-    check_int(name, value, minimum=minimum)
-    if value & (value - 1):
-        fail(name, value, f"a power of two >= {minimum} (the kernels tile by it)")
+    accepted = f"a power of two >= {minimum} (the kernels tile by it)"
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value & (value - 1):
+        fail(name, value, accepted)
 
 
 def check_fraction(name: str, value) -> None:
@@ -73,7 +73,11 @@ def check_qk(q, k, *, q_name: str = "q", k_name: str = "k") -> None:
     bq, sq, hq, dq = q.shape
     bk, sk, hk, dk = k.shape
     if (bk, sk) != (bq, sq):
-        fail(f"{k_name}.shape", tuple(k.shape), f"batch and length of {q_name} [{bq}, {sq}, Hkv, D] (causal self-attention)")
+        fail(
+            f"{k_name}.shape",
+            tuple(k.shape),
+            f"batch and length of {q_name} [{bq}, {sq}, Hkv, D] (causal self-attention)",
+        )
     if dk != dq:
         fail(f"{k_name}.shape[3]", dk, f"the head dim of {q_name} ({dq})")
     if hk < 1 or hq % hk:

@@ -93,7 +93,9 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
     """Token-diagonal profile ``[..., S]`` -> block-diagonal scores ``[..., n_blocks]``."""
     seq = token_slash.shape[-1]
     n_blocks = -(-seq // block_size)
-    padded = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq)).unflatten(-1, (n_blocks, block_size))
+    padded = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq)).unflatten(
+        -1, (n_blocks, block_size)
+    )
     t = torch.arange(block_size, device=token_slash.device, dtype=token_slash.dtype)
     own = (padded * (block_size - t)).sum(-1) / block_size
     spill = (padded * t).sum(-1) / block_size  # goes to diagonal d + 1

@@ -1,0 +1,129 @@
+"""MSA: block selection, KL alignment loss, gradient confinement, warmup."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_mtraining.sparse import DenseIndex, IndexBranch, MSAConfig, msa_kl_loss, msa_select_blocks
+
+
+def brute_force_selection(q_idx, k_idx, block_size, topk):
+    """Per (b, i, r): {own block} + top-(topk-1) other visible blocks by max score."""
+    b, s, groups, d = q_idx.shape
+    scores = torch.einsum("bird,bjd->brij", q_idx.double(), k_idx[:, :, 0].double()) / math.sqrt(d)
+    out = {}
+    for bi in range(b):
+        for r in range(groups):
+            for i in range(s):
+                own = i // block_size
+                best = {}
+                for j in range(i + 1):
+                    blk = j // block_size
+                    best[blk] = max(best.get(blk, -math.inf), scores[bi, r, i, j].item())
+                others = sorted((blk for blk in best if blk != own), key=lambda x: -best[x])[: topk - 1]
+                out[bi, i, r] = {own, *others}
+    return out
+
+
+@pytest.mark.parametrize("topk", [3, 10])
+def test_selection_matches_brute_force(topk, rng):
+    b, s, groups, d = 2, 90, 2, 8
+    q_idx = torch.randn(b, s, groups, d, generator=rng)
+    k_idx = torch.randn(b, s, 1, d, generator=rng)
+    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=topk, index_head_dim=d), num_heads=6)
+    assert index.blocks.shape == (b, s, groups, topk) and index.num_heads == 6 and index.block_size == 16
+    want = brute_force_selection(q_idx, k_idx, 16, topk)
+    for (bi, i, r), expected in want.items():
+        row = index.blocks[bi, i, r].tolist()
+        n = sum(x >= 0 for x in row)
+        assert row[:n] == sorted(expected) and all(x == -1 for x in row[n:]), (bi, i, r)
+        assert i // 16 in row  # own block always present
+        assert n == min(topk, i // 16 + 1)  # all visible blocks when fewer than topk
+
+
+def test_selection_in_several_query_chunks(rng):
+    """Long enough that the builder works in several query chunks; still exact."""
+    b, s, groups, d, bs, topk = 1, 3000, 2, 8, 16, 4
+    q_idx = torch.randn(b, s, groups, d, generator=rng)
+    k_idx = torch.randn(b, s, 1, d, generator=rng)
+    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=bs, topk=topk, index_head_dim=d), num_heads=4)
+    scores = torch.einsum("bird,bjd->brij", q_idx.double(), k_idx[:, :, 0].double())
+    causal = torch.arange(s).view(1, -1) <= torch.arange(s).view(-1, 1)
+    scores = scores.masked_fill(~causal, -math.inf)
+    n_blocks = -(-s // bs)
+    block_max = (
+        torch.nn.functional.pad(scores, (0, n_blocks * bs - s), value=-math.inf).unflatten(-1, (n_blocks, bs)).amax(-1)
+    )
+    own = torch.arange(s) // bs
+    block_max[:, :, torch.arange(s), own] = math.inf
+    top = block_max.topk(topk, dim=-1)
+    want = torch.where(top.values > -math.inf, top.indices, n_blocks).sort(-1).values
+    want = torch.where(want == n_blocks, -1, want).permute(0, 2, 1, 3)
+    assert torch.equal(index.blocks.long(), want)
+
+
+def brute_force_kl(q, k, q_idx, k_idx, mask):
+    """fp64 KL(mean-over-group main softmax || index softmax) on the masked tokens."""
+    b, s, hq, d = q.shape
+    groups = k.shape[2]
+    g = hq // groups
+    main = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(g, 2)) / math.sqrt(d)
+    teacher = torch.softmax(main.masked_fill(~mask, -math.inf), -1).unflatten(1, (groups, g)).mean(2)
+    group_mask = mask[:, ::g]
+    idx = torch.einsum("bird,bjd->brij", q_idx.double(), k_idx[:, :, 0].double()) / math.sqrt(q_idx.shape[-1])
+    log_student = torch.log_softmax(idx.masked_fill(~group_mask, -math.inf), -1)
+    terms = torch.where(group_mask, teacher * (torch.log(teacher) - log_student), 0.0)
+    return terms.sum() / (b * s * groups)
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup-dense"])
+def test_kl_loss_value_and_gradients_match_brute_force(warmup, rng):
+    b, s, hq, groups, d, di = 2, 70, 4, 2, 16, 8
+    q = torch.randn(b, s, hq, d, generator=rng, dtype=torch.float64)
+    k = torch.randn(b, s, groups, d, generator=rng, dtype=torch.float64)
+    q_idx = torch.randn(b, s, groups, di, generator=rng, dtype=torch.float64, requires_grad=True)
+    k_idx = torch.randn(b, s, 1, di, generator=rng, dtype=torch.float64, requires_grad=True)
+    cfg = MSAConfig(block_size=16, topk=2, index_head_dim=di)
+    index = DenseIndex(b, hq, s) if warmup else msa_select_blocks(q_idx, k_idx, cfg, hq)
+    loss = msa_kl_loss(q, k, q_idx, k_idx, index)
+    want = brute_force_kl(q, k, q_idx, k_idx, index.to_dense_mask(s))
+    torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-10)
+    assert loss.item() > 0
+    got = torch.autograd.grad(3.0 * loss, (q_idx, k_idx))
+    expected = torch.autograd.grad(3.0 * want, (q_idx, k_idx))
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-9)
+
+
+def test_kl_loss_is_zero_when_index_matches_main_branch(rng):
+    """One head per group and index projections equal to the main ones (d equal,
+    same scale): student == teacher, so KL == 0."""
+    b, s, groups, d = 1, 48, 2, 8
+    q = torch.randn(b, s, groups, d, generator=rng, dtype=torch.float64)
+    k = torch.randn(b, s, 1, d, generator=rng, dtype=torch.float64)
+    k_main = k.expand(-1, -1, groups, -1).contiguous()
+    index = msa_select_blocks(q, k, MSAConfig(block_size=16, topk=2, index_head_dim=d), groups)
+    assert abs(msa_kl_loss(q, k_main, q, k, index).item()) < 1e-12
+
+
+def test_gradient_reaches_only_the_index_projections(rng):
+    b, s, hidden, hq, groups, d = 2, 64, 32, 4, 2, 8
+    cfg = MSAConfig(block_size=16, topk=2, index_head_dim=8)
+    branch = IndexBranch(hidden, groups, cfg)
+    x = torch.randn(b, s, hidden, generator=rng, requires_grad=True)
+    q = torch.randn(b, s, hq, d, generator=rng, requires_grad=True)
+    k = torch.randn(b, s, groups, d, generator=rng, requires_grad=True)
+    q_idx, k_idx = branch(x)
+    assert q_idx.shape == (b, s, groups, 8) and k_idx.shape == (b, s, 1, 8)
+    index = msa_select_blocks(q_idx, k_idx, cfg, hq)
+    msa_kl_loss(q, k, q_idx, k_idx, index).backward()
+    assert x.grad is None and q.grad is None and k.grad is None
+    for p in branch.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_warmup_schedule():
+    cfg = MSAConfig(warmup_steps=3)
+    assert [cfg.in_warmup(step) for step in range(5)] == [True, True, True, False, False]
+    assert not MSAConfig(warmup_steps=0).in_warmup(0)
