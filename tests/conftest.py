@@ -14,3 +14,11 @@ def rng():
     seed = int(os.environ.get("MTRAINING_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Runs a test on the CPU and, where one is present, on a CUDA device."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device(request.param)

@@ -27,11 +27,12 @@ def brute_force_selection(q_idx, k_idx, block_size, topk):
 
 
 @pytest.mark.parametrize("topk", [3, 10])
-def test_selection_matches_brute_force(topk, rng):
+def test_selection_matches_brute_force(topk, rng, device):
     b, s, groups, d = 2, 90, 2, 8
     q_idx = torch.randn(b, s, groups, d, generator=rng)
     k_idx = torch.randn(b, s, 1, d, generator=rng)
-    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=topk, index_head_dim=d), num_heads=6)
+    cfg = MSAConfig(block_size=16, topk=topk, index_head_dim=d)
+    index = msa_select_blocks(q_idx.to(device), k_idx.to(device), cfg, num_heads=6).to("cpu")
     assert index.blocks.shape == (b, s, groups, topk) and index.num_heads == 6 and index.block_size == 16
     want = brute_force_selection(q_idx, k_idx, 16, topk)
     for (bi, i, r), expected in want.items():
@@ -78,12 +79,14 @@ def brute_force_kl(q, k, q_idx, k_idx, mask):
 
 
 @pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup-dense"])
-def test_kl_loss_value_and_gradients_match_brute_force(warmup, rng):
+def test_kl_loss_value_and_gradients_match_brute_force(warmup, rng, device):
     b, s, hq, groups, d, di = 2, 70, 4, 2, 16, 8
-    q = torch.randn(b, s, hq, d, generator=rng, dtype=torch.float64)
-    k = torch.randn(b, s, groups, d, generator=rng, dtype=torch.float64)
-    q_idx = torch.randn(b, s, groups, di, generator=rng, dtype=torch.float64, requires_grad=True)
-    k_idx = torch.randn(b, s, 1, di, generator=rng, dtype=torch.float64, requires_grad=True)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=rng, dtype=torch.float64).to(device)
+
+    q, k = randn(b, s, hq, d), randn(b, s, groups, d)
+    q_idx, k_idx = randn(b, s, groups, di).requires_grad_(), randn(b, s, 1, di).requires_grad_()
     cfg = MSAConfig(block_size=16, topk=2, index_head_dim=di)
     index = DenseIndex(b, hq, s) if warmup else msa_select_blocks(q_idx, k_idx, cfg, hq)
     loss = msa_kl_loss(q, k, q_idx, k_idx, index)

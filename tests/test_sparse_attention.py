@@ -18,9 +18,9 @@ from megatron_mtraining.sparse import (
 )
 
 
-def make_qkv(rng, b, s, hq, hkv, d, dtype=torch.float64):
+def make_qkv(rng, b, s, hq, hkv, d, dtype=torch.float64, device="cpu"):
     def t(h):
-        return torch.randn(b, s, h, d, generator=rng, dtype=torch.float64).to(dtype).requires_grad_()
+        return torch.randn(b, s, h, d, generator=rng, dtype=torch.float64).to(device, dtype).requires_grad_()
 
     return t(hq), t(hkv), t(hkv)
 
@@ -34,8 +34,8 @@ def build_index(kind, q, k, rng):
         return build_vertical_slash_index(q, k, cfg)
     if kind == "msa":
         hkv = k.shape[2]
-        q_idx = torch.randn(b, s, hkv, 8, generator=rng, dtype=torch.float64)
-        k_idx = torch.randn(b, s, 1, 8, generator=rng, dtype=torch.float64)
+        q_idx = torch.randn(b, s, hkv, 8, generator=rng, dtype=torch.float64).to(q.device)
+        k_idx = torch.randn(b, s, 1, 8, generator=rng, dtype=torch.float64).to(q.device)
         return msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=3, index_head_dim=8), hq)
     if kind == "moba":
         return build_moba_index(q, k, MoBAConfig(chunk_size=32, topk=2))
@@ -53,8 +53,8 @@ def check_against_dense(q, k, v, index, rng, atol, scale=None):
 
     # Gradients through out, then through lse (fp32 by contract, so its incoming
     # gradient is rounded to fp32: checked at fp32 tolerance).
-    g_out = torch.randn(out.shape, generator=rng, dtype=torch.float64)
-    g_lse = torch.randn(lse.shape, generator=rng, dtype=torch.float64)
+    g_out = torch.randn(out.shape, generator=rng, dtype=torch.float64).to(q.device)
+    g_lse = torch.randn(lse.shape, generator=rng, dtype=torch.float64).to(q.device)
     for loss_got, loss_want, tol in (
         ((out.double() * g_out).sum(), (ref_out * g_out).sum(), atol * 10),
         ((finite(lse).double() * g_lse).sum(), (finite(ref_lse) * g_lse).sum(), max(atol * 10, 1e-5)),
@@ -75,19 +75,19 @@ KINDS = ["dense", "vertical_slash", "msa", "moba"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("heads", [(4, 1), (4, 4), (6, 2)], ids=["gqa4", "mha", "gqa3"])
 @pytest.mark.parametrize("batch,seq", [(1, 96), (2, 83)], ids=["aligned", "ragged"])
-def test_matches_fp64_dense(kind, heads, batch, seq, rng):
-    q, k, v = make_qkv(rng, batch, seq, heads[0], heads[1], 16)
+def test_matches_fp64_dense(kind, heads, batch, seq, rng, device):
+    q, k, v = make_qkv(rng, batch, seq, heads[0], heads[1], 16, device=device)
     check_against_dense(q, k, v, build_index(kind, q, k, rng), rng, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp32_inputs_and_custom_scale(kind, rng):
-    q, k, v = make_qkv(rng, 2, 70, 4, 2, 32, dtype=torch.float32)
+def test_fp32_inputs_and_custom_scale(kind, rng, device):
+    q, k, v = make_qkv(rng, 2, 70, 4, 2, 32, dtype=torch.float32, device=device)
     check_against_dense(q, k, v, build_index(kind, q, k, rng), rng, atol=2e-5, scale=0.3)
 
 
-def test_bf16_inputs(rng):
-    q, k, v = make_qkv(rng, 1, 64, 4, 2, 32, dtype=torch.bfloat16)
+def test_bf16_inputs(rng, device):
+    q, k, v = make_qkv(rng, 1, 64, 4, 2, 32, dtype=torch.bfloat16, device=device)
     index = build_index("vertical_slash", q, k, rng)
     out, lse = sparse_attention(q, k, v, index)
     ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(64))
@@ -95,28 +95,28 @@ def test_bf16_inputs(rng):
     torch.testing.assert_close(finite(lse).double(), finite(ref_lse), atol=1e-5, rtol=0)
 
 
-def test_rows_without_visible_keys_give_zero_and_minus_inf(rng):
-    q, k, v = make_qkv(rng, 1, 64, 2, 1, 8)
+def test_rows_without_visible_keys_give_zero_and_minus_inf(rng, device):
+    q, k, v = make_qkv(rng, 1, 64, 2, 1, 8, device=device)
     # Only column 40 is attended: rows 0..39 see nothing.
     index = VerticalSlashIndex(
         vertical=torch.tensor([[[40], [40]]], dtype=torch.int32),
         slash=torch.full((1, 2, 1), -1, dtype=torch.int32),
         seq_len=64,
         block_size=16,
-    )
+    ).to(device)
     out, lse = sparse_attention(q, k, v, index)
     assert torch.equal(out[:, :40], torch.zeros_like(out[:, :40]))
     assert torch.isneginf(lse[..., :40]).all() and torch.isfinite(lse[..., 40:]).all()
     check_against_dense(q, k, v, index, rng, atol=1e-10)
 
 
-def test_block_topk_index_with_unused_slots(rng):
+def test_block_topk_index_with_unused_slots(rng, device):
     """-1 slots and blocks past the end of a ragged sequence are ignored."""
-    q, k, v = make_qkv(rng, 1, 40, 2, 2, 8)
+    q, k, v = make_qkv(rng, 1, 40, 2, 2, 8, device=device)
     blocks = torch.full((1, 40, 2, 3), -1, dtype=torch.int32)
     blocks[:, :, :, 0] = (torch.arange(40) // 16).view(1, -1, 1).int()
     blocks[:, 20:, 0, 1] = 0
-    check_against_dense(q, k, v, BlockTopKIndex(blocks, block_size=16, num_heads=2), rng, atol=1e-10)
+    check_against_dense(q, k, v, BlockTopKIndex(blocks, block_size=16, num_heads=2).to(device), rng, atol=1e-10)
 
 
 def test_16k_tokens_vertical_slash_on_sampled_rows(rng):

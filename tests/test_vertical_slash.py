@@ -43,11 +43,12 @@ def selected(mask_from, index_field, n):
     return out[..., :n]
 
 
-def test_statistics_match_brute_force(rng):
+def test_statistics_match_brute_force(rng, device):
     q = torch.randn(2, 75, 4, 8, generator=rng) * 2
     k = torch.randn(2, 75, 2, 8, generator=rng) * 2
     cfg = VerticalSlashConfig(last_q=20, block_size=16)
-    stats = window_statistics(q, k, cfg)
+    stats = window_statistics(q.to(device), k.to(device), cfg)
+    stats = type(stats)(stats.vertical.cpu(), stats.slash.cpu())
     vertical, slash = brute_force_statistics(q, k, 20, 16)
     torch.testing.assert_close(stats.vertical.double(), vertical, atol=1e-6, rtol=0)
     torch.testing.assert_close(stats.slash.double(), slash, atol=1e-6, rtol=0)
@@ -103,9 +104,9 @@ def planted_qk(seq, offset, columns, rng, strength=12.0):
     return (q + noise[0]).view(1, seq, 1, d).float(), (k + noise[1]).view(1, seq, 1, d).float()
 
 
-def test_planted_columns_and_diagonal_are_recovered(rng):
+def test_planted_columns_and_diagonal_are_recovered(rng, device):
     seq, bs, offset, columns = 512, 16, 80, [7, 300]
-    q, k = planted_qk(seq, offset, columns, rng)
+    q, k = (t.to(device) for t in planted_qk(seq, offset, columns, rng))
     cfg = VerticalSlashConfig(last_q=64, vertical_topp=0.9, slash_topp=0.9, block_size=bs)
     stats = window_statistics(q, k, cfg)
     assert set(stats.vertical[0, 0].topk(2).indices.tolist()) == set(columns)
@@ -118,7 +119,7 @@ def test_planted_columns_and_diagonal_are_recovered(rng):
     # diagonals are picked: ~0.25 density here, against 1.0 dense.)
     assert index.density() < 0.35
     assert attention_recall(q, k, index, num_rows=64).item() >= 0.9
-    mask = index.to_dense_mask(seq)[0, 0]
+    mask = index.to_dense_mask(seq)[0, 0].cpu()
     i = torch.arange(offset, seq)
     assert mask[i, i - offset].all() and mask[300:, 300].all() and mask[7:, 7].all()
 
@@ -138,12 +139,16 @@ def test_sinks_and_local_window_are_forced(rng):
         assert mask[:, :, rows, rows - lag].all()
 
 
-def test_block_column_layout(rng):
+def test_block_column_layout(rng, device):
     q = torch.randn(2, 180, 4, 8, generator=rng)
     k = torch.randn(2, 180, 2, 8, generator=rng)
     cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.7, slash_topp=0.5, block_size=16)
-    index = build_vertical_slash_index(q, k, cfg)
+    built = build_vertical_slash_index(q.to(device), k.to(device), cfg)
+    layout_on_device = built.block_columns()
+    index = built.to("cpu")
     layout = index.block_columns()
+    for name in ("block_idx", "block_count", "column_idx", "column_count"):
+        assert torch.equal(getattr(layout_on_device, name).cpu(), getattr(layout, name)), name
     n_blocks = index.num_blocks
     assert layout.block_idx.shape[:3] == (2, 4, n_blocks) == layout.column_idx.shape[:3]
     mask = index.to_dense_mask(180)
