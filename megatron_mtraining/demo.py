@@ -80,7 +80,7 @@ def run(args) -> list[dict]:
     branch = IndexBranch(args.hidden, args.kv_heads, msa_cfg).to(args.device)
     q_idx, k_idx = branch(x)
     builders = {
-        "dense": lambda: DenseIndex(b, hq, s),
+        "dense": lambda: DenseIndex(b, hq, s, device=q.device),
         "mtraining": lambda: build_vertical_slash_index(
             q, k, VerticalSlashConfig(vertical_topp=args.topp, slash_topp=args.topp, block_size=args.block)
         ),

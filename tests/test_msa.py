@@ -88,7 +88,7 @@ def test_kl_loss_value_and_gradients_match_brute_force(warmup, rng, device):
     q, k = randn(b, s, hq, d), randn(b, s, groups, d)
     q_idx, k_idx = randn(b, s, groups, di).requires_grad_(), randn(b, s, 1, di).requires_grad_()
     cfg = MSAConfig(block_size=16, topk=2, index_head_dim=di)
-    index = DenseIndex(b, hq, s) if warmup else msa_select_blocks(q_idx, k_idx, cfg, hq)
+    index = DenseIndex(b, hq, s, device=device) if warmup else msa_select_blocks(q_idx, k_idx, cfg, hq)
     loss = msa_kl_loss(q, k, q_idx, k_idx, index)
     want = brute_force_kl(q, k, q_idx, k_idx, index.to_dense_mask(s))
     torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-10)

@@ -28,7 +28,7 @@ def make_qkv(rng, b, s, hq, hkv, d, dtype=torch.float64, device="cpu"):
 def build_index(kind, q, k, rng):
     b, s, hq, _ = q.shape
     if kind == "dense":
-        return DenseIndex(b, hq, s)
+        return DenseIndex(b, hq, s, device=q.device)
     if kind == "vertical_slash":
         cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, sink_tokens=2)
         return build_vertical_slash_index(q, k, cfg)

@@ -291,3 +291,12 @@ def test_to_dense_mask_wrong_seq_len(kind):
         blocks = (torch.arange(S) // 16).int().view(1, S, 1, 1).expand(B, S, HKV, 1).contiguous()
         index = BlockTopKIndex(blocks=blocks, block_size=16, num_heads=HQ)
     raises(lambda: index.to_dense_mask(S + 3), "seq_len", S + 3, f"built for ({S})")
+
+
+def test_index_on_another_device_is_rejected(rng):
+    q = torch.randn(1, 32, 2, 8, generator=rng)
+    k = torch.randn(1, 32, 1, 8, generator=rng)
+    index = DenseIndex(1, 2, 32, device=torch.device("meta"))
+    with pytest.raises(ValueError, match=r"index\.device \(DenseIndex\)='meta'.*index\.to\(device\)"):
+        sparse_attention(q, k, k, index)
+    assert DenseIndex(1, 2, 32).to("meta").device.type == "meta"

@@ -27,7 +27,7 @@ def sparse_attention(
     if not isinstance(index, SparseIndex):
         fail("index", type(index).__name__, "a sparse index (DenseIndex, VerticalSlashIndex, BlockTopKIndex)")
     b, s, hq, d = q.shape
-    index.check_compatible(b, hq, s, k.shape[2])
+    index.check_compatible(b, hq, s, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
     return ReferenceSparseAttention.apply(q, k, v, index, scale)
 

@@ -37,12 +37,12 @@ class SparseIndex:
     seq_len: int
 
     def to(self, device) -> SparseIndex:
-        moved = {
-            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for f in dataclasses.fields(self)
-            for v in [getattr(self, f.name)]
-        }
-        return type(self)(**moved)
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            return torch.device(device) if isinstance(v, torch.device) else v
+
+        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @property
     def selection_heads(self) -> int:
@@ -59,9 +59,15 @@ class SparseIndex:
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def check_compatible(self, batch_size: int, num_heads: int, seq_len: int, num_kv_heads: int) -> None:
-        """Raises ValueError unless this index was built for these shapes."""
+    def check_compatible(
+        self, batch_size: int, num_heads: int, seq_len: int, num_kv_heads: int, device: torch.device | None = None
+    ) -> None:
+        """Raises ValueError unless this index was built for these shapes (and device)."""
         name = type(self).__name__
+        if device is not None and not _same_device(self.device, device):
+            fail(
+                f"index.device ({name})", str(self.device), f"the device of q ({device}); move it with index.to(device)"
+            )
         if self.seq_len != seq_len:
             fail(f"index.seq_len ({name})", self.seq_len, f"the sequence length of q ({seq_len})")
         if self.batch_size != batch_size:
@@ -101,6 +107,10 @@ class SparseIndex:
             if isinstance(v, torch.Tensor):
                 return v.device
         return torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _causal(seq_len: int, device) -> torch.Tensor:
@@ -149,6 +159,7 @@ class DenseIndex(SparseIndex):
     batch_size: int
     num_heads: int
     seq_len: int
+    device: torch.device = torch.device("cpu")
 
     @property
     def selection_heads(self) -> int:

@@ -21,7 +21,7 @@ def attention_recall(
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     hkv = k.shape[2]
-    index.check_compatible(bsz, hq, seq, hkv)
+    index.check_compatible(bsz, hq, seq, hkv, q.device)
     check_int("num_rows", num_rows, minimum=1)
     if num_rows > seq:
         fail("num_rows", num_rows, f"at most the sequence length {seq}")
@@ -37,7 +37,7 @@ def attention_recall(
     chunk = index.query_chunk
     for q0 in range(first // chunk * chunk, seq, chunk):
         q1 = min(q0 + chunk, seq)
-        keys = index.key_lists(q0, q1).to(q.device)
+        keys = index.key_lists(q0, q1)
         keys = keys.expand(bsz, -1, q1 - q0, -1).repeat_interleave(hq // keys.shape[1], dim=1)
         lo = max(q0, first)
         keys = torch.where(keys >= 0, keys, seq)[:, :, lo - q0 :]

@@ -207,7 +207,7 @@ def msa_kl_loss(
         fail("q_idx.device", str(q_idx.device), f"the device of q ({q.device})")
     if not isinstance(index, (BlockTopKIndex, DenseIndex)):
         fail("index", type(index).__name__, "a BlockTopKIndex from msa_select_blocks, or a DenseIndex (warmup)")
-    index.check_compatible(bsz, hq, seq, hkv)
+    index.check_compatible(bsz, hq, seq, hkv, q.device)
     if index.selection_heads not in (1, hkv):
         fail("index selection heads", index.selection_heads, f"{hkv} (one per GQA group), as msa_select_blocks builds")
     scale = check_softmax_scale(softmax_scale, d)

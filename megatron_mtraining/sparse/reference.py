@@ -22,7 +22,7 @@ class _Chunk:
     """
 
     def __init__(self, index: SparseIndex, q0: int, q1: int, batch: int, num_kv_heads: int, seq_len: int, device):
-        keys = index.key_lists(q0, q1).to(device)
+        keys = index.key_lists(q0, q1)
         if keys.shape[1] == 1:
             keys = keys.expand(-1, num_kv_heads, -1, -1)
         self.keys = keys.expand(batch, -1, -1, -1)
