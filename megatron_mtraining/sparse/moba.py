@@ -12,18 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from .index import BlockTopKIndex, select_topk_blocks
-from .validation import check_int, check_power_of_two, check_qk
+from .validation import ValidatedConfig, check_int, check_power_of_two, check_qk, setting
 
 
 @dataclass(frozen=True)
-class MoBAConfig:
-    chunk_size: int = 4096
-    topk: int = 12
-
-    def __post_init__(self):
-        n = type(self).__name__
-        check_power_of_two(f"{n}.chunk_size", self.chunk_size, minimum=16)
-        check_int(f"{n}.topk", self.topk, minimum=1)
+class MoBAConfig(ValidatedConfig):
+    chunk_size: int = setting(4096, check_power_of_two, minimum=16)
+    topk: int = setting(12, check_int, minimum=1)
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ from torch import nn
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
+    ValidatedConfig,
     check_int,
     check_positive_float,
     check_power_of_two,
@@ -31,28 +32,21 @@ from .validation import (
     check_softmax_scale,
     check_tensor,
     fail,
+    setting,
 )
 
 
 @dataclass(frozen=True)
-class MSAConfig:
-    block_size: int = 128
-    topk: int = 16
-    index_head_dim: int = 128
+class MSAConfig(ValidatedConfig):
+    block_size: int = setting(128, check_power_of_two, minimum=16)
+    topk: int = setting(16, check_int, minimum=1)
+    index_head_dim: int = setting(128, check_int, minimum=1)
     # The KL gradient reaches only the index projections, so under Adam its scale
     # mostly matters for logging and for the share of the global grad norm
     # (clipping); 0.1 keeps the indexer from dominating the clip.
-    kl_coeff: float = 0.1
+    kl_coeff: float = setting(0.1, check_positive_float)
     # Paper: warm up the indexer before sparse routing (~10% of continued pretraining).
-    warmup_steps: int = 1000
-
-    def __post_init__(self):
-        n = type(self).__name__
-        check_power_of_two(f"{n}.block_size", self.block_size, minimum=16)
-        check_int(f"{n}.topk", self.topk, minimum=1)
-        check_int(f"{n}.index_head_dim", self.index_head_dim, minimum=1)
-        check_positive_float(f"{n}.kl_coeff", self.kl_coeff)
-        check_int(f"{n}.warmup_steps", self.warmup_steps, minimum=0)
+    warmup_steps: int = setting(1000, check_int, minimum=0)
 
     def in_warmup(self, step: int) -> bool:
         """Dense main branch (and dense KL) at this training step."""

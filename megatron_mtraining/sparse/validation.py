@@ -8,6 +8,7 @@ kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -91,3 +92,19 @@ def check_qkv(q, k, v) -> None:
         fail("v.shape", tuple(v.shape), f"the shape of k {tuple(k.shape)}")
     if v.dtype != k.dtype or v.device != k.device:
         fail("v", f"{v.dtype} on {v.device}", f"{k.dtype} on {k.device} like k")
+
+
+def setting(default, check, **limits):
+    """A config dataclass field validated by ``check(name, value, **limits)``."""
+    return dataclasses.field(default=default, metadata={"check": (check, limits)})
+
+
+class ValidatedConfig:
+    """Base of the frozen config dataclasses: validates every :func:`setting` field
+    on construction, naming it ``ClassName.field`` in the error."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                check, limits = f.metadata["check"]
+                check(f"{type(self).__name__}.{f.name}", getattr(self, f.name), **limits)

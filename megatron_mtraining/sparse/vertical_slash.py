@@ -30,30 +30,27 @@ from dataclasses import dataclass
 import torch
 
 from .index import VerticalSlashIndex, compact
-from .validation import check_fraction, check_int, check_power_of_two, check_qk, check_softmax_scale
+from .validation import (
+    ValidatedConfig,
+    check_fraction,
+    check_int,
+    check_power_of_two,
+    check_qk,
+    check_softmax_scale,
+    setting,
+)
 
 
 @dataclass(frozen=True)
-class VerticalSlashConfig:
-    last_q: int = 64
-    vertical_topp: float = 0.9
-    slash_topp: float = 0.9
-    vertical_cap: int = 4096
-    slash_cap: int = 4096
-    block_size: int = 64
-    sink_tokens: int = 0
-    local_window: int = 0
-
-    def __post_init__(self):
-        n = type(self).__name__
-        check_int(f"{n}.last_q", self.last_q, minimum=1)
-        check_fraction(f"{n}.vertical_topp", self.vertical_topp)
-        check_fraction(f"{n}.slash_topp", self.slash_topp)
-        check_int(f"{n}.vertical_cap", self.vertical_cap, minimum=1)
-        check_int(f"{n}.slash_cap", self.slash_cap, minimum=1)
-        check_power_of_two(f"{n}.block_size", self.block_size, minimum=16)
-        check_int(f"{n}.sink_tokens", self.sink_tokens, minimum=0)
-        check_int(f"{n}.local_window", self.local_window, minimum=0)
+class VerticalSlashConfig(ValidatedConfig):
+    last_q: int = setting(64, check_int, minimum=1)
+    vertical_topp: float = setting(0.9, check_fraction)
+    slash_topp: float = setting(0.9, check_fraction)
+    vertical_cap: int = setting(4096, check_int, minimum=1)
+    slash_cap: int = setting(4096, check_int, minimum=1)
+    block_size: int = setting(64, check_power_of_two, minimum=16)
+    sink_tokens: int = setting(0, check_int, minimum=0)
+    local_window: int = setting(0, check_int, minimum=0)
 
     @property
     def slash_block_cap(self) -> int:
