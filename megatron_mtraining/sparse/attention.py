@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .index import SparseIndex
+from .kernels import triton_available
+from .kernels.layout import KernelLayout, kernel_layout
 from .reference import ReferenceSparseAttention, finite_or_zero
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
+
+BACKENDS = ("auto", "reference", "triton")
+BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 
 
 def sparse_attention(
@@ -15,6 +22,7 @@ def sparse_attention(
     v: torch.Tensor,
     index: SparseIndex,
     softmax_scale: float | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal softmax attention restricted to ``index``.
 
@@ -22,6 +30,11 @@ def sparse_attention(
     ``out [B, S, Hq, D]`` in q's dtype and ``lse [B, Hq, S]`` float32. A row with no
     visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
     through ``lse``).
+
+    ``backend``: ``"auto"`` (default; Triton kernels for CUDA tensors where they
+    serve the index type and dtype, else the PyTorch reference), ``"reference"``
+    or ``"triton"``. The environment variable ``MTRAINING_ATTENTION_BACKEND``
+    sets the default, e.g. ``reference`` to rule the kernels out while debugging.
     """
     check_qkv(q, k, v)
     if not isinstance(index, SparseIndex):
@@ -29,7 +42,34 @@ def sparse_attention(
     b, s, hq, d = q.shape
     index.check_compatible(b, hq, s, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
-    return ReferenceSparseAttention.apply(q, k, v, index, scale)
+    layout = _kernel_layout(q, index, backend)
+    if layout is None:
+        return ReferenceSparseAttention.apply(q, k, v, index, scale)
+    from .kernels.attention import TritonBlockBarAttention  # imports Triton
+
+    return TritonBlockBarAttention.apply(q, k, v, layout, scale)
+
+
+def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:
+    """The kernel layout when the Triton backend runs this call, else None."""
+    choice = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        name = "backend" if backend else BACKEND_ENV
+        fail(name, choice, f"one of {', '.join(BACKENDS)}")
+    if choice == "reference":
+        return None
+    kernel_ok = triton_available() and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256
+    if choice == "auto":
+        return kernel_layout(index) if q.is_cuda and kernel_ok else None
+    layout = kernel_layout(index) if kernel_ok else None
+    if layout is None:
+        fail(
+            "backend",
+            "triton",
+            f"an index and inputs the kernels serve (VerticalSlashIndex or DenseIndex; fp16/bf16/fp32; head dim "
+            f"<= 256; Triton installed), got {type(index).__name__} with {q.dtype}, head dim {q.shape[-1]}",
+        )
+    return layout
 
 
 def merge_attention_outputs(

@@ -1,0 +1,438 @@
+"""Triton kernels for tile + bar ("block + bar") sparse attention, forward and backward.
+
+A query block attends a list of whole ``BLOCK x BLOCK`` KV tiles and a list of
+single key columns (bars) gathered ``BLOCK`` at a time. One online softmax spans
+both; causal masking is applied inside. This serves the vertical-slash index
+(tiles from slash diagonals, bars from vertical columns) and dense attention
+(all tiles up to the diagonal, no bars).
+
+Backward without atomics, so it is deterministic:
+* ``_dq_kernel``: row-major like the forward, one program per (query block, head).
+* ``_bar_dkdv_kernel``: one program per (head, chunk of its vertical columns)
+  walks the query blocks after the chunk and writes fp32 ``[B, Hq, V, D]``
+  partial dK/dV for those columns.
+* ``_tile_dkdv_kernel``: KV-major, one program per (KV block, KV head), walking
+  the query blocks that read the block for each query head of the GQA group,
+  then folding in that group's bar partials for columns of the block with a
+  one-hot matmul. Each dK/dV row has exactly one writer.
+All statistics are fp32; exponentials are base 2 with the scale folded in.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION: tl.constexpr):
+    """Scaled log2-domain logits [BLOCK, N] with invisible keys at -inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    visible = col_ok[None, :] & (cols[None, :] <= rows[:, None])
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _load_rows(base, idx, ok, row_stride, d, d_ok):
+    return tl.load(base + idx[:, None] * row_stride + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _online_step(
+    acc, m_i, l_i, q, K_base, V_base, cols, col_ok, rows, kv_stride, d, d_ok, qk_scale, PRECISION: tl.constexpr
+):
+    k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+    s = _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    TILES,
+    TILE_CNT,
+    COLS,
+    COL_CNT,
+    S,
+    H,
+    HKV,
+    LB,
+    LH,
+    NQB,
+    T_MAX,
+    C_MAX,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BARS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // (H // HKV)
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < S
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_stride = H * HEAD_DIM
+    kv_stride = HKV * HEAD_DIM
+    q = _load_rows(Q + b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
+    K_base = K + b * S * kv_stride + kvh * HEAD_DIM
+    V_base = V + b * S * kv_stride + kvh * HEAD_DIM
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, D_PAD], tl.float32)
+    lay = ((b % LB) * LH + h % LH) * NQB + qb
+    for t in range(tl.load(TILE_CNT + lay)):
+        cols = tl.load(TILES + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
+        acc, m_i, l_i = _online_step(
+            acc, m_i, l_i, q, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+        )
+    if HAS_BARS:
+        bar = (b * H + h) * NQB + qb
+        n_cols = tl.load(COL_CNT + bar)
+        for c0 in range(0, n_cols, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
+            acc, m_i, l_i = _online_step(
+                acc, m_i, l_i, q, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+            )
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        O + b * S * q_stride + h * HEAD_DIM + rows[:, None] * q_stride + d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    tl.store(LSE + (b * H + h) * S + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
+    """log2-domain LSE (0 on empty rows, whose logits are all -inf) and delta."""
+    lse = tl.load(LSE + (b * H + h) * S + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    delta = tl.load(DELTA + (b * H + h) * S + rows, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse, delta, K_base, V_base, cols, col_ok, rows, kv_stride, d, d_ok, qk_scale, PRECISION: tl.constexpr
+):
+    k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+    v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+    p = tl.exp2(_scores(q, k, cols, col_ok, rows, qk_scale, PRECISION) - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+
+@triton.jit
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    TILES,
+    TILE_CNT,
+    COLS,
+    COL_CNT,
+    S,
+    H,
+    HKV,
+    LB,
+    LH,
+    NQB,
+    T_MAX,
+    C_MAX,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BARS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // (H // HKV)
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < S
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_stride = H * HEAD_DIM
+    kv_stride = HKV * HEAD_DIM
+    q_off = b * S * q_stride + h * HEAD_DIM
+    q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
+    do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
+    lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
+    K_base = K + b * S * kv_stride + kvh * HEAD_DIM
+    V_base = V + b * S * kv_stride + kvh * HEAD_DIM
+
+    dq = tl.zeros([BLOCK, D_PAD], tl.float32)
+    lay = ((b % LB) * LH + h % LH) * NQB + qb
+    for t in range(tl.load(TILE_CNT + lay)):
+        cols = tl.load(TILES + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
+        dq = _dq_step(
+            dq, q, do, lse, delta, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+        )
+    if HAS_BARS:
+        bar = (b * H + h) * NQB + qb
+        n_cols = tl.load(COL_CNT + bar)
+        for c0 in range(0, n_cols, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
+            dq = _dq_step(
+                dq, q, do, lse, delta, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+            )
+    tl.store(
+        DQ + q_off + rows[:, None] * q_stride + d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def _kv_grads(
+    dk,
+    dv,
+    k,
+    v,
+    cols,
+    col_ok,
+    Q_base,
+    DO_base,
+    LSE,
+    DELTA,
+    b,
+    h,
+    H,
+    S,
+    rows,
+    q_stride,
+    d,
+    d_ok,
+    qk_scale,
+    extra_mask,
+    PRECISION: tl.constexpr,
+):
+    """Adds one query block's contribution to the dK/dV of a set of key rows."""
+    row_ok = rows < S
+    q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
+    do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
+    lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
+    s = _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION)
+    p = tl.exp2(tl.where(extra_mask & row_ok[:, None], s, float("-inf")) - lse[:, None])
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bar_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    VERT,
+    ACTIVE,
+    BAR_DK,
+    BAR_DV,
+    S,
+    H,
+    HKV,
+    NQB,
+    V_MAX,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // (H // HKV)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < V_MAX, other=-1)
+    col_ok = cols >= 0
+    if tl.sum(col_ok.to(tl.int32), 0) > 0:
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_stride = H * HEAD_DIM
+        kv_stride = HKV * HEAD_DIM
+        k = _load_rows(K + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
+        v = _load_rows(V + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
+        col_block = cols // BLOCK
+        dk = tl.zeros([BLOCK, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK, D_PAD], tl.float32)
+        q_off = b * S * q_stride + h * HEAD_DIM
+        first = tl.min(tl.where(col_ok, col_block, NQB), 0)
+        for qb in range(first, NQB):
+            rows = qb * BLOCK + tl.arange(0, BLOCK)
+            diag = qb - col_block
+            in_tile = tl.load(ACTIVE + bh * NQB + diag, mask=col_ok & (diag >= 0), other=0) != 0
+            dk, dv = _kv_grads(
+                dk,
+                dv,
+                k,
+                v,
+                cols,
+                col_ok,
+                Q + q_off,
+                DO + q_off,
+                LSE,
+                DELTA,
+                b,
+                h,
+                H,
+                S,
+                rows,
+                q_stride,
+                d,
+                d_ok,
+                qk_scale,
+                (~in_tile)[None, :],
+                PRECISION,
+            )
+        out = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
+        ok = (offs < V_MAX)[:, None] & d_ok[None, :]
+        tl.store(BAR_DK + out, dk * sm_scale, mask=ok)
+        tl.store(BAR_DV + out, dv, mask=ok)
+
+
+@triton.jit
+def _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, NKB, V_MAX, d, BLOCK: tl.constexpr, D_PAD: tl.constexpr):
+    """Adds the bar partials of the vertical columns that fall in KV block ``kb``."""
+    start = tl.load(VPTR + bh * (NKB + 1) + kb)
+    stop = tl.load(VPTR + bh * (NKB + 1) + kb + 1)
+    n = tl.arange(0, BLOCK)
+    for c0 in range(start, stop, BLOCK):
+        offs = c0 + n
+        ok = offs < stop
+        pos = tl.load(VERT + bh * V_MAX + offs, mask=ok, other=-1) - kb * BLOCK
+        onehot = ((n[:, None] == pos[None, :]) & ok[None, :]).to(tl.float32)
+        rows = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
+        dk += tl.dot(onehot, tl.load(BAR_DK + rows, mask=ok[:, None], other=0.0), input_precision="ieee")
+        dv += tl.dot(onehot, tl.load(BAR_DV + rows, mask=ok[:, None], other=0.0), input_precision="ieee")
+    return dk, dv
+
+
+@triton.jit
+def _tile_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    TILES_T,
+    TILE_T_CNT,
+    BAR_DK,
+    BAR_DV,
+    VERT,
+    VPTR,
+    S,
+    H,
+    HKV,
+    LB,
+    LH,
+    NKB,
+    T_MAX,
+    V_MAX,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BARS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+    group = H // HKV
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < S
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_stride = H * HEAD_DIM
+    kv_stride = HKV * HEAD_DIM
+    kv_off = b * S * kv_stride + kvh * HEAD_DIM
+    k = _load_rows(K + kv_off, cols, col_ok, kv_stride, d, d_ok)
+    v = _load_rows(V + kv_off, cols, col_ok, kv_stride, d, d_ok)
+    dk = tl.zeros([BLOCK, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK, D_PAD], tl.float32)
+    bar_dk = tl.zeros([BLOCK, D_PAD], tl.float32)
+    bar_dv = tl.zeros([BLOCK, D_PAD], tl.float32)
+    for g in range(group):
+        h = kvh * group + g
+        q_off = b * S * q_stride + h * HEAD_DIM
+        lay = ((b % LB) * LH + h % LH) * NKB + kb
+        for t in range(tl.load(TILE_T_CNT + lay)):
+            rows = tl.load(TILES_T + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
+            dk, dv = _kv_grads(
+                dk,
+                dv,
+                k,
+                v,
+                cols,
+                col_ok,
+                Q + q_off,
+                DO + q_off,
+                LSE,
+                DELTA,
+                b,
+                h,
+                H,
+                S,
+                rows,
+                q_stride,
+                d,
+                d_ok,
+                qk_scale,
+                col_ok[None, :],
+                PRECISION,
+            )
+        if HAS_BARS:
+            bar_dk, bar_dv = _fold_bars(
+                bar_dk, bar_dv, BAR_DK, BAR_DV, VERT, VPTR, b * H + h, kb, NKB, V_MAX, d, BLOCK, D_PAD
+            )
+    ok = col_ok[:, None] & d_ok[None, :]
+    out = kv_off + cols[:, None] * kv_stride + d[None, :]
+    tl.store(DK + out, (dk * sm_scale + bar_dk).to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + out, (dv + bar_dv).to(DV.dtype.element_ty), mask=ok)

@@ -1,0 +1,90 @@
+"""Kernel inputs derived from an index: tile lists per query block, their transpose
+per KV block, and the vertical-column ("bar") tables of the backward.
+
+Everything here is a few vectorised torch ops on index-sized tensors, done once
+per attention call and shared by the forward and backward kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..index import DenseIndex, SparseIndex, VerticalSlashIndex, compact
+
+
+@dataclass
+class KernelLayout:
+    """Tiles are ``block x block``; layout tensors have batch and head dims of 1 (shared)
+    or the full size, which the kernels index modulo."""
+
+    block: int
+    tiles: torch.Tensor  # [LB, LH, n_qblocks, max_tiles] int32 KV blocks, ascending
+    tile_count: torch.Tensor  # [LB, LH, n_qblocks] int32
+    tiles_t: torch.Tensor  # [LB, LH, n_kvblocks, max] int32 query blocks reading each KV block
+    tile_t_count: torch.Tensor  # [LB, LH, n_kvblocks] int32
+    columns: torch.Tensor | None = None  # [B, Hq, n_qblocks, max_cols] int32 bar columns per query block
+    column_count: torch.Tensor | None = None
+    vertical: torch.Tensor | None = None  # [B, Hq, V] int32 ascending, -1 padded
+    vertical_ptr: torch.Tensor | None = None  # [B, Hq, n_kvblocks + 1] int32: vertical entries per KV block
+    active: torch.Tensor | None = None  # [B, Hq, n_blocks] int8: attended block diagonals
+
+    @property
+    def has_bars(self) -> bool:
+        return self.vertical is not None and self.vertical.shape[-1] > 0
+
+
+def transpose_tiles(tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block KV-block lists -> per KV block query-block lists (ascending)."""
+    lb, lh, nq, width = tiles.shape
+    valid = torch.arange(width, device=tiles.device) < count.unsqueeze(-1)
+    # A dense [.., n_kv, n_q] membership table keeps this simple; it is n_blocks^2 bits per head.
+    member = torch.zeros(lb, lh, n_kv_blocks + 1, nq, dtype=torch.bool, device=tiles.device)
+    kv = torch.where(valid, tiles.long(), n_kv_blocks)
+    member.scatter_(2, kv.transpose(2, 3), valid.transpose(2, 3))
+    member = member[:, :, :n_kv_blocks]
+    q_idx = torch.arange(nq, device=tiles.device, dtype=torch.int32).expand_as(member)
+    return compact(q_idx, member)
+
+
+def dense_layout(index: DenseIndex, block: int) -> KernelLayout:
+    n = -(-index.seq_len // block)
+    kb = torch.arange(n, device=index.device, dtype=torch.int32)
+    tiles = torch.where(kb.view(1, -1) <= kb.view(-1, 1), kb.view(1, -1), -1).view(1, 1, n, n)
+    count = (kb + 1).view(1, 1, n)
+    tiles_t = torch.where(kb.view(1, -1) >= kb.view(-1, 1), kb.view(1, -1), -1)
+    tiles_t = torch.sort(torch.where(tiles_t < 0, torch.iinfo(torch.int32).max, tiles_t), dim=-1).values
+    tiles_t = torch.where(tiles_t == torch.iinfo(torch.int32).max, -1, tiles_t).view(1, 1, n, n)
+    return KernelLayout(block, tiles.contiguous(), count, tiles_t.contiguous(), (n - kb).view(1, 1, n))
+
+
+def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
+    bc = index.block_columns()
+    n = index.num_blocks
+    tiles_t, tile_t_count = transpose_tiles(bc.block_idx, bc.block_count, n)
+    vertical = index.vertical.contiguous()
+    bounds = torch.arange(n + 1, device=vertical.device, dtype=torch.int32) * index.block_size
+    sortable = torch.where(vertical >= 0, vertical, torch.iinfo(torch.int32).max)
+    ptr = torch.searchsorted(sortable, bounds.expand(*vertical.shape[:2], -1).contiguous()).to(torch.int32)
+    return KernelLayout(
+        block=index.block_size,
+        tiles=bc.block_idx.contiguous(),
+        tile_count=bc.block_count.contiguous(),
+        tiles_t=tiles_t.contiguous(),
+        tile_t_count=tile_t_count.contiguous(),
+        columns=bc.column_idx.contiguous(),
+        column_count=bc.column_count.contiguous(),
+        vertical=vertical,
+        vertical_ptr=ptr.contiguous(),
+        active=index.active_diagonals().to(torch.int8).contiguous(),
+    )
+
+
+def kernel_layout(index: SparseIndex, dense_block: int = 128) -> KernelLayout | None:
+    """The kernel layout of ``index``, or None when the kernels do not serve its type."""
+    if isinstance(index, VerticalSlashIndex):
+        return vertical_slash_layout(index)
+    if isinstance(index, DenseIndex):
+        return dense_layout(index, dense_block)
+    return None

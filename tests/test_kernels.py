@@ -1,0 +1,163 @@
+"""Triton kernels against fp64 dense attention and the reference path.
+
+On a machine without CUDA they run in Triton's interpreter (fp32/fp16; its bf16 is
+broken), so CI checks the kernel logic; on a GPU the same tests run natively with
+bf16 too, plus larger shapes. Kernel outputs are poisoned with NaN before each run.
+"""
+
+import os
+
+import pytest
+import torch
+from dense_reference import dense_attention, finite
+
+from megatron_mtraining.sparse import (
+    DenseIndex,
+    VerticalSlashConfig,
+    VerticalSlashIndex,
+    build_vertical_slash_index,
+    sparse_attention,
+)
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from megatron_mtraining.sparse.kernels import attention as kernels
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(kernels, "new_buffer", poisoned)
+
+
+@pytest.fixture
+def kdevice(device):
+    """CPU only under the interpreter; CUDA natively."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    return device
+
+
+def make_inputs(rng, b, s, hq, hkv, d, dtype, device):
+    def t(h):
+        return torch.randn(b, s, h, d, generator=rng).to(device, dtype).requires_grad_()
+
+    return t(hq), t(hkv), t(hkv)
+
+
+def make_index(kind, q, k, block):
+    b, s, hq, _ = q.shape
+    if kind == "dense":
+        return DenseIndex(b, hq, s, device=q.device)
+    cfg = VerticalSlashConfig(
+        last_q=32, vertical_topp=0.6, slash_topp=0.6, block_size=block, sink_tokens=3, vertical_cap=200
+    )
+    return build_vertical_slash_index(q, k, cfg)
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def assert_close_rel(got, want, tol, what):
+    """max |got - want| <= tol * max(1, max |want|)."""
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(1.0, want.double().abs().max().item())
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
+
+
+def check(q, k, v, index, rng):
+    out, lse = sparse_attention(q, k, v, index, backend="triton")
+    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]))
+    tol = TOLERANCE[q.dtype]
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert_close_rel(out, ref_out, tol, "out")
+    assert_close_rel(finite(lse), finite(ref_lse), max(tol, 1e-5), "lse")
+    g_out = torch.randn(out.shape, generator=rng).to(q.device)
+    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
+    got = torch.autograd.grad((out.float() * g_out).sum() + (finite(lse) * g_lse).sum(), (q, k, v))
+    want = torch.autograd.grad(
+        (ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), (q, k, v), allow_unused=True
+    )
+    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert not a.isnan().any(), f"{name} has NaN (unwritten?)"
+        assert_close_rel(a, e, 2 * tol, name)
+    return out, lse, got
+
+
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash"])
+@pytest.mark.parametrize(
+    "b,s,hq,hkv,d", [(1, 100, 4, 1, 32), (2, 83, 6, 2, 24)], ids=["gqa4-d32-ragged", "gqa3-d24-b2"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernels_match_dense(kind, b, s, hq, hkv, d, dtype, rng, kdevice):
+    q, k, v = make_inputs(rng, b, s, hq, hkv, d, dtype, kdevice)
+    check(q, k, v, make_index(kind, q, k, block=16), rng)
+
+
+def test_empty_rows_and_unused_bars(rng, kdevice):
+    """Rows that see nothing give zeros / -inf; a column no row of a block can see is skipped."""
+    q, k, v = make_inputs(rng, 1, 64, 2, 1, 16, torch.float32, kdevice)
+    index = VerticalSlashIndex(
+        vertical=torch.tensor([[[20, 40], [40, -1]]], dtype=torch.int32),
+        slash=torch.tensor([[[-1], [2]]], dtype=torch.int32),
+        seq_len=64,
+        block_size=16,
+    ).to(kdevice)
+    out, lse, _ = check(q, k, v, index, rng)
+    assert torch.equal(out[0, :20, 0], torch.zeros_like(out[0, :20, 0]))
+    assert torch.isneginf(lse[0, 0, :20]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernels_on_gpu_shapes(kind, d, block, heads, dtype, rng, device):
+    if device.type != "cuda":
+        pytest.skip("GPU shapes")
+    q, k, v = make_inputs(rng, 1, 1000, heads[0], heads[1], d, dtype, device)
+    check(q, k, v, make_index(kind, q, k, block), rng)
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic(rng, device):
+    if device.type != "cuda":
+        pytest.skip("GPU only")
+    q, k, v = make_inputs(rng, 1, 4096, 16, 2, 128, torch.bfloat16, device)
+    index = make_index("vertical_slash", q, k, 64)
+    g = torch.randn(q.shape, generator=rng).to(device, torch.bfloat16)
+    runs = [torch.autograd.grad(sparse_attention(q, k, v, index, backend="triton")[0], (q, k, v), g) for _ in range(3)]
+    for again in runs[1:]:
+        for a, e in zip(runs[0], again, strict=True):
+            assert torch.equal(a, e)
+
+
+def test_auto_backend_uses_kernels_only_on_cuda(rng, device, monkeypatch):
+    from megatron_mtraining.sparse import attention
+
+    calls = []
+    real = attention.ReferenceSparseAttention.apply
+    monkeypatch.setattr(attention.ReferenceSparseAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_inputs(rng, 1, 32, 2, 1, 16, torch.float32, device)
+    sparse_attention(q, k, v, DenseIndex(1, 2, 32, device=device))
+    assert bool(calls) == (device.type == "cpu")
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    calls.clear()
+    sparse_attention(q, k, v, DenseIndex(1, 2, 32, device=device))
+    assert calls
+
+
+def test_backend_errors_name_the_choice(rng):
+    q, k, v = make_inputs(rng, 1, 32, 2, 1, 16, torch.float64, "cpu")
+    with pytest.raises(ValueError, match="backend='fast'.*auto, reference, triton"):
+        sparse_attention(q, k, v, DenseIndex(1, 2, 32), backend="fast")
+    with pytest.raises(ValueError, match="backend='triton'.*torch.float64"):
+        sparse_attention(q, k, v, DenseIndex(1, 2, 32), backend="triton")
