@@ -1,0 +1,288 @@
+"""Kernel benchmark: sparse attention kernels against dense and FlexAttention (one GPU).
+
+    python scripts/bench_kernels.py [--seq-lens 32768 131072] [--density 0.05] [--out results.json]
+
+Qwen2.5-3B attention shape (16 query heads, 2 KV heads, head dim 128), bf16,
+batch 1, causal. Forward and backward are timed separately with
+``triton.testing.do_bench`` (median). Useful TFLOP/s count the attended area only:
+forward ``4 * area * d`` summed over query heads, backward 2.5x that.
+
+Rows:
+* dense: SDPA flash and cuDNN backends, and our kernel on a DenseIndex;
+* vertical-slash at the requested density: our tile + bar kernel; FlexAttention
+  on exactly the same mask (same tiles as full blocks, the diagonal and every
+  tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
+  FlexAttention on the tiles alone (bars dropped: a speed reference only);
+* index building: vertical-slash statistics + top-p + kernel layout, against the
+  sparse forward;
+* peak memory of forward + backward against the q/k/v/o and gradient tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from megatron_mtraining.sparse import (
+    DenseIndex,
+    VerticalSlashConfig,
+    VerticalSlashIndex,
+    build_vertical_slash_index,
+    sparse_attention,
+)
+from megatron_mtraining.sparse.kernels.layout import kernel_layout
+
+HQ, HKV, D = 16, 2, 128
+
+
+def timed(fn, rep_ms: int) -> float:
+    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def fwd_bwd_ms(forward, q, k, v, rep_ms):
+    """Median forward ms, median backward ms (backward replayed on one retained graph)."""
+    fwd = timed(lambda: forward(q, k, v), rep_ms)
+    out = forward(q, k, v)
+    grad = torch.randn_like(out)
+    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), rep_ms)
+    return fwd, bwd
+
+
+def natural_index(seq: int, block: int, density: float, gen: torch.Generator, device) -> VerticalSlashIndex:
+    """A vertical-slash index shaped like the paper's (slash lines dominate): per head
+    the local block diagonals, a few far ones, sink columns and scattered columns,
+    grown until the attended fraction reaches ``density``."""
+    n_blocks = seq // block
+    causal = seq * (seq + 1) / 2
+    slash, vertical = [], []
+    for _ in range(HQ):
+        diags, cols = list(range(4)), list(range(64))
+        tiles = sum(n_blocks - d for d in diags) * block * block  # approximate areas, good enough to aim
+        bars = sum(seq - c for c in cols)
+        far = torch.randperm(n_blocks - 4, generator=gen)[: n_blocks // 8].add(4).tolist()
+        scattered = iter(torch.randperm(seq - 64, generator=gen).add(64).tolist())
+        while tiles + bars < density * causal:
+            if far and tiles < 0.7 * density * causal:
+                diags.append(far.pop())
+                tiles += (n_blocks - diags[-1]) * block * block
+            else:
+                cols.append(next(scattered))
+                bars += seq - cols[-1]
+        slash.append(sorted(diags))
+        vertical.append(sorted(cols))
+
+    def pad(rows):
+        width = max(map(len, rows))
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).unsqueeze(0)
+
+    return VerticalSlashIndex(pad(vertical), pad(slash), seq_len=seq, block_size=block).to(device)
+
+
+def flex_block_mask(index: VerticalSlashIndex, with_bars: bool):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs, n = index.block_size, index.num_blocks
+    dev = index.device
+    active = index.active_diagonals()[0]  # [H, n]
+    qb = torch.arange(n, device=dev).view(-1, 1)
+    kb = torch.arange(n, device=dev).view(1, -1)
+    diag = (qb - kb).clamp(min=0)
+    tile = active[:, diag] & (kb <= qb)  # [H, n, n]
+    full = tile & (kb < qb)
+    is_vertical = torch.zeros(HQ, index.seq_len, dtype=torch.bool, device=dev)
+    vert = index.vertical[0].long()
+    is_vertical.scatter_(1, vert.clamp(min=0), vert >= 0)
+    partial = (kb == qb).expand_as(tile).clone()
+    if with_bars:
+        has_bar = is_vertical.view(HQ, n, bs).any(-1)  # [H, n]
+        partial |= has_bar[:, None, :] & (kb <= qb)
+    partial &= ~full
+
+    def to_lists(m):
+        counts = m.sum(-1).to(torch.int32)
+        order = torch.sort(m.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+        return counts.unsqueeze(0).contiguous(), order.unsqueeze(0).contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        d = (q_idx // bs - kv_idx // bs).clamp(min=0)
+        hit = active[h, d]
+        if with_bars:
+            hit = hit | is_vertical[h, kv_idx]
+        return (kv_idx <= q_idx) & hit
+
+    kv_num, kv_idx = to_lists(partial)
+    full_num, full_idx = to_lists(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod)
+
+
+def row(name, seq, area, fwd, bwd, baseline=None):
+    flops = 4 * area * D
+    r = {
+        "kernel": name,
+        "seq": seq,
+        "density": area / (HQ * seq * (seq + 1) / 2),
+        "fwd_ms": fwd,
+        "bwd_ms": bwd,
+        "fwd_tflops": flops / fwd / 1e9,
+        "bwd_tflops": 2.5 * flops / bwd / 1e9,
+    }
+    if baseline:
+        r["speedup_vs_cudnn_fwd_bwd"] = (baseline["fwd_ms"] + baseline["bwd_ms"]) / (fwd + bwd)
+    return r
+
+
+def measure(name, fn, rows):
+    try:
+        rows.append(fn())
+        r = rows[-1]
+        print(
+            f"{r['kernel']:<34} {r['seq']:>7} {r['density']:>8.4f} {r['fwd_ms']:>9.2f} {r['bwd_ms']:>9.2f} "
+            f"{r['fwd_tflops']:>8.1f} {r['bwd_tflops']:>8.1f} {r.get('speedup_vs_cudnn_fwd_bwd', float('nan')):>8.2f}",
+            flush=True,
+        )
+    except Exception as e:  # keep the other measurements of this run
+        print(f"{name:<34} FAILED: {type(e).__name__}: {e}", flush=True)
+        rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"})
+
+
+def bench_seq(seq, args, gen, rows, extra):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dev = "cuda"
+    q = torch.randn(1, seq, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, seq, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, seq, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dense_area = HQ * seq * (seq + 1) / 2
+    rep = args.rep_ms
+
+    def sdpa(backend):
+        def fwd(a, b, c):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+
+        return fwd
+
+    cudnn = {}
+    if seq <= args.dense_max:
+        measure("sdpa cudnn (dense)", lambda: row("sdpa cudnn (dense)", seq, dense_area,
+                *fwd_bwd_ms(sdpa(SDPBackend.CUDNN_ATTENTION), qt, kt, vt, rep)), rows)  # fmt: skip
+        cudnn = rows[-1] if "error" not in rows[-1] else {}
+        measure("sdpa flash (dense)", lambda: row("sdpa flash (dense)", seq, dense_area,
+                *fwd_bwd_ms(sdpa(SDPBackend.FLASH_ATTENTION), qt, kt, vt, rep), cudnn), rows)  # fmt: skip
+        dense = DenseIndex(1, HQ, seq, device=q.device)
+        measure("ours dense (triton)", lambda: row("ours dense (triton)", seq, dense_area,
+                *fwd_bwd_ms(lambda a, b, c: sparse_attention(a, b, c, dense, backend="triton")[0], q, k, v, rep),
+                cudnn), rows)  # fmt: skip
+    else:
+        # Dense cuDNN time extrapolated as S^2 from the longest measured length, marked as such.
+        cudnn = extra.get("cudnn_scaled", lambda s: {})(seq)
+
+    index = natural_index(seq, args.block, args.density, gen, dev)
+    area = float(index.attended_area().sum())
+    ours = lambda a, b, c: sparse_attention(a, b, c, index, backend="triton")[0]  # noqa: E731
+    measure("ours vertical-slash (triton)", lambda: row("ours vertical-slash (triton)", seq, area,
+            *fwd_bwd_ms(ours, q, k, v, rep), cudnn), rows)  # fmt: skip
+    ours_row = rows[-1]
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    for with_bars, name in ((True, "flex, same mask"), (False, "flex, tiles only (bars dropped)")):
+
+        def run_flex(with_bars=with_bars, name=name):
+            bm = flex_block_mask(index, with_bars)
+            f = lambda a, b, c: flex(a, b, c, block_mask=bm, enable_gqa=True)  # noqa: E731
+            flex_area = (
+                area
+                if with_bars
+                else float(
+                    VerticalSlashIndex(index.vertical[:, :, :0], index.slash, seq, index.block_size)
+                    .attended_area()
+                    .sum()
+                )
+            )
+            r = row(name, seq, flex_area, *fwd_bwd_ms(f, qt, kt, vt, rep), cudnn)
+            if "error" not in ours_row:
+                r["ours_speedup_fwd_bwd"] = (r["fwd_ms"] + r["bwd_ms"]) / (ours_row["fwd_ms"] + ours_row["bwd_ms"])
+            return r
+
+        measure(name, run_flex, rows)
+        if "ours_speedup_fwd_bwd" in rows[-1]:
+            print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
+
+    # Index building against the sparse forward.
+    cfg = VerticalSlashConfig(block_size=args.block)
+    with torch.no_grad():
+        build_ms = timed(lambda: kernel_layout(build_vertical_slash_index(q, k, cfg)), rep)
+        layout_ms = timed(lambda: kernel_layout(index), rep)
+    extra.setdefault("index", []).append(
+        {
+            "seq": seq,
+            "build_index_plus_layout_ms": build_ms,
+            "layout_only_ms": layout_ms,
+            "sparse_fwd_ms": ours_row.get("fwd_ms"),
+        }  # fmt: skip
+    )
+    print(f"    index build+layout {build_ms:.2f} ms (layout alone {layout_ms:.2f} ms) vs sparse fwd "
+          f"{ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
+
+    # Peak memory of one forward + backward, against the tensors themselves.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = sparse_attention(q, k, v, index, backend="triton")[0]
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    inputs = nbytes((q, k, v))
+    tensors = inputs + nbytes((out, out, *grads))  # q, k, v, o, do, dq, dk, dv
+    ratio = (inputs + peak) / tensors
+    extra.setdefault("memory", []).append({"seq": seq, "peak_bytes": inputs + peak, "tensor_bytes": tensors})
+    print(f"    peak fwd+bwd memory {(inputs + peak) / 2**30:.2f} GiB vs q/k/v/o/do/dq/dk/dv "
+          f"{tensors / 2**30:.2f} GiB: ratio {ratio:.2f}")  # fmt: skip
+    del out, grads
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--density", type=float, default=0.05)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--dense-max", type=int, default=131072, help="longest length to time dense kernels at")
+    p.add_argument("--rep-ms", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  capability "
+          f"{torch.cuda.get_device_capability()}")  # fmt: skip
+    print(f"{'kernel':<34} {'seq':>7} {'density':>8} {'fwd_ms':>9} {'bwd_ms':>9} {'fwd_TF':>8} {'bwd_TF':>8} "
+          f"{'x cuDNN':>8}")  # fmt: skip
+    rows, extra = [], {}
+    start = time.time()
+    for seq in args.seq_lens:
+        bench_seq(seq, args, gen, rows, extra)
+        measured = [r for r in rows if r.get("kernel") == "sdpa cudnn (dense)" and "error" not in r]
+        if measured:
+            ref = measured[-1]
+            extra["cudnn_scaled"] = lambda s, ref=ref: {
+                "fwd_ms": ref["fwd_ms"] * (s / ref["seq"]) ** 2, "bwd_ms": ref["bwd_ms"] * (s / ref["seq"]) ** 2}  # fmt: skip
+    extra.pop("cudnn_scaled", None)
+    print(f"total {time.time() - start:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, **extra, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
