@@ -233,6 +233,13 @@ def bench_seq(seq, args, gen, rows, extra):
           f"{ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     # Peak memory of one forward + backward, against the tensors themselves.
+    try:
+        memory(q, k, v, index, seq, extra)
+    except Exception as e:
+        print(f"    memory measurement FAILED: {type(e).__name__}: {e}")
+
+
+def memory(q, k, v, index, seq, extra):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -250,6 +257,43 @@ def bench_seq(seq, args, gen, rows, extra):
     del out, grads
 
 
+def tune(args, gen) -> dict:
+    """Coordinate sweep of the launch configs on the vertical-slash pattern at the first
+    length: each kernel in turn, the others at their current best."""
+    from megatron_mtraining.sparse.kernels import attention as kernels
+
+    seq = args.seq_lens[0]
+    q, k, v = (
+        torch.randn(1, seq, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (HQ, HKV, HKV)
+    )
+    index = natural_index(seq, args.block, args.density, gen, "cuda")
+    candidates = [
+        kernels.LaunchConfig(bn, w, st) for bn in (32, 64, 128) if bn <= args.block for w in (4, 8) for st in (1, 2)
+    ]
+    best = {}
+    for name in kernels.KERNELS:
+        results = []
+        for cfg in candidates:
+            kernels.OVERRIDES[name] = cfg
+            try:
+                out = sparse_attention(q, k, v, index, backend="triton")[0]
+                if name == "fwd":
+                    ms = timed(lambda: sparse_attention(q, k, v, index, backend="triton"), args.rep_ms // 2)
+                else:
+                    g = torch.randn_like(out)
+                    ms = timed(
+                        lambda o=out, g=g: torch.autograd.grad(o, (q, k, v), g, retain_graph=True), args.rep_ms // 2
+                    )
+                results.append((ms, cfg))
+            except Exception as e:  # out of shared memory, registers
+                print(f"    {name} {cfg}: {type(e).__name__}")
+        results.sort(key=lambda r: r[0])
+        kernels.OVERRIDES[name] = results[0][1]
+        best[name] = {"config": vars(results[0][1]), "ms": results[0][0], "worst_ms": results[-1][0]}
+        print(f"tuned {name}: {results[0][1]} {results[0][0]:.3f} ms (worst {results[-1][0]:.3f} ms)", flush=True)
+    return best
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
@@ -259,6 +303,7 @@ def main():
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--tune", action="store_true", help="sweep launch configs first and use the best")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -269,6 +314,8 @@ def main():
           f"{'x cuDNN':>8}")  # fmt: skip
     rows, extra = [], {}
     start = time.time()
+    if args.tune:
+        extra["tuned"] = tune(args, gen)
     for seq in args.seq_lens:
         bench_seq(seq, args, gen, rows, extra)
         measured = [r for r in rows if r.get("kernel") == "sdpa cudnn (dense)" and "error" not in r]

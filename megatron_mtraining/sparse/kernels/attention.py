@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -14,8 +16,32 @@ def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _launch_options(block: int) -> dict:
-    return {"num_warps": 8 if block >= 128 else 4, "num_stages": 2}
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int  # key columns per inner step (divides the index block)
+    num_warps: int
+    num_stages: int
+
+
+KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv")
+# Per-kernel overrides, e.g. from a benchmark sweep; empty means the defaults below.
+OVERRIDES: dict[str, LaunchConfig] = {}
+
+
+def launch_config(kernel: str, block: int, head_dim: int, device: torch.device) -> LaunchConfig:
+    """Default launch parameters. Every default fits an A100's 164 KiB of shared
+    memory; Hopper gets a deeper pipeline where it has the room."""
+    if kernel in OVERRIDES:
+        return OVERRIDES[kernel]
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    block_n = min(block, 64)
+    big = block >= 128 or head_dim > 64
+    return LaunchConfig(block_n, 8 if big else 4, 3 if hopper and kernel == "fwd" else 2)
+
+
+def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
+    cfg = launch_config(kernel, layout.block, q.shape[-1], q.device)
+    return {"BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
@@ -47,7 +73,7 @@ class TritonBlockBarAttention(torch.autograd.Function):
         _fwd_kernel[(n_qb, b * h)](
             q, k, v, out, lse, layout.tiles, layout.tile_count, cols, col_cnt,
             NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E,
-            HAS_BARS=layout.has_bars, **_common(q, k, layout), **_launch_options(layout.block),
+            HAS_BARS=layout.has_bars, **_common(q, k, layout), **_opts("fwd", layout, q),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.scale = layout, scale
@@ -65,7 +91,6 @@ class TritonBlockBarAttention(torch.autograd.Function):
             delta = delta - dlse
         delta = delta.contiguous()
         common = _common(q, k, layout)
-        opts = _launch_options(layout.block)
         n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
         cols = layout.columns if layout.has_bars else layout.tiles
         col_cnt = layout.column_count if layout.has_bars else layout.tile_count
@@ -74,26 +99,28 @@ class TritonBlockBarAttention(torch.autograd.Function):
         _dq_kernel[(n_qb, b * h)](
             q, k, v, dout, lse, delta, dq, layout.tiles, layout.tile_count, cols, col_cnt,
             NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E, sm_scale=scale,
-            HAS_BARS=layout.has_bars, **common, **opts,
+            HAS_BARS=layout.has_bars, **common, **_opts("dq", layout, q),
         )  # fmt: skip
 
         if layout.has_bars:
             v_max = layout.vertical.shape[-1]
             bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
             bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
-            _bar_dkdv_kernel[(triton.cdiv(v_max, layout.block), b * h)](
+            bar_opts = _opts("bar_dkdv", layout, q)
+            _bar_dkdv_kernel[(triton.cdiv(v_max, bar_opts["BLOCK_N"]), b * h)](
                 q, k, v, dout, lse, delta, layout.vertical, layout.active, bar_dk, bar_dv,
                 S=s, H=h, HKV=hkv, NQB=n_qb, V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-                HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **opts,
+                HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **bar_opts,
             )  # fmt: skip
             vert, vptr = layout.vertical, layout.vertical_ptr
         else:
             v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
 
         dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
-        _tile_dkdv_kernel[(n_kb, b * hkv)](
+        tile_opts = _opts("tile_dkdv", layout, q)
+        _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
             q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
             NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-            HAS_BARS=layout.has_bars, **common, **opts,
+            HAS_BARS=layout.has_bars, FOLD=32, **common, **tile_opts,
         )  # fmt: skip
         return dq, dk, dv, None, None

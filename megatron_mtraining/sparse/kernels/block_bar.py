@@ -55,40 +55,25 @@ def _online_step(
 
 
 @triton.jit
-def _fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    TILES,
-    TILE_CNT,
-    COLS,
-    COL_CNT,
-    S,
-    H,
-    HKV,
-    LB,
-    LH,
-    NQB,
-    T_MAX,
-    C_MAX,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BARS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _program_rows(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S, H, HKV):
+    """Indices shared by the row-major kernels: (b, h, kv head, rows, row mask, d, d mask)."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    kvh = h // (H // HKV)
     rows = qb * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < S
     d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
+    return qb, b, h, h // (H // HKV), rows, rows < S, d, d < HEAD_DIM
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT,
+    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q = _load_rows(Q + b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
@@ -100,15 +85,17 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK, D_PAD], tl.float32)
     lay = ((b % LB) * LH + h % LH) * NQB + qb
     for t in range(tl.load(TILE_CNT + lay)):
-        cols = tl.load(TILES + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
-        acc, m_i, l_i = _online_step(
-            acc, m_i, l_i, q, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
-        )
+        first = tl.load(TILES + lay * T_MAX + t) * BLOCK
+        for j in tl.static_range(BLOCK // BLOCK_N):
+            cols = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc, m_i, l_i = _online_step(
+                acc, m_i, l_i, q, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+            )
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
         n_cols = tl.load(COL_CNT + bar)
-        for c0 in range(0, n_cols, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
+        for c0 in range(0, n_cols, BLOCK_N):
+            offs = c0 + tl.arange(0, BLOCK_N)
             cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
             acc, m_i, l_i = _online_step(
                 acc, m_i, l_i, q, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
@@ -117,11 +104,8 @@ def _fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(
-        O + b * S * q_stride + h * HEAD_DIM + rows[:, None] * q_stride + d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    out_ptrs = O + b * S * q_stride + h * HEAD_DIM + rows[:, None] * q_stride + d[None, :]
+    tl.store(out_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     tl.store(LSE + (b * H + h) * S + rows, lse, mask=row_ok)
 
@@ -149,42 +133,12 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    TILES,
-    TILE_CNT,
-    COLS,
-    COL_CNT,
-    S,
-    H,
-    HKV,
-    LB,
-    LH,
-    NQB,
-    T_MAX,
-    C_MAX,
-    qk_scale,
-    sm_scale,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BARS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // (H // HKV)
-    rows = qb * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < S
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
+    Q, K, V, DO, LSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT,
+    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -197,24 +151,23 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK, D_PAD], tl.float32)
     lay = ((b % LB) * LH + h % LH) * NQB + qb
     for t in range(tl.load(TILE_CNT + lay)):
-        cols = tl.load(TILES + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
-        dq = _dq_step(
-            dq, q, do, lse, delta, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
-        )
+        first = tl.load(TILES + lay * T_MAX + t) * BLOCK
+        for j in tl.static_range(BLOCK // BLOCK_N):
+            cols = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            dq = _dq_step(
+                dq, q, do, lse, delta, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+            )
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
         n_cols = tl.load(COL_CNT + bar)
-        for c0 in range(0, n_cols, BLOCK):
-            offs = c0 + tl.arange(0, BLOCK)
+        for c0 in range(0, n_cols, BLOCK_N):
+            offs = c0 + tl.arange(0, BLOCK_N)
             cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
             dq = _dq_step(
                 dq, q, do, lse, delta, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
             )
-    tl.store(
-        DQ + q_off + rows[:, None] * q_stride + d[None, :],
-        (dq * sm_scale).to(DQ.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    dq_ptrs = DQ + q_off + rows[:, None] * q_stride + d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -257,34 +210,17 @@ def _kv_grads(
 
 @triton.jit
 def _bar_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    VERT,
-    ACTIVE,
-    BAR_DK,
-    BAR_DV,
-    S,
-    H,
-    HKV,
-    NQB,
-    V_MAX,
-    qk_scale,
-    sm_scale,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, VERT, ACTIVE, BAR_DK, BAR_DV,
+    S, H, HKV, NQB, V_MAX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     kvh = h // (H // HKV)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < V_MAX, other=-1)
     col_ok = cols >= 0
     if tl.sum(col_ok.to(tl.int32), 0) > 0:
@@ -295,37 +231,17 @@ def _bar_dkdv_kernel(
         k = _load_rows(K + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
         v = _load_rows(V + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
         col_block = cols // BLOCK
-        dk = tl.zeros([BLOCK, D_PAD], tl.float32)
-        dv = tl.zeros([BLOCK, D_PAD], tl.float32)
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
-        first = tl.min(tl.where(col_ok, col_block, NQB), 0)
-        for qb in range(first, NQB):
+        for qb in range(tl.min(tl.where(col_ok, col_block, NQB), 0), NQB):
             rows = qb * BLOCK + tl.arange(0, BLOCK)
             diag = qb - col_block
             in_tile = tl.load(ACTIVE + bh * NQB + diag, mask=col_ok & (diag >= 0), other=0) != 0
             dk, dv = _kv_grads(
-                dk,
-                dv,
-                k,
-                v,
-                cols,
-                col_ok,
-                Q + q_off,
-                DO + q_off,
-                LSE,
-                DELTA,
-                b,
-                h,
-                H,
-                S,
-                rows,
-                q_stride,
-                d,
-                d_ok,
-                qk_scale,
-                (~in_tile)[None, :],
-                PRECISION,
-            )
+                dk, dv, k, v, cols, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, q_stride, d, d_ok,
+                qk_scale, (~in_tile)[None, :], PRECISION,
+            )  # fmt: skip
         out = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk * sm_scale, mask=ok)
@@ -333,15 +249,19 @@ def _bar_dkdv_kernel(
 
 
 @triton.jit
-def _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, NKB, V_MAX, d, BLOCK: tl.constexpr, D_PAD: tl.constexpr):
-    """Adds the bar partials of the vertical columns that fall in KV block ``kb``."""
+def _fold_bars(
+    dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, first, NKB, V_MAX, d,
+    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, FOLD: tl.constexpr,
+):  # fmt: skip
+    """Adds the bar partials of the vertical columns in key rows ``first .. first + BLOCK_N``
+    (inside KV block ``kb``), ``FOLD`` columns per one-hot matmul."""
     start = tl.load(VPTR + bh * (NKB + 1) + kb)
     stop = tl.load(VPTR + bh * (NKB + 1) + kb + 1)
-    n = tl.arange(0, BLOCK)
-    for c0 in range(start, stop, BLOCK):
-        offs = c0 + n
+    n = tl.arange(0, BLOCK_N)
+    for c0 in range(start, stop, FOLD):
+        offs = c0 + tl.arange(0, FOLD)
         ok = offs < stop
-        pos = tl.load(VERT + bh * V_MAX + offs, mask=ok, other=-1) - kb * BLOCK
+        pos = tl.load(VERT + bh * V_MAX + offs, mask=ok, other=-1) - first
         onehot = ((n[:, None] == pos[None, :]) & ok[None, :]).to(tl.float32)
         rows = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
         dk += tl.dot(onehot, tl.load(BAR_DK + rows, mask=ok[:, None], other=0.0), input_precision="ieee")
@@ -351,42 +271,19 @@ def _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, NKB, V_MAX, d, BLOCK:
 
 @triton.jit
 def _tile_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    TILES_T,
-    TILE_T_CNT,
-    BAR_DK,
-    BAR_DV,
-    VERT,
-    VPTR,
-    S,
-    H,
-    HKV,
-    LB,
-    LH,
-    NKB,
-    T_MAX,
-    V_MAX,
-    qk_scale,
-    sm_scale,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BARS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    kb = tl.program_id(0)
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR,
+    S, H, HKV, LB, LH, NKB, T_MAX, V_MAX, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+):  # fmt: skip
+    sub = tl.program_id(0)  # BLOCK_N key rows of KV block kb
+    kb = sub // (BLOCK // BLOCK_N)
+    first = sub * BLOCK_N
     bkv = tl.program_id(1)
     b = bkv // HKV
     kvh = bkv % HKV
     group = H // HKV
-    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < S
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -395,10 +292,10 @@ def _tile_dkdv_kernel(
     kv_off = b * S * kv_stride + kvh * HEAD_DIM
     k = _load_rows(K + kv_off, cols, col_ok, kv_stride, d, d_ok)
     v = _load_rows(V + kv_off, cols, col_ok, kv_stride, d, d_ok)
-    dk = tl.zeros([BLOCK, D_PAD], tl.float32)
-    dv = tl.zeros([BLOCK, D_PAD], tl.float32)
-    bar_dk = tl.zeros([BLOCK, D_PAD], tl.float32)
-    bar_dv = tl.zeros([BLOCK, D_PAD], tl.float32)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    bar_dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    bar_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
@@ -406,31 +303,12 @@ def _tile_dkdv_kernel(
         for t in range(tl.load(TILE_T_CNT + lay)):
             rows = tl.load(TILES_T + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
             dk, dv = _kv_grads(
-                dk,
-                dv,
-                k,
-                v,
-                cols,
-                col_ok,
-                Q + q_off,
-                DO + q_off,
-                LSE,
-                DELTA,
-                b,
-                h,
-                H,
-                S,
-                rows,
-                q_stride,
-                d,
-                d_ok,
-                qk_scale,
-                col_ok[None, :],
-                PRECISION,
-            )
+                dk, dv, k, v, cols, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, q_stride, d, d_ok,
+                qk_scale, col_ok[None, :], PRECISION,
+            )  # fmt: skip
         if HAS_BARS:
             bar_dk, bar_dv = _fold_bars(
-                bar_dk, bar_dv, BAR_DK, BAR_DV, VERT, VPTR, b * H + h, kb, NKB, V_MAX, d, BLOCK, D_PAD
+                bar_dk, bar_dv, BAR_DK, BAR_DV, VERT, VPTR, b * H + h, kb, first, NKB, V_MAX, d, BLOCK_N, D_PAD, FOLD
             )
     ok = col_ok[:, None] & d_ok[None, :]
     out = kv_off + cols[:, None] * kv_stride + d[None, :]
