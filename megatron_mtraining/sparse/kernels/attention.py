@@ -29,14 +29,13 @@ OVERRIDES: dict[str, LaunchConfig] = {}
 
 
 def launch_config(kernel: str, block: int, head_dim: int, device: torch.device) -> LaunchConfig:
-    """Default launch parameters. Every default fits an A100's 164 KiB of shared
-    memory; Hopper gets a deeper pipeline where it has the room."""
+    """Default launch parameters: 64-key sub-tiles and a two-stage pipeline, which won
+    a sweep over block_n {32, 64, 128} x warps {4, 8} x stages {1, 2} on an H200 for
+    the forward, dQ and bar kernels (docs/benchmarks.md) and fit an A100's 164 KiB of
+    shared memory as well. ``device`` is kept for per-architecture tuning."""
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    block_n = min(block, 64)
-    big = block >= 128 or head_dim > 64
-    return LaunchConfig(block_n, 8 if big else 4, 3 if hopper and kernel == "fwd" else 2)
+    return LaunchConfig(min(block, 64), 8 if block >= 128 or head_dim > 64 else 4, 2)
 
 
 def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
