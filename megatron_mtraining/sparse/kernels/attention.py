@@ -28,18 +28,18 @@ KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv")
 OVERRIDES: dict[str, LaunchConfig] = {}
 
 
-def launch_config(kernel: str, block: int, head_dim: int, device: torch.device) -> LaunchConfig:
+def launch_config(kernel: str, block: int, head_dim: int) -> LaunchConfig:
     """Default launch parameters: 64-key sub-tiles and a two-stage pipeline, which won
     a sweep over block_n {32, 64, 128} x warps {4, 8} x stages {1, 2} on an H200 for
     the forward, dQ and bar kernels (docs/benchmarks.md) and fit an A100's 164 KiB of
-    shared memory as well. ``device`` is kept for per-architecture tuning."""
+    shared memory as well."""
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
     return LaunchConfig(min(block, 64), 8 if block >= 128 or head_dim > 64 else 4, 2)
 
 
 def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
-    cfg = launch_config(kernel, layout.block, q.shape[-1], q.device)
+    cfg = launch_config(kernel, layout.block, q.shape[-1])
     return {"BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
