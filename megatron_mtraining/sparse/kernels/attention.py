@@ -85,10 +85,7 @@ class TritonBlockBarAttention(torch.autograd.Function):
         b, s, h, d = q.shape
         hkv = k.shape[2]
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - dlse
-        delta = delta.contiguous()
+        delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
         common = _common(q, k, layout)
         n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
         cols = layout.columns if layout.has_bars else layout.tiles
@@ -96,9 +93,10 @@ class TritonBlockBarAttention(torch.autograd.Function):
 
         dq = new_buffer(q.shape, q.dtype, q.device)
         _dq_kernel[(n_qb, b * h)](
-            q, k, v, dout, lse, delta, dq, layout.tiles, layout.tile_count, cols, col_cnt,
+            q, k, v, out, dout, lse, lse if dlse is None else dlse.contiguous(), delta, dq,
+            layout.tiles, layout.tile_count, cols, col_cnt,
             NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E, sm_scale=scale,
-            HAS_BARS=layout.has_bars, **common, **_opts("dq", layout, q),
+            HAS_BARS=layout.has_bars, HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
         )  # fmt: skip
 
         if layout.has_bars:

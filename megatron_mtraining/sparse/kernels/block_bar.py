@@ -133,18 +133,26 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT,
     S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """dQ, and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
+    here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
     q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
-    lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
+    o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + (b * H + h) * S + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
+    lse = tl.load(LSE + (b * H + h) * S + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
     K_base = K + b * S * kv_stride + kvh * HEAD_DIM
     V_base = V + b * S * kv_stride + kvh * HEAD_DIM
 
