@@ -15,7 +15,9 @@ Rows:
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
 * index building: vertical-slash statistics + top-p + kernel layout, against the
   sparse forward;
-* peak memory of forward + backward against the q/k/v/o and gradient tensors.
+* peak memory of forward + backward against the q/k/v/o and gradient tensors;
+* MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through the union-of-tiles
+  kernels, with the share of computed tile area that is useful.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from megatron_mtraining.demo import rope
 from megatron_mtraining.sparse import (
     DenseIndex,
+    MoBAConfig,
+    MSAConfig,
     VerticalSlashConfig,
     VerticalSlashIndex,
+    build_moba_index,
     build_vertical_slash_index,
+    msa_select_blocks,
     sparse_attention,
 )
 from megatron_mtraining.sparse.kernels.layout import kernel_layout
@@ -82,6 +89,36 @@ def natural_index(seq: int, block: int, density: float, gen: torch.Generator, de
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).unsqueeze(0)
 
     return VerticalSlashIndex(pad(vertical), pad(slash), seq_len=seq, block_size=block).to(device)
+
+
+def structured_qk(seq: int, gen: torch.Generator):
+    """q/k with RoPE over a shared mean direction (local attention, as trained models
+    have), so neighbouring queries pick similar blocks, as a trained MSA indexer does."""
+    mean = torch.randn(1, 1, HKV, D, generator=gen) * 1.5
+    k = (mean + torch.randn(1, seq, HKV, D, generator=gen)).cuda()
+    q = (mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).cuda()
+    return rope(q), rope(k)
+
+
+def topk_rows(seq, q, k, v, gen, rows, cudnn, rep):
+    """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
+    and MoBA (chunk 4096, k=12) through the union-of-tiles kernels."""
+    sq, sk = structured_qk(seq, gen)
+    indices = {
+        "ours msa k16 b128 (triton)": msa_select_blocks(
+            sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D), HQ
+        ),
+        "ours moba c4096 k12 (triton)": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
+    }
+    for name, index in indices.items():
+        area = float(index.attended_area().sum())
+        layout = kernel_layout(index)
+        computed = float(layout.tile_count.sum()) * layout.block**2 * (HQ // layout.tiles.shape[1])
+        run = lambda a, b, c, index=index: sparse_attention(a, b, c, index, backend="triton")[0]  # noqa: E731
+        measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn),
+                rows)  # fmt: skip
+        print(f"    useful / computed tile area: {area / computed:.3f}")
+        rows[-1]["useful_over_computed"] = area / computed
 
 
 def flex_block_mask(index: VerticalSlashIndex, with_bars: bool):
@@ -175,16 +212,21 @@ def bench_seq(seq, args, gen, rows, extra):
         measure("sdpa cudnn (dense)", lambda: row("sdpa cudnn (dense)", seq, dense_area,
                 *fwd_bwd_ms(sdpa(SDPBackend.CUDNN_ATTENTION), qt, kt, vt, rep)), rows)  # fmt: skip
         cudnn = rows[-1] if "error" not in rows[-1] else {}
+    if seq <= args.dense_max and "dense" in args.patterns:
         measure("sdpa flash (dense)", lambda: row("sdpa flash (dense)", seq, dense_area,
                 *fwd_bwd_ms(sdpa(SDPBackend.FLASH_ATTENTION), qt, kt, vt, rep), cudnn), rows)  # fmt: skip
         dense = DenseIndex(1, HQ, seq, device=q.device)
         measure("ours dense (triton)", lambda: row("ours dense (triton)", seq, dense_area,
                 *fwd_bwd_ms(lambda a, b, c: sparse_attention(a, b, c, dense, backend="triton")[0], q, k, v, rep),
                 cudnn), rows)  # fmt: skip
-    else:
+    if seq > args.dense_max:
         # Dense cuDNN time extrapolated as S^2 from the longest measured length, marked as such.
         cudnn = extra.get("cudnn_scaled", lambda s: {})(seq)
 
+    if "topk" in args.patterns:
+        topk_rows(seq, q, k, v, gen, rows, cudnn, rep)
+    if "vertical_slash" not in args.patterns:
+        return
     index = natural_index(seq, args.block, args.density, gen, dev)
     area = float(index.attended_area().sum())
     ours = lambda a, b, c: sparse_attention(a, b, c, index, backend="triton")[0]  # noqa: E731
@@ -304,6 +346,12 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--tune", action="store_true", help="sweep launch configs first and use the best")
+    p.add_argument(
+        "--patterns",
+        nargs="+",
+        default=["dense", "vertical_slash", "topk"],
+        choices=["dense", "vertical_slash", "topk"],
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")

@@ -13,9 +13,13 @@ from dense_reference import dense_attention, finite
 
 from megatron_mtraining.sparse import (
     DenseIndex,
+    MoBAConfig,
+    MSAConfig,
     VerticalSlashConfig,
     VerticalSlashIndex,
+    build_moba_index,
     build_vertical_slash_index,
+    msa_select_blocks,
     sparse_attention,
 )
 
@@ -54,6 +58,12 @@ def make_index(kind, q, k, block):
     b, s, hq, _ = q.shape
     if kind == "dense":
         return DenseIndex(b, hq, s, device=q.device)
+    if kind == "msa":  # index projections stand-in: the group's mean query, and the keys
+        q_idx = q.detach().float().unflatten(2, (k.shape[2], -1)).mean(3)
+        k_idx = k.detach().float().mean(2, keepdim=True)
+        return msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=block, topk=3, index_head_dim=q.shape[-1]), hq)
+    if kind == "moba":  # chunks of two tiles: exercises the block-to-tile ratio
+        return build_moba_index(q, k, MoBAConfig(chunk_size=2 * block if block < 128 else block, topk=2))
     cfg = VerticalSlashConfig(
         last_q=32, vertical_topp=0.6, slash_topp=0.6, block_size=block, sink_tokens=3, vertical_cap=200
     )
@@ -90,7 +100,7 @@ def check(q, k, v, index, rng):
     return out, lse, got
 
 
-@pytest.mark.parametrize("kind", ["dense", "vertical_slash"])
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash", "msa", "moba"])
 @pytest.mark.parametrize(
     "b,s,hq,hkv,d", [(1, 100, 4, 1, 32), (2, 83, 6, 2, 24)], ids=["gqa4-d32-ragged", "gqa3-d24-b2"]
 )
@@ -115,7 +125,7 @@ def test_empty_rows_and_unused_bars(rng, kdevice):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["dense", "vertical_slash"])
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash", "msa", "moba"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])

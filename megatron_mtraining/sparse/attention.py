@@ -31,8 +31,8 @@ def sparse_attention(
     visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
     through ``lse``).
 
-    ``backend``: ``"auto"`` (default; Triton kernels for CUDA tensors where they
-    serve the index type and dtype, else the PyTorch reference), ``"reference"``
+    ``backend``: ``"auto"`` (default; Triton kernels for CUDA tensors in fp16, bf16
+    or fp32 with head dim <= 256, else the PyTorch reference), ``"reference"``
     or ``"triton"``. The environment variable ``MTRAINING_ATTENTION_BACKEND``
     sets the default, e.g. ``reference`` to rule the kernels out while debugging.
     """
@@ -66,7 +66,7 @@ def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> 
         fail(
             "backend",
             "triton",
-            f"an index and inputs the kernels serve (VerticalSlashIndex or DenseIndex; fp16/bf16/fp32; head dim "
+            f"inputs the kernels serve (a VerticalSlashIndex, BlockTopKIndex or DenseIndex; fp16/bf16/fp32; head dim "
             f"<= 256; Triton installed), got {type(index).__name__} with {q.dtype}, head dim {q.shape[-1]}",
         )
     return layout

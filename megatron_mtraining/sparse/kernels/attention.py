@@ -43,6 +43,18 @@ def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
     return {"BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def _row_selection(layout: KernelLayout) -> dict:
+    """Kernel arguments of the per-row block filter (a placeholder pointer when absent)."""
+    sel = layout.rowsel
+    return {
+        "ROWSEL": layout.tile_count if sel is None else sel,
+        "K_SEL": 1 if sel is None else sel.shape[-1],
+        "RATIO": layout.rowsel_ratio,
+        "HAS_ROWSEL": sel is not None,
+        "K_PAD": 2 if sel is None else max(2, triton.next_power_of_2(sel.shape[-1])),
+    }
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     b, s, h, d = q.shape
     return {
@@ -56,6 +68,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
         "BLOCK": layout.block,
         # fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores as they are.
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        **_row_selection(layout),
     }
 
 

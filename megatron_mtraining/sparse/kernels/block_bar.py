@@ -67,11 +67,25 @@ def _program_rows(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constex
 
 
 @triton.jit
+def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexpr):
+    """Each row's selected index blocks ``[BLOCK, K_PAD]`` (-1 padded) for top-k layouts."""
+    kk = tl.arange(0, K_PAD)
+    ptrs = ROWSEL + ((b * LH + lh) * S + rows[:, None]) * K_SEL + kk[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & (kk < K_SEL)[None, :], other=-1)
+
+
+@triton.jit
+def _selects(sel, kb, RATIO):
+    """Rows whose selection holds the index block of tile ``kb``."""
+    return tl.max((sel == kb // RATIO).to(tl.int32), 1) > 0
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT,
-    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, qk_scale,
+    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL,
+    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
     q_stride = H * HEAD_DIM
@@ -83,13 +97,19 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, D_PAD], tl.float32)
-    lay = ((b % LB) * LH + h % LH) * NQB + qb
+    lh = h // (H // LH)
+    lay = ((b % LB) * LH + lh) * NQB + qb
+    if HAS_ROWSEL:
+        sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
     for t in range(tl.load(TILE_CNT + lay)):
-        first = tl.load(TILES + lay * T_MAX + t) * BLOCK
+        kb = tl.load(TILES + lay * T_MAX + t)
+        tile_rows = rows
+        if HAS_ROWSEL:  # rows that did not select this tile's block see none of it
+            tile_rows = tl.where(_selects(sel, kb, RATIO), rows, -1)
         for j in tl.static_range(BLOCK // BLOCK_N):
-            cols = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
+                acc, m_i, l_i, q, K_base, V_base, cols, cols < S, tile_rows, kv_stride, d, d_ok, qk_scale, PRECISION
             )
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
@@ -133,10 +153,11 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT,
-    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, qk_scale, sm_scale,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL,
+    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ, and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
@@ -157,14 +178,21 @@ def _dq_kernel(
     V_base = V + b * S * kv_stride + kvh * HEAD_DIM
 
     dq = tl.zeros([BLOCK, D_PAD], tl.float32)
-    lay = ((b % LB) * LH + h % LH) * NQB + qb
+    lh = h // (H // LH)
+    lay = ((b % LB) * LH + lh) * NQB + qb
+    if HAS_ROWSEL:
+        sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
     for t in range(tl.load(TILE_CNT + lay)):
-        first = tl.load(TILES + lay * T_MAX + t) * BLOCK
+        kb = tl.load(TILES + lay * T_MAX + t)
+        tile_rows = rows
+        if HAS_ROWSEL:
+            tile_rows = tl.where(_selects(sel, kb, RATIO), rows, -1)
         for j in tl.static_range(BLOCK // BLOCK_N):
-            cols = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
             dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, cols < S, rows, kv_stride, d, d_ok, qk_scale, PRECISION
-            )
+                dq, q, do, lse, delta, K_base, V_base, cols, cols < S, tile_rows, kv_stride, d, d_ok, qk_scale,
+                PRECISION,
+            )  # fmt: skip
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
         n_cols = tl.load(COL_CNT + bar)
@@ -279,10 +307,11 @@ def _fold_bars(
 
 @triton.jit
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR,
-    S, H, HKV, LB, LH, NKB, T_MAX, V_MAX, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL,
+    S, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
     sub = tl.program_id(0)  # BLOCK_N key rows of KV block kb
     kb = sub // (BLOCK // BLOCK_N)
@@ -307,12 +336,17 @@ def _tile_dkdv_kernel(
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
-        lay = ((b % LB) * LH + h % LH) * NKB + kb
+        lh = h // (H // LH)
+        lay = ((b % LB) * LH + lh) * NKB + kb
         for t in range(tl.load(TILE_T_CNT + lay)):
             rows = tl.load(TILES_T + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
+            keep = col_ok[None, :]
+            if HAS_ROWSEL:
+                sel = _row_selection(ROWSEL, b, lh, LH, S, rows, rows < S, K_SEL, K_PAD)
+                keep = keep & _selects(sel, kb, RATIO)[:, None]
             dk, dv = _kv_grads(
                 dk, dv, k, v, cols, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, q_stride, d, d_ok,
-                qk_scale, col_ok[None, :], PRECISION,
+                qk_scale, keep, PRECISION,
             )  # fmt: skip
         if HAS_BARS:
             bar_dk, bar_dv = _fold_bars(

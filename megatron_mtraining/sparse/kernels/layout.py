@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import DenseIndex, SparseIndex, VerticalSlashIndex, compact
+from ..index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
 
 
 @dataclass
@@ -29,6 +29,10 @@ class KernelLayout:
     vertical: torch.Tensor | None = None  # [B, Hq, V] int32 ascending, -1 padded
     vertical_ptr: torch.Tensor | None = None  # [B, Hq, n_kvblocks + 1] int32: vertical entries per KV block
     active: torch.Tensor | None = None  # [B, Hq, n_blocks] int8: attended block diagonals
+    # Top-k layouts: the tiles of a query block are the union of its rows' choices, and
+    # each row keeps only tiles of the index blocks it selected.
+    rowsel: torch.Tensor | None = None  # [B, LH, S, k] int32 selected index blocks per row
+    rowsel_ratio: int = 1  # index block size / tile size
 
     @property
     def has_bars(self) -> bool:
@@ -81,10 +85,38 @@ def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
     )
 
 
+def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
+    tile = min(index.block_size, max_tile)
+    ratio = index.block_size // tile
+    b, s, hs, k = index.blocks.shape
+    n_tiles = -(-s // tile)
+    n_index_blocks = -(-s // index.block_size)
+    rowsel = index.blocks.permute(0, 2, 1, 3).contiguous()  # [B, Hs, S, k]
+    per_block = torch.nn.functional.pad(rowsel, (0, 0, 0, n_tiles * tile - s), value=-1).view(b, hs, n_tiles, tile * k)
+    chosen = torch.zeros(b, hs, n_tiles, n_index_blocks + 1, dtype=torch.bool, device=index.device)
+    chosen.scatter_(-1, torch.where(per_block >= 0, per_block.long(), n_index_blocks), True)
+    member = chosen[..., :n_index_blocks].repeat_interleave(ratio, dim=-1)[..., :n_tiles]
+    kb = torch.arange(n_tiles, device=index.device, dtype=torch.int32)
+    member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
+    tiles, count = compact(kb.expand_as(member), member)
+    tiles_t, count_t = transpose_tiles(tiles, count, n_tiles)
+    return KernelLayout(
+        block=tile,
+        tiles=tiles.contiguous(),
+        tile_count=count.contiguous(),
+        tiles_t=tiles_t.contiguous(),
+        tile_t_count=count_t.contiguous(),
+        rowsel=rowsel,
+        rowsel_ratio=ratio,
+    )
+
+
 def kernel_layout(index: SparseIndex, dense_block: int = 128) -> KernelLayout | None:
     """The kernel layout of ``index``, or None when the kernels do not serve its type."""
     if isinstance(index, VerticalSlashIndex):
         return vertical_slash_layout(index)
     if isinstance(index, DenseIndex):
         return dense_layout(index, dense_block)
+    if isinstance(index, BlockTopKIndex):
+        return block_topk_layout(index)
     return None
