@@ -9,7 +9,7 @@ import torch
 from .index import SparseIndex
 from .kernels import triton_available
 from .kernels.layout import KernelLayout, kernel_layout
-from .reference import ReferenceSparseAttention, finite_or_zero
+from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
 
 BACKENDS = ("auto", "reference", "triton")
@@ -91,14 +91,5 @@ def merge_attention_outputs(
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != (bsz, heads, seq):
             fail(f"{name}.shape", tuple(t.shape), f"[B, H, S] = {[bsz, heads, seq]} to match out_a")
-    lse_a, lse_b = lse_a.float(), lse_b.float()
-    peak = finite_or_zero(torch.maximum(lse_a, lse_b))
-    total = torch.exp(lse_a - peak) + torch.exp(lse_b - peak)
-    # The clamp keeps log's gradient finite on rows empty on both sides, which the where discards.
-    lse = torch.where(total > 0, peak + torch.log(total.clamp_min(torch.finfo(total.dtype).tiny)), float("-inf"))
-    safe = finite_or_zero(lse)
-    w_a = torch.exp(lse_a - safe).transpose(1, 2).unsqueeze(-1)
-    w_b = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
-    dt = torch.promote_types(out_a.dtype, torch.float32)
-    out = w_a.to(dt) * out_a.to(dt) + w_b.to(dt) * out_b.to(dt)
-    return out.to(out_a.dtype), lse
+    out, lse = combine(out_a, lse_a.float(), out_b, lse_b.float())
+    return out.to(out_a.dtype), lse.float()

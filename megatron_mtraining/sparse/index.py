@@ -35,6 +35,10 @@ class SparseIndex:
     batch_size: int
     num_heads: int
     seq_len: int
+    # Global token positions of the query rows and key columns, when they are not
+    # simply 0..S-1 (a context-parallel rank's tokens); causality compares these.
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
 
     def to(self, device) -> SparseIndex:
         def move(v):
@@ -55,6 +59,19 @@ class SparseIndex:
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def query_ranges(self, num_rows: int) -> list[tuple[int, int]]:
+        """The row chunks ``key_lists`` is called with."""
+        return [(q0, min(q0 + self.query_chunk, num_rows)) for q0 in range(0, num_rows, self.query_chunk)]
+
+    def visible(self, keys: torch.Tensor, q_start: int, q_end: int) -> torch.Tensor:
+        """Which entries of ``key_lists(q_start, q_end)`` a row sees: listed and causal
+        (by global position). Broadcasts to ``[B, Hs, q_end - q_start, nk]``."""
+        rows = torch.arange(q_start, q_end, device=keys.device)
+        if self.query_positions is not None:
+            rows = self.query_positions[q_start:q_end]
+        key_pos = keys if self.key_positions is None else self.key_positions[keys.clamp(min=0)]
+        return (keys >= 0) & (key_pos <= rows.view(1, 1, -1, 1))
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         raise NotImplementedError
@@ -87,11 +104,8 @@ class SparseIndex:
         counted from the key lists the kernels read (causality included)."""
         device = self.device
         area = torch.zeros(self.batch_size, self.selection_heads, dtype=torch.int64, device=device)
-        for q0 in range(0, self.seq_len, self.query_chunk):
-            q1 = min(q0 + self.query_chunk, self.seq_len)
-            keys = self.key_lists(q0, q1)
-            rows = torch.arange(q0, q1, device=keys.device).view(1, 1, -1, 1)
-            visible = (keys >= 0) & (keys <= rows)
+        for q0, q1 in self.query_ranges(self.seq_len):
+            visible = self.visible(self.key_lists(q0, q1), q0, q1)
             area += visible.flatten(2).sum(-1).to(device).expand(self.batch_size, -1)
         return area.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
 

@@ -25,16 +25,39 @@ class MoBAConfig(ValidatedConfig):
 def build_moba_index(q: torch.Tensor, k: torch.Tensor, config: MoBAConfig) -> BlockTopKIndex:
     """The MoBA index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``, one selection per query head."""
     check_qk(q, k)
-    bsz, seq, hq, d = q.shape
+    positions = torch.arange(q.shape[1], device=q.device)
+    blocks = moba_select_from_parts(q, positions, k, positions, q.shape[1], config)
+    return BlockTopKIndex(blocks=blocks, block_size=config.chunk_size, num_heads=q.shape[2])
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def moba_select_from_parts(
+    q: torch.Tensor,
+    query_positions: torch.Tensor,
+    k: torch.Tensor,
+    key_positions: torch.Tensor,
+    seq_len: int,
+    config: MoBAConfig,
+    all_reduce_sum=_identity,
+) -> torch.Tensor:
+    """MoBA chunk choices ``[B, Lq, Hq, topk]`` of some queries, from some of the keys
+    (both with global positions); ``all_reduce_sum`` adds the chunk sums of the other
+    key holders (identity on one device). fp64 sums and gate scores make the choice
+    independent of how the keys are split."""
+    bsz, _, hq, _ = q.shape
     hkv = k.shape[2]
     cs = config.chunk_size
-    n_chunks = -(-seq // cs)
-    padded = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, n_chunks * cs - seq))
-    counts = torch.clamp(seq - torch.arange(n_chunks, device=q.device) * cs, max=cs).float()
-    pooled = padded.unflatten(1, (n_chunks, cs)).sum(2) / counts.view(1, -1, 1, 1)  # [B, C, Hkv, D]
-    gate = torch.einsum("bskgd,bckd->bkgsc", q.float().unflatten(2, (hkv, hq // hkv)), pooled).flatten(1, 2)
-    own = torch.arange(seq, device=q.device) // cs
+    n_chunks = -(-seq_len // cs)
+    sums = torch.zeros(bsz, n_chunks, hkv, k.shape[-1], dtype=torch.float64, device=k.device)
+    sums.index_add_(1, key_positions // cs, k.double())
+    sums = all_reduce_sum(sums)
+    counts = torch.clamp(seq_len - torch.arange(n_chunks, device=k.device) * cs, max=cs).double()
+    pooled = sums / counts.view(1, -1, 1, 1)
+    gate = torch.einsum("bskgd,bckd->bkgsc", q.double().unflatten(2, (hkv, hq // hkv)), pooled).flatten(1, 2)
+    own = query_positions // cs
     earlier = torch.arange(n_chunks, device=q.device).view(1, -1) < own.view(-1, 1)
-    gate = gate.masked_fill(~earlier, float("-inf"))
-    blocks = select_topk_blocks(gate, own, config.topk)  # [B, Hq, S, k]
-    return BlockTopKIndex(blocks=blocks.permute(0, 2, 1, 3).contiguous(), block_size=cs, num_heads=hq)
+    blocks = select_topk_blocks(gate.masked_fill(~earlier, float("-inf")), own, config.topk)  # [B, Hq, Lq, k]
+    return blocks.permute(0, 2, 1, 3).contiguous()

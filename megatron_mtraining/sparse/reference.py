@@ -21,18 +21,17 @@ class _Chunk:
     ``s * Gs ... s * Gs + Gs - 1`` and reads KV head ``s // (Hs / Hkv)``.
     """
 
-    def __init__(self, index: SparseIndex, q0: int, q1: int, batch: int, num_kv_heads: int, seq_len: int, device):
+    def __init__(self, index: SparseIndex, q0: int, q1: int, batch: int, num_kv_heads: int, key_len: int, device):
         keys = index.key_lists(q0, q1)
         if keys.shape[1] == 1:
             keys = keys.expand(-1, num_kv_heads, -1, -1)
         self.keys = keys.expand(batch, -1, -1, -1)
         hs = keys.shape[1]
         kv_head = torch.arange(hs, device=device) // (hs // num_kv_heads)
-        base = (torch.arange(batch, device=device).view(-1, 1) * num_kv_heads + kv_head) * seq_len
+        base = (torch.arange(batch, device=device).view(-1, 1) * num_kv_heads + kv_head) * key_len
         self.flat = base.view(batch, hs, 1, 1) + self.keys.clamp(min=0)
-        rows = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)
         # [B, Hs, 1, nq, nk]: the extra axis broadcasts over the Gs heads of a selection head.
-        self.valid = ((self.keys >= 0) & (self.keys <= rows)).unsqueeze(2)
+        self.valid = index.visible(self.keys, q0, q1).unsqueeze(2)
         self.shared = self.keys.shape[2] == 1  # all rows of the chunk read the same keys
         self.q0, self.q1, self.hs = q0, q1, hs
 
@@ -69,6 +68,22 @@ def finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def combine(out_a, lse_a, out_b, lse_b):
+    """(out, lse) over the union of two disjoint key sets, in the inputs' precision
+    (at least fp32). Rows empty on both sides stay zero with lse = -inf; no NaN in
+    values or gradients."""
+    dt = torch.promote_types(torch.promote_types(out_a.dtype, lse_a.dtype), torch.float32)
+    lse_a, lse_b = lse_a.to(dt), lse_b.to(dt)
+    peak = finite_or_zero(torch.maximum(lse_a, lse_b))
+    total = torch.exp(lse_a - peak) + torch.exp(lse_b - peak)
+    # The clamp keeps log's gradient finite on rows empty on both sides, which the where discards.
+    lse = torch.where(total > 0, peak + torch.log(total.clamp_min(torch.finfo(dt).tiny)), float("-inf"))
+    safe = finite_or_zero(lse)
+    w_a = torch.exp(lse_a - safe).transpose(1, 2).unsqueeze(-1)
+    w_b = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
+    return w_a * out_a.to(dt) + w_b * out_b.to(dt), lse
+
+
 def to_rows(x: torch.Tensor) -> torch.Tensor:
     """``[B, Hs, Gs, nq, D]`` -> ``[B, nq, Hq, D]``."""
     b, hs, gs, nq, d = x.shape
@@ -76,9 +91,10 @@ def to_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunks(index: SparseIndex, q: torch.Tensor, k: torch.Tensor):
-    batch, seq_len, _, _ = q.shape
-    for q0 in range(0, seq_len, index.query_chunk):
-        yield _Chunk(index, q0, min(q0 + index.query_chunk, seq_len), batch, k.shape[2], seq_len, q.device)
+    """Query-row chunks of ``q`` against keys ``k`` (which may be another length: a
+    context-parallel K/V chunk)."""
+    for q0, q1 in index.query_ranges(q.shape[1]):
+        yield _Chunk(index, q0, q1, q.shape[0], k.shape[2], k.shape[1], q.device)
 
 
 def flat_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,21 +102,23 @@ def flat_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).permute(0, 2, 1, 3).reshape(-1, x.shape[-1])
 
 
-def unflat_kv(x_flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def unflat_kv(x_flat: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     b, s, h, d = like.shape
-    return x_flat.view(b, h, s, d).permute(0, 2, 1, 3).to(like.dtype)
+    return x_flat.view(b, h, s, d).permute(0, 2, 1, 3).to(dtype or like.dtype)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _forward(q, k, v, index, scale):
+def forward_partial(q, k, v, index, scale):
+    """Attention of q over k/v under ``index``: (out, lse) in the compute dtype (fp32 or
+    fp64), lse ``[B, Hq, Sq]``. k/v may be a context-parallel chunk of another length."""
     dt = compute_dtype(q.dtype)
     b, s, hq, d = q.shape
     k_flat, v_flat = flat_kv(k, dt), flat_kv(v, dt)
-    out = torch.empty(b, s, hq, d, dtype=dt, device=q.device)
-    lse = torch.empty(b, hq, s, dtype=dt, device=q.device)
+    out = torch.zeros(b, s, hq, d, dtype=dt, device=q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=dt, device=q.device)
     for c in chunks(index, q, k):
         logits = c.scores(c.heads(q).to(dt) * scale, c.gather(k_flat))
         chunk_lse = torch.logsumexp(logits, dim=-1)
@@ -110,10 +128,13 @@ def _forward(q, k, v, index, scale):
     return out, lse
 
 
-def _backward(q, k, v, index, scale, out, lse, dout, dlse):
+def backward_partial(q, k, v, index, scale, out, lse, dout, dlse):
+    """Gradients of the attention of q over k/v under ``index`` given the *final* out and
+    lse of each row (so partial results over several K/V chunks add up): (dq, dk, dv)
+    in the compute dtype."""
     dt = compute_dtype(q.dtype)
     k_flat, v_flat = flat_kv(k, dt), flat_kv(v, dt)
-    dq = torch.empty(q.shape, dtype=dt, device=q.device)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     dk_flat, dv_flat = torch.zeros_like(k_flat), torch.zeros_like(v_flat)
     for c in chunks(index, q, k):
         qh = c.heads(q).to(dt)
@@ -127,7 +148,7 @@ def _backward(q, k, v, index, scale, out, lse, dout, dlse):
         dq[:, c.q0 : c.q1] = to_rows(c.weighted_values(ds, kk) * scale)
         c.scatter_add(dk_flat, c.key_grad(ds, qh) * scale)
         c.scatter_add(dv_flat, c.key_grad(p, do))
-    return dq.to(q.dtype), unflat_kv(dk_flat, k), unflat_kv(dv_flat, v)
+    return dq, unflat_kv(dk_flat, k, dt), unflat_kv(dv_flat, v, dt)
 
 
 class ReferenceSparseAttention(torch.autograd.Function):
@@ -135,7 +156,7 @@ class ReferenceSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index, scale):
-        out, lse = _forward(q, k, v, index, scale)
+        out, lse = forward_partial(q, k, v, index, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.scale = index, scale
         return out.to(q.dtype), lse.float()
@@ -145,5 +166,5 @@ class ReferenceSparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = _backward(q, k, v, ctx.index, ctx.scale, out, lse, dout, dlse.to(lse.dtype))
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward_partial(q, k, v, ctx.index, ctx.scale, out, lse, dout, dlse.to(lse.dtype))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -35,6 +35,11 @@ def check_power_of_two(name: str, value, *, minimum: int) -> None:
         fail(name, value, accepted)
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        fail(name, value, f"one of {', '.join(map(str, choices))}")
+
+
 def check_fraction(name: str, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0.0 < value <= 1.0):
         fail(name, value, "a number in (0, 1]")

@@ -69,21 +69,66 @@ def window_statistics(
     q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, softmax_scale: float | None = None
 ) -> WindowStatistics:
     check_qk(q, k)
-    bsz, seq, hq, d = q.shape
-    hkv = k.shape[2]
-    scale = check_softmax_scale(softmax_scale, d)
+    seq = q.shape[1]
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
     w = min(config.last_q, seq)
-    rows = torch.arange(seq - w, seq, device=q.device)
-    qw = q[:, seq - w :].float().reshape(bsz, w, hkv, hq // hkv, d)
-    logits = torch.einsum("bwkgd,bskd->bkgws", qw, k.float()).reshape(bsz, hq, w, seq) * scale
-    keys = torch.arange(seq, device=q.device)
-    logits.masked_fill_(keys.view(1, -1) > rows.view(-1, 1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    vertical = probs.sum(dim=2) / w
-    # Token diagonal o of window row r is key rows[r] - o.
-    diag_keys = rows.view(-1, 1) - keys.view(1, -1)
-    on_diag = probs.gather(-1, diag_keys.clamp(min=0).expand(bsz, hq, w, seq)) * (diag_keys >= 0)
-    return WindowStatistics(vertical, _pool_diagonals(on_diag.sum(dim=2) / w, config.block_size))
+    positions = torch.arange(seq, device=q.device)
+    return window_statistics_from_parts(q[:, seq - w :], positions[seq - w :], k, positions, seq, config, scale)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def window_statistics_from_parts(
+    q_window: torch.Tensor,
+    window_positions: torch.Tensor,
+    k: torch.Tensor,
+    key_positions: torch.Tensor,
+    seq_len: int,
+    config: VerticalSlashConfig,
+    scale: float,
+    all_reduce_max=_identity,
+    all_reduce_sum=_identity,
+    key_chunk: int = 4096,
+) -> WindowStatistics:
+    """Window statistics from the window queries and *some* of the keys (given with
+    their global positions); ``all_reduce_*`` combine partial results across the
+    holders of the other keys (identity on one device).
+
+    Everything is fp64 from the logits on (products of fp32 values are exact in
+    fp64) and rounded to fp32 once at the end, so the result does not depend on how
+    the keys are split or summed: a context-parallel build equals this one.
+    """
+    bsz, w, hq, d = q_window.shape
+    hkv = k.shape[2]
+    qw = q_window.double().unflatten(2, (hkv, hq // hkv))
+    n_keys = k.shape[1]
+
+    def logits(c0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = key_positions[c0 : c0 + key_chunk]
+        chunk = torch.einsum("bwkgd,bskd->bkgws", qw, k[:, c0 : c0 + key_chunk].double()).flatten(1, 2) * scale
+        return chunk.masked_fill(pos.view(1, -1) > window_positions.view(-1, 1), float("-inf")), pos
+
+    starts = range(0, n_keys, key_chunk)
+    row_max = torch.full((bsz, hq, w), float("-inf"), dtype=torch.float64, device=k.device)
+    for c0 in starts:
+        row_max = torch.maximum(row_max, logits(c0)[0].amax(-1))
+    row_max = all_reduce_max(row_max)  # every window row sees key 0, so it is finite
+    row_sum = torch.zeros_like(row_max)
+    for c0 in starts:
+        row_sum += torch.exp(logits(c0)[0] - row_max.unsqueeze(-1)).sum(-1)
+    row_sum = all_reduce_sum(row_sum)
+    vertical = torch.zeros(bsz, hq, seq_len, dtype=torch.float64, device=k.device)
+    token_slash = torch.zeros_like(vertical)
+    for c0 in starts:
+        chunk, pos = logits(c0)
+        probs = torch.exp(chunk - row_max.unsqueeze(-1)) / row_sum.unsqueeze(-1)
+        vertical[..., pos] = probs.sum(2)
+        offset = window_positions.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
+        token_slash.index_add_(2, offset.clamp(min=0).flatten(), (probs * (offset >= 0)).flatten(2))
+    vertical, token_slash = all_reduce_sum(vertical), all_reduce_sum(token_slash)
+    return WindowStatistics((vertical / w).float(), _pool_diagonals(token_slash / w, config.block_size).float())
 
 
 def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:

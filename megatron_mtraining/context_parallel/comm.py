@@ -1,0 +1,37 @@
+"""Asynchronous point-to-point exchange around a ring of ranks (NCCL or gloo)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class RingExchange:
+    """Sends tensors to the next rank of a ring and receives the same shapes from the
+    previous one, without blocking: ``start`` posts, ``wait`` returns what arrived.
+
+    ``ranks`` are the global ranks of the ring in order; this process is one of them.
+    Messages between a pair are matched in posting order, which every rank keeps.
+    """
+
+    def __init__(self, ranks: list[int]):
+        me = dist.get_rank()
+        self.ranks = ranks
+        pos = ranks.index(me)
+        self.next = ranks[(pos + 1) % len(ranks)]
+        self.prev = ranks[(pos - 1) % len(ranks)]
+        self._pending = None
+
+    def start(self, tensors: list[torch.Tensor]) -> None:
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev) for r in received]
+        self._pending = (dist.batch_isend_irecv(ops), received, sent)  # sent stays alive until wait
+
+    def wait(self) -> list[torch.Tensor]:
+        requests, received, _ = self._pending
+        for r in requests:
+            r.wait()
+        self._pending = None
+        return received

@@ -1,0 +1,79 @@
+"""Building a pattern's index from q/k spread over a context-parallel group.
+
+No rank gathers the sequence and nothing goes through rank 0: every rank computes
+partial statistics over the keys it holds and small collectives combine them, so
+every rank derives the index the single-device builder would build on the whole
+sequence (the builders share their arithmetic, see ``window_statistics_from_parts``).
+
+* ``"dense"``: nothing to build.
+* ``VerticalSlashConfig``: the observation window (last ``last_q`` queries of the
+  sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]``
+  buffer; row maxima, normalisers and the column / diagonal mass are reduced.
+* ``MoBAConfig``: chunk key sums are reduced (``[B, chunks, Hkv, D]``); each rank
+  gates its own queries. The index holds rows for this rank's queries only,
+  the only rows the ring reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from ..sparse.moba import MoBAConfig, moba_select_from_parts
+from ..sparse.validation import fail
+from ..sparse.vertical_slash import VerticalSlashConfig, select_vertical_slash, window_statistics_from_parts
+from .layout import ContextParallelLayout
+
+
+def _all_reduce(op, group):
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=op, group=group)
+        return t
+
+    return reduce
+
+
+def build_distributed_index(
+    pattern, q: torch.Tensor, k: torch.Tensor, layout: ContextParallelLayout, group, scale: float
+) -> SparseIndex:
+    bsz, _, hq, d = q.shape
+    seq = layout.seq_len
+    positions = layout.positions(dist.get_rank(group), q.device)
+    if isinstance(pattern, str) and pattern == "dense":
+        return DenseIndex(bsz, hq, seq, device=q.device)
+    if isinstance(pattern, VerticalSlashConfig):
+        return _vertical_slash(pattern, q, k, positions, seq, group, scale)
+    if isinstance(pattern, MoBAConfig):
+        blocks = torch.full((bsz, seq, hq, pattern.topk), -1, dtype=torch.int32, device=q.device)
+        blocks[:, positions] = moba_select_from_parts(
+            q, positions, k, positions, seq, pattern, _all_reduce(dist.ReduceOp.SUM, group)
+        )
+        return BlockTopKIndex(blocks=blocks, block_size=pattern.chunk_size, num_heads=hq)
+    return fail(
+        "pattern",
+        type(pattern).__name__,
+        "'dense', a VerticalSlashConfig, a MoBAConfig, or a global SparseIndex built for the whole sequence",
+    )
+
+
+def _vertical_slash(config: VerticalSlashConfig, q, k, positions, seq, group, scale) -> VerticalSlashIndex:
+    bsz, _, hq, d = q.shape
+    w = min(config.last_q, seq)
+    mine = positions >= seq - w
+    window = torch.zeros(bsz, w, hq, d, dtype=q.dtype, device=q.device)
+    window[:, positions[mine] - (seq - w)] = q[:, mine].detach()
+    dist.all_reduce(window, group=group)  # one holder per row, zeros elsewhere: exact
+    stats = window_statistics_from_parts(
+        window,
+        torch.arange(seq - w, seq, device=q.device),
+        k.detach(),
+        positions,
+        seq,
+        config,
+        scale,
+        all_reduce_max=_all_reduce(dist.ReduceOp.MAX, group),
+        all_reduce_sum=_all_reduce(dist.ReduceOp.SUM, group),
+    )
+    return select_vertical_slash(stats, config, seq)

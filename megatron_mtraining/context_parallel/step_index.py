@@ -1,0 +1,72 @@
+"""Per-rank, per-ring-step view of a global sparse index (MTraining's convert_index).
+
+``StepIndex(index, query_positions, key_positions)`` is the part of the global
+``index`` that this rank's queries (global positions ``query_positions``) attend
+within one K/V chunk (global positions ``key_positions``), in local coordinates:
+its key lists hold positions inside the chunk, and causality compares global
+positions. It works for every index type through the ``key_lists`` contract, so
+the ring needs no per-pattern code; each one is built once per layer call and
+serves the forward and the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sparse.index import SparseIndex, compact
+
+
+@dataclass
+class StepIndex(SparseIndex):
+    index: SparseIndex
+    query_positions: torch.Tensor  # [Lq] int64 global positions of the local query rows
+    key_positions: torch.Tensor  # [Lk] int64 global positions of the chunk's keys
+    _segments: dict = field(init=False, repr=False)  # local row range -> global row range
+    _local_key: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        qpos = self.query_positions
+        # Local row runs that are contiguous globally and inside one of the global index's chunks.
+        chunk = qpos // self.index.query_chunk
+        breaks = torch.nonzero((qpos[1:] != qpos[:-1] + 1) | (chunk[1:] != chunk[:-1])).flatten() + 1
+        bounds = [0, *breaks.tolist(), len(qpos)]
+        self._segments = {
+            (a, b): (int(qpos[a]), int(qpos[b - 1]) + 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        }
+        self._local_key = torch.full((self.index.seq_len + 1,), -1, dtype=torch.int64, device=qpos.device)
+        self._local_key[self.key_positions] = torch.arange(len(self.key_positions), device=qpos.device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.batch_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.index.num_heads
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.query_positions)
+
+    @property
+    def selection_heads(self) -> int:
+        return self.index.selection_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.query_positions.device
+
+    def query_ranges(self, num_rows: int) -> list[tuple[int, int]]:
+        return list(self._segments)
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        g0, g1 = self._segments[q_start, q_end]
+        global_keys = self.index.key_lists(g0, g1)
+        local = torch.where(global_keys >= 0, self._local_key[global_keys.clamp(min=0)], -1)
+        return compact(local, local >= 0)[0].long()
+
+    def may_attend(self) -> bool:
+        """False when every key of the chunk lies after every query (causally nothing to do)."""
+        return bool(self.key_positions.min() <= self.query_positions.max())

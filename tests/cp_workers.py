@@ -1,0 +1,97 @@
+"""Worker bodies for the gloo context-parallel tests (spawned processes import this)."""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_mtraining.context_parallel import (
+    ContextParallelLayout,
+    RingStats,
+    build_distributed_index,
+    ring_attention,
+)
+from megatron_mtraining.sparse import (
+    DenseIndex,
+    MoBAConfig,
+    MSAConfig,
+    VerticalSlashConfig,
+    build_moba_index,
+    build_vertical_slash_index,
+    msa_select_blocks,
+    sparse_attention,
+)
+
+
+def _entry(rank, world, init_file, fn, args):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, fn, *args) -> None:
+    """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any
+    rank fails the caller with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)
+
+
+PATTERNS = ("dense", "vertical_slash", "moba", "msa")
+
+
+def _global_index(kind, q, k, gen):
+    b, s, hq, _ = q.shape
+    if kind == "dense":
+        return DenseIndex(b, hq, s), "dense"
+    if kind == "vertical_slash":
+        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, sink_tokens=2)
+        return build_vertical_slash_index(q, k, cfg), cfg
+    if kind == "moba":
+        cfg = MoBAConfig(chunk_size=32, topk=3)
+        return build_moba_index(q, k, cfg), cfg
+    q_idx = torch.randn(b, s, k.shape[2], 8, generator=gen, dtype=torch.float64)
+    k_idx = torch.randn(b, s, 1, 8, generator=gen, dtype=torch.float64)
+    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=3, index_head_dim=8), hq)
+    return index, index  # MSA passes its (global) selection to the ring
+
+
+def check_ring_equals_single_device(rank, world, seed, seq):
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d = 2, 4, 2, 8
+    for kind in PATTERNS:
+        q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+        g_out = torch.randn(b, seq, hq, d, generator=gen, dtype=torch.float64)
+        g_lse = torch.randn(b, hq, seq, generator=gen, dtype=torch.float64)
+        index, pattern = _global_index(kind, q, k, gen)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = sparse_attention(qr, kr, vr, index)
+        grads = torch.autograd.grad((out * g_out).sum() + (lse.double() * g_lse).sum(), (qr, kr, vr))
+        for layout_kind in ("contiguous", "zigzag", "striped"):
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+            where = f"cp={world} rank={rank} {kind} {layout_kind}"
+            lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
+            if not isinstance(pattern, str) and kind != "msa":
+                built = build_distributed_index(pattern, lq, lk, layout, None, d**-0.5)
+                if kind == "vertical_slash":
+                    assert torch.equal(built.vertical, index.vertical) and torch.equal(built.slash, index.slash), where
+                else:
+                    mine = layout.positions(rank)
+                    assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
+            stats = RingStats()
+            l_out, l_lse = ring_attention(lq, lk, lv, pattern, layout, None, stats=stats)
+            torch.testing.assert_close(
+                l_out, layout.shard(out, rank), atol=1e-12, rtol=0, msg=lambda m, where=where: f"{where}: {m}"
+            )
+            torch.testing.assert_close(l_lse, layout.shard(lse, rank, dim=2), atol=1e-6, rtol=0)
+            loss = (l_out * layout.shard(g_out, rank)).sum() + (l_lse.double() * layout.shard(g_lse, rank, dim=2)).sum()
+            for name, got, full in zip("qkv", torch.autograd.grad(loss, (lq, lk, lv)), grads, strict=True):
+                torch.testing.assert_close(
+                    got, layout.shard(full, rank), atol=1e-5, rtol=0, msg=lambda m, n=name, where=where: f"{where} d{n}: {m}"
+                )
+            # The recorded areas add up to the index's whole attended area.
+            total = stats.gather().sum()
+            assert total == float(index.attended_area().sum()), (where, total)
