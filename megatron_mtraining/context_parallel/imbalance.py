@@ -28,45 +28,34 @@ def imbalance_degrees(area: torch.Tensor) -> tuple[float, float]:
 
 @dataclass
 class RingStats:
-    """Per-rank, per-step attended area recorded by ``ring_attention``."""
+    """Attended area recorded by ``ring_attention``: per rank and ring step, and per rank
+    for the local pass over gathered vertical columns (vertical-slash only)."""
 
-    area: dict[int, list[int]] = field(default_factory=dict)
+    ring: dict[int, list[int]] = field(default_factory=dict)
+    local: dict[int, int] = field(default_factory=dict)
 
-    def record(self, rank: int, per_step: list[int]) -> None:
-        self.area[rank] = per_step
+    def record(self, rank: int, per_step: list[int], local: int = 0) -> None:
+        self.ring[rank] = per_step
+        self.local[rank] = local
 
-    def gather(self, group=None) -> torch.Tensor:
-        """All ranks' rows as a ``[ranks, steps]`` matrix (a small all-gather)."""
-        rows = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, self.area, group=group)
-        merged = {r: a for part in rows for r, a in part.items()}
-        return torch.tensor([merged[r] for r in sorted(merged)], dtype=torch.float64)
-
-
-def block_area_matrix(index: SparseIndex, block: int) -> torch.Tensor:
-    """``[n, n]`` attended pairs between query block i and key block j (``block`` tokens),
-    summed over batch and heads, from the key lists the kernels read."""
-    n = -(-index.seq_len // block)
-    area = torch.zeros(n * n, dtype=torch.float64, device=index.device)
-    for q0, q1 in index.query_ranges(index.seq_len):
-        keys = index.key_lists(q0, q1)
-        visible = index.visible(keys, q0, q1)
-        keys = keys.expand_as(visible)  # a list shared by a chunk's rows counts for each row
-        rows = torch.arange(q0, q1, device=keys.device).view(1, 1, -1, 1).expand_as(keys)
-        pair = (rows // block) * n + keys.clamp(min=0) // block
-        # Each entry stands for the query heads of its selection head (and for every
-        # batch element when the list is shared across the batch).
-        weight = index.num_heads // index.selection_heads * index.batch_size // keys.shape[0]
-        area.index_add_(
-            0, pair[visible], torch.full(pair[visible].shape, float(weight), device=area.device, dtype=torch.float64)
+    def gather(self, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All ranks' figures (a small all-gather): ``[ranks, steps]`` ring areas and
+        ``[ranks]`` local areas."""
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (self.ring, self.local), group=group)
+        ring = {r: a for part, _ in parts for r, a in part.items()}
+        local = {r: a for _, part in parts for r, a in part.items()}
+        return (
+            torch.tensor([ring[r] for r in sorted(ring)], dtype=torch.float64),
+            torch.tensor([local[r] for r in sorted(local)], dtype=torch.float64),
         )
-    return area.view(n, n)
 
 
 def simulate_ring_areas(index: SparseIndex, layout: ContextParallelLayout, block: int) -> torch.Tensor:
-    """``[ranks, steps]`` areas of the flat ring for ``index`` under ``layout``, without
+    """``[ranks, steps]`` areas the flat ring computes for ``index`` under ``layout``
+    (for a vertical-slash index pass its tiles, ``ring_work(index)``), without
     processes. ``block`` must divide the layout's stripes (or zigzag chunks)."""
-    tiles = block_area_matrix(index, block)
+    tiles = index.block_areas(block)
     owner = torch.empty(tiles.shape[0], dtype=torch.long)
     for r in range(layout.cp_size):
         owner[layout.positions(r)[::block] // block] = r

@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..sparse.index import SparseIndex
-from ..sparse.reference import backward_partial, combine, compute_dtype, forward_partial
+from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart
+from ..sparse.reference import (
+    ReferenceSparseAttention,
+    backward_partial,
+    combine,
+    compute_dtype,
+    forward_partial,
+)
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
 from .imbalance import RingStats
@@ -39,7 +45,7 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur = exchange.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.steps, ctx.ring, ctx.scale = steps, ring, scale
-        return out.to(q.dtype), lse.float()
+        return out, lse  # compute dtype: merged with the local bars before the cast
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -64,6 +70,56 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur = kv_exchange.wait()
         dk, dv = grad_exchange.wait()  # our own chunk's, after a full turn
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+class _GatherColumns(torch.autograd.Function):
+    """K/V at global token positions ``columns`` on every rank: each owner fills in its
+    tokens and one sum assembles them (exact: one owner per column). The gradient
+    is summed over ranks and returned to the owners."""
+
+    @staticmethod
+    def forward(ctx, k, v, columns, local_positions, seq_len, group):
+        local_of = torch.full((seq_len,), -1, dtype=torch.long, device=k.device)
+        local_of[local_positions] = torch.arange(len(local_positions), device=k.device)
+        mine = local_of[columns] >= 0
+        ctx.mine, ctx.local, ctx.group = mine, local_of[columns[mine]], group
+        gathered = []
+        for x in (k, v):
+            buf = x.new_zeros(x.shape[0], len(columns), *x.shape[2:])
+            buf[:, mine] = x[:, ctx.local]
+            dist.all_reduce(buf, group=group)
+            gathered.append(buf)
+        ctx.shapes = (k.shape, v.shape)
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx, dk_cols, dv_cols):
+        grads = []
+        for g, shape in zip((dk_cols, dv_cols), ctx.shapes, strict=True):
+            g = g.contiguous().clone()
+            dist.all_reduce(g, group=ctx.group)
+            local = g.new_zeros(shape)
+            local[:, ctx.local] = g[:, ctx.mine]
+            grads.append(local)
+        return grads[0], grads[1], None, None, None, None
+
+
+def ring_work(index: SparseIndex) -> SparseIndex:
+    """What the ring computes: everything but a vertical-slash index's bars, which every
+    rank computes locally against the gathered vertical K/V (balanced across ranks,
+    whereas on the ring a chunk holding sink columns would load one rank per step)."""
+    return VerticalSlashPart(index, "tiles") if isinstance(index, VerticalSlashIndex) else index
+
+
+def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale):
+    """(bar index, (out, lse)) of this rank's queries over the vertical columns, or None
+    when the index has none."""
+    columns = torch.unique(index.vertical[index.vertical >= 0]).long()
+    if not len(columns):
+        return None
+    k_cols, v_cols = _GatherColumns.apply(k, v, columns, q_pos, index.seq_len, group)
+    bars = StepIndex(VerticalSlashPart(index, "bars"), q_pos, columns)
+    return bars, ReferenceSparseAttention.apply(q, k_cols, v_cols, bars, scale, True)
 
 
 def ring_attention(
@@ -105,8 +161,13 @@ def ring_attention(
     q_pos = layout.positions(rank, q.device)
     # Flat ring: at step i this rank holds the K/V chunk of rank (rank - i) mod W.
     sources = [(rank - i) % group_size for i in range(group_size)]
-    steps = [StepIndex(index, q_pos, layout.positions(src, q.device)) for src in sources]
-    if stats is not None:
-        stats.record(rank, [int(step.attended_area().sum()) if step.may_attend() else 0 for step in steps])
+    steps = [StepIndex(ring_work(index), q_pos, layout.positions(src, q.device)) for src in sources]
     ring = [dist.get_global_rank(cp_group, r) if cp_group is not None else r for r in range(group_size)]
-    return _RingAttention.apply(q, k, v, steps, ring, scale)
+    out, lse = _RingAttention.apply(q, k, v, steps, ring, scale)
+    local = _local_bars(q, k, v, index, q_pos, cp_group, scale) if isinstance(index, VerticalSlashIndex) else None
+    if local is not None:
+        out, lse = combine(out, lse, *local[1])
+    if stats is not None:
+        per_step = [int(step.attended_area().sum()) if step.may_attend() else 0 for step in steps]
+        stats.record(rank, per_step, int(local[0].attended_area().sum()) if local is not None else 0)
+    return out.to(q.dtype), lse.float()

@@ -109,6 +109,23 @@ class SparseIndex:
             area += visible.flatten(2).sum(-1).to(device).expand(self.batch_size, -1)
         return area.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
 
+    def block_areas(self, block: int) -> torch.Tensor:
+        """``[n, n]`` attended pairs between query block i and key block j (``block``
+        tokens), summed over batch and heads, from the key lists the kernels read."""
+        n = -(-self.seq_len // block)
+        area = torch.zeros(n * n, dtype=torch.float64, device=self.device)
+        for q0, q1 in self.query_ranges(self.seq_len):
+            keys = self.key_lists(q0, q1)
+            visible = self.visible(keys, q0, q1)
+            keys = keys.expand_as(visible)  # a list shared by a chunk's rows counts for each row
+            rows = torch.arange(q0, q1, device=keys.device).view(1, 1, -1, 1).expand_as(keys)
+            pair = ((rows // block) * n + keys.clamp(min=0) // block)[visible]
+            # Each entry stands for the query heads of its selection head (and for every
+            # batch element when the list is shared across the batch).
+            weight = self.num_heads // self.selection_heads * self.batch_size // keys.shape[0]
+            area.index_add_(0, pair, torch.full(pair.shape, float(weight), dtype=torch.float64, device=area.device))
+        return area.view(n, n)
+
     def density(self) -> float:
         """Attended fraction of the causal triangle, averaged over batch and heads."""
         causal = self.seq_len * (self.seq_len + 1) // 2
@@ -260,10 +277,13 @@ class VerticalSlashIndex(SparseIndex):
         return BlockColumnLayout(block_idx, block_count, column_idx, column_count)
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        return torch.cat(self.tile_and_bar_keys(q_start), dim=-1)
+
+    def tile_and_bar_keys(self, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key positions of the query block at ``q_start``: (its tiles' tokens, its bars)."""
         qb = q_start // self.block_size
         layout = self.block_columns(qb, qb + 1)
-        tiles = _blocks_to_tokens(layout.block_idx, self.block_size, self.seq_len)
-        return torch.cat([tiles, layout.column_idx.long()], dim=-1)
+        return _blocks_to_tokens(layout.block_idx, self.block_size, self.seq_len), layout.column_idx.long()
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
@@ -273,6 +293,44 @@ class VerticalSlashIndex(SparseIndex):
         on_vertical = torch.zeros(self.batch_size, self.num_heads, seq_len + 1, dtype=torch.bool, device=self.device)
         on_vertical.scatter_(-1, torch.where(self.vertical >= 0, self.vertical.long(), seq_len), True)
         return _causal(seq_len, self.device) & (on_slash | on_vertical[..., None, :seq_len])
+
+
+@dataclass
+class VerticalSlashPart(SparseIndex):
+    """Only the tiles (``part="tiles"``) or only the bars (``"bars"``) of a vertical-slash
+    index: context parallelism runs the tiles on the ring and the bars locally."""
+
+    index: VerticalSlashIndex
+    part: str
+
+    def __post_init__(self):
+        if self.part not in ("tiles", "bars"):
+            fail("VerticalSlashPart.part", self.part, "'tiles' or 'bars'")
+
+    batch_size = property(lambda self: self.index.batch_size)
+    num_heads = property(lambda self: self.index.num_heads)
+    seq_len = property(lambda self: self.index.seq_len)
+    selection_heads = property(lambda self: self.index.selection_heads)
+    query_chunk = property(lambda self: self.index.query_chunk)
+    device = property(lambda self: self.index.device)
+
+    def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        tiles, bars = self.index.tile_and_bar_keys(q_start)
+        return tiles if self.part == "tiles" else bars
+
+    def block_areas(self, block: int) -> torch.Tensor:
+        if self.part != "tiles" or block != self.index.block_size:
+            return super().block_areas(block)
+        # Tiles are whole blocks: area = active diagonal x the tile's pairs (causal on the diagonal).
+        n, bs, s = self.index.num_blocks, block, self.seq_len
+        qb = torch.arange(n, device=self.device).view(-1, 1)
+        kb = torch.arange(n, device=self.device).view(1, -1)
+        diag = qb - kb
+        hits = (self.index.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)).double().sum((0, 1))
+        rows = torch.clamp(s - qb * bs, max=bs).double()
+        cols = torch.clamp(s - kb * bs, max=bs).double()
+        pairs = torch.where(diag == 0, rows * (rows + 1) / 2, rows * cols)
+        return hits * pairs
 
 
 @dataclass

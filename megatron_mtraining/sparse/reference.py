@@ -152,14 +152,15 @@ def backward_partial(q, k, v, index, scale, out, lse, dout, dlse):
 
 
 class ReferenceSparseAttention(torch.autograd.Function):
-    """Autograd wrapper: ``(q, k, v, index, scale) -> (out, lse fp32)``."""
+    """Autograd wrapper: ``(q, k, v, index, scale) -> (out, lse fp32)``; with
+    ``keep_precision`` both stay in the compute dtype (partials to be merged)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, scale):
+    def forward(ctx, q, k, v, index, scale, keep_precision=False):
         out, lse = forward_partial(q, k, v, index, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.scale = index, scale
-        return out.to(q.dtype), lse.float()
+        return (out, lse) if keep_precision else (out.to(q.dtype), lse.float())
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -167,4 +168,4 @@ class ReferenceSparseAttention(torch.autograd.Function):
         if dlse is None:
             dlse = torch.zeros_like(lse)
         dq, dk, dv = backward_partial(q, k, v, ctx.index, ctx.scale, out, lse, dout, dlse.to(lse.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
