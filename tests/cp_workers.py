@@ -59,10 +59,18 @@ def _global_index(kind, q, k, gen):
     return index, index  # MSA passes its (global) selection to the ring
 
 
-def check_ring_equals_single_device(rank, world, seed, seq):
+def hierarchy_groups(rank, world, inner_size):
+    """(inner_group, outer_group) of this rank; every rank creates every group, in order."""
+    inner = [dist.new_group(list(range(n, n + inner_size))) for n in range(0, world, inner_size)]
+    outer = [dist.new_group(list(range(g, world, inner_size))) for g in range(inner_size)]
+    return inner[rank // inner_size], outer[rank % inner_size]
+
+
+def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kinds=PATTERNS):
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 2, 4, 2, 8
-    for kind in PATTERNS:
+    hierarchy = hierarchy_groups(rank, world, inner_size) if inner_size else None
+    for kind in kinds:
         q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
         g_out = torch.randn(b, seq, hq, d, generator=gen, dtype=torch.float64)
         g_lse = torch.randn(b, hq, seq, generator=gen, dtype=torch.float64)
@@ -72,7 +80,7 @@ def check_ring_equals_single_device(rank, world, seed, seq):
         grads = torch.autograd.grad((out * g_out).sum() + (lse.double() * g_lse).sum(), (qr, kr, vr))
         for layout_kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
-            where = f"cp={world} rank={rank} {kind} {layout_kind}"
+            where = f"cp={world} inner={inner_size} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
             if not isinstance(pattern, str) and kind != "msa":
                 built = build_distributed_index(pattern, lq, lk, layout, None, d**-0.5)
@@ -82,7 +90,7 @@ def check_ring_equals_single_device(rank, world, seed, seq):
                     mine = layout.positions(rank)
                     assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
             stats = RingStats()
-            l_out, l_lse = ring_attention(lq, lk, lv, pattern, layout, None, stats=stats)
+            l_out, l_lse = ring_attention(lq, lk, lv, pattern, layout, None, hierarchy=hierarchy, stats=stats)
             torch.testing.assert_close(
                 l_out, layout.shard(out, rank), atol=1e-12, rtol=0, msg=lambda m, where=where: f"{where}: {m}"
             )
@@ -100,3 +108,24 @@ def check_ring_equals_single_device(rank, world, seed, seq):
             ring_area, local_area = stats.gather()
             total = ring_area.sum() + local_area.sum()
             assert total == float(index.attended_area().sum()), (where, total)
+
+
+def check_hierarchy_errors(rank, world):
+    """Bad hierarchies and groups are named errors (world 4: nodes of 2)."""
+    import pytest
+
+    layout = ContextParallelLayout("striped", world, 64, stripe=4)
+    q = torch.randn(1, 64 // world, 2, 8, dtype=torch.float64)
+    kv = q[:, :, :1]
+    inner, outer = hierarchy_groups(rank, world, 2)
+    everyone = dist.new_group(list(range(world)))
+    with pytest.raises(ValueError, match=r"hierarchy='inner 4 x outer 2'.*== cp_size \(4\)"):
+        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(everyone, outer))
+    with pytest.raises(ValueError, match=r"hierarchy=.*\(inner_group, outer_group\)"):
+        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(inner,))
+    with pytest.raises(ValueError, match=r"hierarchy=.*\(its node\)"):
+        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(outer, inner))
+    with pytest.raises(ValueError, match=r"layout.cp_size=2 .*size of cp_group \(4\)"):
+        ring_attention(q, kv, kv, "dense", ContextParallelLayout("striped", 2, 64, stripe=4), None)
+    with pytest.raises(ValueError, match=r"pattern='dict'"):
+        ring_attention(q, kv, kv, {}, layout, None)

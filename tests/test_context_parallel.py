@@ -2,15 +2,21 @@
 
 import pytest
 import torch
-from cp_workers import check_ring_equals_single_device, run
+from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, run
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
     imbalance_degrees,
+    ring_attention,
     ring_work,
     simulate_ring_areas,
 )
-from megatron_mtraining.sparse import VerticalSlashIndex
+from megatron_mtraining.sparse import (
+    VerticalSlashConfig,
+    VerticalSlashIndex,
+    build_vertical_slash_index,
+    sparse_attention,
+)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -19,6 +25,25 @@ def test_flat_ring_equals_single_device(world, rng):
     result on the whole sequence; the distributed index equals the single-device one."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run(world, check_ring_equals_single_device, seed, 256)
+
+
+@pytest.mark.parametrize("world,inner", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "4x2", "2x4"])
+def test_hierarchical_ring_equals_single_device(world, inner, rng):
+    """Inner ring of `inner` ranks (a node) x outer ring across nodes: same results."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run(world, check_ring_equals_single_device, seed, 256, inner, ("dense", "vertical_slash", "msa"))
+
+
+def test_hierarchy_and_group_errors():
+    run(4, check_hierarchy_errors)
+
+
+def test_cp_size_one_runs_the_local_kernel(rng):
+    q, k, v = (torch.randn(1, 64, h, 8, generator=rng, dtype=torch.float64) for h in (4, 2, 2))
+    cfg = VerticalSlashConfig(last_q=16, block_size=16, vertical_topp=0.5, slash_topp=0.5)
+    out, lse = ring_attention(q, k, v, cfg, ContextParallelLayout("striped", 1, 64, stripe=16), None)
+    ref_out, ref_lse = sparse_attention(q, k, v, build_vertical_slash_index(q, k, cfg))
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped"])

@@ -12,6 +12,7 @@ class RingExchange:
 
     ``ranks`` are the global ranks of the ring in order; this process is one of them.
     Messages between a pair are matched in posting order, which every rank keeps.
+    A ring of one rank hands the tensors back without communication.
     """
 
     def __init__(self, ranks: list[int]):
@@ -23,6 +24,9 @@ class RingExchange:
         self._pending = None
 
     def start(self, tensors: list[torch.Tensor]) -> None:
+        if len(self.ranks) == 1:  # a ring of one: what is sent comes straight back
+            self._pending = ([], tensors, tensors)
+            return
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, self.next) for t in sent]

@@ -20,10 +20,34 @@ import torch
 import torch.distributed as dist
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
-from ..sparse.moba import MoBAConfig, moba_select_from_parts
+from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
 from ..sparse.validation import fail
-from ..sparse.vertical_slash import VerticalSlashConfig, select_vertical_slash, window_statistics_from_parts
+from ..sparse.vertical_slash import (
+    VerticalSlashConfig,
+    build_vertical_slash_index,
+    select_vertical_slash,
+    window_statistics_from_parts,
+)
 from .layout import ContextParallelLayout
+
+
+def build_local_index(pattern, q: torch.Tensor, k: torch.Tensor, scale: float) -> SparseIndex:
+    """The single-device index of a pattern config (context-parallel size 1)."""
+    if isinstance(pattern, str) and pattern == "dense":
+        return DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    if isinstance(pattern, VerticalSlashConfig):
+        return build_vertical_slash_index(q, k, pattern, softmax_scale=scale)
+    if isinstance(pattern, MoBAConfig):
+        return build_moba_index(q, k, pattern)
+    return _unknown(pattern)
+
+
+def _unknown(pattern):
+    return fail(
+        "pattern",
+        type(pattern).__name__,
+        "'dense', a VerticalSlashConfig, a MoBAConfig, or a global SparseIndex built for the whole sequence",
+    )
 
 
 def _all_reduce(op, group):
@@ -51,11 +75,7 @@ def build_distributed_index(
             q, positions, k, positions, seq, pattern, _all_reduce(dist.ReduceOp.SUM, group)
         )
         return BlockTopKIndex(blocks=blocks, block_size=pattern.chunk_size, num_heads=hq)
-    return fail(
-        "pattern",
-        type(pattern).__name__,
-        "'dense', a VerticalSlashConfig, a MoBAConfig, or a global SparseIndex built for the whole sequence",
-    )
+    return _unknown(pattern)
 
 
 def _vertical_slash(config: VerticalSlashConfig, q, k, positions, seq, group, scale) -> VerticalSlashIndex:

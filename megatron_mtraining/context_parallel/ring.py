@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..sparse.attention import sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart
 from ..sparse.reference import (
     ReferenceSparseAttention,
@@ -28,48 +29,77 @@ from .step_index import StepIndex
 
 
 class _RingAttention(torch.autograd.Function):
+    """Two-level ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``,
+    inner step ``i``. Each outer step posts the inter-node transfer of the chunk it
+    started with, then runs the whole inner ring, so that transfer overlaps the inner
+    compute. A flat ring is the case of one outer step (one node).
+
+    Backward: dK/dV accumulators travel the inner ring back to the rank that brought
+    the chunk into the node, then the outer ring back to the owning node.
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, steps: list[StepIndex], ring: list[int], scale: float):
+    def forward(ctx, q, k, v, steps: list[list[StepIndex]], inner: list[int], outer: list[int], scale: float):
         dt = compute_dtype(q.dtype)
         b, s, h, d = q.shape
         out = torch.zeros(b, s, h, d, dtype=dt, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device)
-        exchange = RingExchange(ring)
-        k_cur, v_cur = k, v
-        for i, step in enumerate(steps):
-            if i + 1 < len(steps):
-                exchange.start([k_cur, v_cur])
-            if step.may_attend():
-                out, lse = combine(out, lse, *forward_partial(q, k_cur, v_cur, step, scale))
-            if i + 1 < len(steps):
-                k_cur, v_cur = exchange.wait()
+        inner_x, outer_x = RingExchange(inner), RingExchange(outer)
+        outer_kv = (k, v)
+        for o, inner_steps in enumerate(steps):
+            if o + 1 < len(steps):
+                outer_x.start(list(outer_kv))
+            kv = outer_kv
+            for i, step in enumerate(inner_steps):
+                if i + 1 < len(inner_steps):
+                    inner_x.start(list(kv))
+                if step.may_attend():
+                    out, lse = combine(out, lse, *forward_partial(q, *kv, step, scale))
+                if i + 1 < len(inner_steps):
+                    kv = tuple(inner_x.wait())
+            if o + 1 < len(steps):
+                outer_kv = tuple(outer_x.wait())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps, ctx.ring, ctx.scale = steps, ring, scale
+        ctx.steps, ctx.rings, ctx.scale = steps, (inner, outer), scale
         return out, lse  # compute dtype: merged with the local bars before the cast
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dt = out.dtype
-        kv_exchange, grad_exchange = RingExchange(ctx.ring), RingExchange(ctx.ring)
+        inner, outer = ctx.rings
+        inner_x, outer_x = RingExchange(inner), RingExchange(outer)
+        inner_g, outer_g = RingExchange(inner), RingExchange(outer)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        k_cur, v_cur = k, v
         dlse = torch.zeros_like(lse) if dlse is None else dlse.to(dt)
-        for i, step in enumerate(ctx.steps):
-            if i + 1 < len(ctx.steps):
-                kv_exchange.start([k_cur, v_cur])
-            if step.may_attend():
-                dq_s, dk_s, dv_s = backward_partial(q, k_cur, v_cur, step, ctx.scale, out, lse, dout, dlse)
-                dq += dq_s
-            else:
-                dk_s, dv_s = (torch.zeros(k.shape, dtype=dt, device=k.device) for _ in range(2))
-            # The accumulator of the chunk held now arrived from the previous rank last step.
-            dk_acc, dv_acc = grad_exchange.wait() if i else (dk_s.new_zeros(dk_s.shape), dv_s.new_zeros(dv_s.shape))
-            grad_exchange.start([dk_acc + dk_s, dv_acc + dv_s])
-            if i + 1 < len(ctx.steps):
-                k_cur, v_cur = kv_exchange.wait()
-        dk, dv = grad_exchange.wait()  # our own chunk's, after a full turn
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+        def zeros():
+            return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
+
+        outer_kv = (k, v)
+        for o, inner_steps in enumerate(ctx.steps):
+            if o + 1 < len(ctx.steps):
+                outer_x.start(list(outer_kv))
+            kv = outer_kv
+            for i, step in enumerate(inner_steps):
+                if i + 1 < len(inner_steps):
+                    inner_x.start(list(kv))
+                grads = zeros()
+                if step.may_attend():
+                    dq_s, *grads = backward_partial(q, *kv, step, ctx.scale, out, lse, dout, dlse)
+                    dq += dq_s
+                # The accumulator of the chunk held now arrived from the inner predecessor.
+                acc = inner_g.wait() if i else zeros()
+                inner_g.start([a + g for a, g in zip(acc, grads, strict=True)])
+                if i + 1 < len(inner_steps):
+                    kv = tuple(inner_x.wait())
+            node_grads = inner_g.wait()  # this outer step's chunk, summed over the whole node
+            acc = outer_g.wait() if o else zeros()
+            outer_g.start([a + g for a, g in zip(acc, node_grads, strict=True)])
+            if o + 1 < len(ctx.steps):
+                outer_kv = tuple(outer_x.wait())
+        dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -122,6 +152,35 @@ def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale):
     return bars, ReferenceSparseAttention.apply(q, k_cols, v_cols, bars, scale, True)
 
 
+def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
+    """Global ranks of this rank's inner and outer rings. Flat: the inner ring is the
+    whole group. Hierarchical ``(inner_group, outer_group)``: group rank
+    ``node * inner_size + local``; the inner group holds the ranks of one node
+    (consecutive group ranks), the outer group one rank per node (same local)."""
+    if hierarchy is None:
+        return members, [members[rank]]
+    if not (isinstance(hierarchy, tuple | list) and len(hierarchy) == 2):
+        fail("hierarchy", hierarchy, "None (flat ring) or a pair (inner_group, outer_group)")
+    inner = dist.get_process_group_ranks(hierarchy[0])
+    outer = dist.get_process_group_ranks(hierarchy[1])
+    if len(inner) * len(outer) != len(members):
+        fail(
+            "hierarchy",
+            f"inner {len(inner)} x outer {len(outer)}",
+            f"inner_size x outer_size == cp_size ({len(members)})",
+        )
+    node, local = divmod(rank, len(inner))
+    want_inner = members[node * len(inner) : (node + 1) * len(inner)]
+    want_outer = members[local :: len(inner)]
+    if inner != want_inner or outer != want_outer:
+        fail(
+            "hierarchy",
+            f"inner ranks {inner}, outer ranks {outer}",
+            f"for cp group rank {rank}: inner {want_inner} (its node), outer {want_outer} (same local rank)",
+        )
+    return inner, outer
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,33 +200,50 @@ def ring_attention(
     whole sequence, sharded. ``pattern``: a global ``SparseIndex`` built for the
     whole sequence (identical on every rank), or a pattern config whose index is
     built here from the distributed q/k (see ``distributed_index``).
-    ``stats``: filled with the attended area per ring step (imbalance accounting).
+    ``hierarchy``: None (flat ring) or ``(inner_group, outer_group)`` for the
+    hierarchical ring (inner ring inside a node, outer ring across nodes, the
+    inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
+    local kernel. ``stats``: filled with the attended area per ring step (outer-major)
+    and of the local vertical-column pass (imbalance accounting).
     """
-    from .distributed_index import build_distributed_index
+    from .distributed_index import build_distributed_index, build_local_index
 
     check_qkv(q, k, v)
-    group_size = dist.get_world_size(cp_group)
+    group_size = dist.get_world_size(cp_group) if dist.is_initialized() else 1
     if layout.cp_size != group_size:
         fail("layout.cp_size", layout.cp_size, f"the size of cp_group ({group_size})")
     if q.shape[1] != layout.local_len:
         fail("q.shape[1]", q.shape[1], f"the layout's tokens per rank ({layout.local_len})")
-    if hierarchy is not None:
-        fail("hierarchy", hierarchy, "None: the hierarchical ring is not available in this version")
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    if group_size == 1:
+        index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
+        return sparse_attention(q, k, v, index, softmax_scale=scale)
     rank = dist.get_rank(cp_group)
+    members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
+    inner, outer = _rings(members, rank, hierarchy)
+    n_inner, n_outer = len(inner), len(outer)
     index = (
         pattern if isinstance(pattern, SparseIndex) else build_distributed_index(pattern, q, k, layout, cp_group, scale)
     )
     q_pos = layout.positions(rank, q.device)
-    # Flat ring: at step i this rank holds the K/V chunk of rank (rank - i) mod W.
-    sources = [(rank - i) % group_size for i in range(group_size)]
-    steps = [StepIndex(ring_work(index), q_pos, layout.positions(src, q.device)) for src in sources]
-    ring = [dist.get_global_rank(cp_group, r) if cp_group is not None else r for r in range(group_size)]
-    out, lse = _RingAttention.apply(q, k, v, steps, ring, scale)
+    # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
+    # chunk of node (node - o), local (local - i).
+    node, local_rank = divmod(rank, n_inner)
+    work = ring_work(index)
+    steps = [
+        [
+            StepIndex(
+                work, q_pos, layout.positions(((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner, q.device)
+            )
+            for i in range(n_inner)
+        ]
+        for o in range(n_outer)
+    ]
+    out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale)
     local = _local_bars(q, k, v, index, q_pos, cp_group, scale) if isinstance(index, VerticalSlashIndex) else None
     if local is not None:
         out, lse = combine(out, lse, *local[1])
     if stats is not None:
-        per_step = [int(step.attended_area().sum()) if step.may_attend() else 0 for step in steps]
+        per_step = [int(step.attended_area().sum()) if step.may_attend() else 0 for row in steps for step in row]
         stats.record(rank, per_step, int(local[0].attended_area().sum()) if local is not None else 0)
     return out.to(q.dtype), lse.float()
