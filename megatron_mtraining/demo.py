@@ -31,16 +31,7 @@ from .sparse import (
     msa_select_blocks,
     sparse_attention,
 )
-
-
-def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding on ``[B, S, H, D]`` (half-split convention)."""
-    seq, dim = x.shape[1], x.shape[-1]
-    freqs = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(seq, device=x.device, dtype=torch.float32).view(-1, 1) * freqs
-    cos, sin = angles.cos().view(1, seq, 1, -1), angles.sin().view(1, seq, 1, -1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+from .synthetic import rope
 
 
 def synthetic_inputs(args, generator):

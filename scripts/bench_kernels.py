@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from megatron_mtraining.demo import rope
 from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
@@ -44,6 +43,7 @@ from megatron_mtraining.sparse import (
     sparse_attention,
 )
 from megatron_mtraining.sparse.kernels.layout import kernel_layout
+from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
 

@@ -13,10 +13,10 @@ from megatron_mtraining.context_parallel import (
 )
 from megatron_mtraining.sparse import (
     VerticalSlashConfig,
-    VerticalSlashIndex,
     build_vertical_slash_index,
     sparse_attention,
 )
+from megatron_mtraining.synthetic import slash_heavy_index
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -82,25 +82,11 @@ def test_layout_errors_name_the_field():
         ContextParallelLayout("zigzag", 4, 66)
 
 
-def _slash_heavy_index(seq, block, heads, gen):
-    """Vertical-slash index shaped like the paper's: local and scattered far block
-    diagonals (slash-dominated), a few sink and scattered columns."""
-    n = seq // block
-    slash, vertical = [], []
-    for _ in range(heads):
-        far = (torch.randperm(n - 8, generator=gen)[: n // 16] + 8).tolist()
-        slash.append(sorted(set(range(8)) | set(far)))
-        vertical.append(sorted(set(range(16)) | set(torch.randperm(seq, generator=gen)[:64].tolist())))
-    width_s, width_v = max(map(len, slash)), max(map(len, vertical))
-    pad = lambda rows, w: torch.tensor([r + [-1] * (w - len(r)) for r in rows], dtype=torch.int32)  # noqa: E731
-    return VerticalSlashIndex(pad(vertical, width_v)[None], pad(slash, width_s)[None], seq_len=seq, block_size=block)
-
-
 def test_imbalance_at_32_ranks(rng, capsys):
     """Simulated 32-rank ring on a slash-dominated vertical-slash index: striped is
     balanced across workers (ID <= 1.05), zigzag clearly is not."""
     seq, block = 65536, 64
-    index = _slash_heavy_index(seq, block, heads=4, gen=rng)
+    index = slash_heavy_index(seq, block, heads=4, gen=rng)
     degrees = {}
     for kind in ("striped", "zigzag"):
         layout = ContextParallelLayout(kind, 32, seq, stripe=block)
@@ -113,7 +99,7 @@ def test_imbalance_at_32_ranks(rng, capsys):
 
 
 def test_simulated_areas_sum_to_the_index_area(rng):
-    index = _slash_heavy_index(4096, 64, heads=2, gen=rng)
+    index = slash_heavy_index(4096, 64, heads=2, gen=rng)
     tiles = ring_work(index)
     # The closed form of the tile areas equals the count from the key lists.
     assert torch.equal(tiles.block_areas(64), super(type(tiles), tiles).block_areas(64))
