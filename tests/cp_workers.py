@@ -17,6 +17,7 @@ from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
     MSAConfig,
+    MSAPattern,
     VerticalSlashConfig,
     build_moba_index,
     build_vertical_slash_index,
@@ -55,8 +56,8 @@ def _global_index(kind, q, k, gen):
         return build_moba_index(q, k, cfg), cfg
     q_idx = torch.randn(b, s, k.shape[2], 8, generator=gen, dtype=torch.float64)
     k_idx = torch.randn(b, s, 1, 8, generator=gen, dtype=torch.float64)
-    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=3, index_head_dim=8), hq)
-    return index, index  # MSA passes its (global) selection to the ring
+    cfg = MSAConfig(block_size=16, topk=3, index_head_dim=8)
+    return msa_select_blocks(q_idx, k_idx, cfg, hq), MSAPattern(q_idx, k_idx, cfg)
 
 
 def hierarchy_groups(rank, world, inner_size):
@@ -82,15 +83,20 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
             where = f"cp={world} inner={inner_size} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
-            if not isinstance(pattern, str) and kind != "msa":
-                built = build_distributed_index(pattern, lq, lk, layout, None, d**-0.5)
+            local_pattern = pattern
+            if isinstance(pattern, MSAPattern):  # each rank has its tokens' index queries and keys
+                local_pattern = MSAPattern(
+                    layout.shard(pattern.q_idx, rank), layout.shard(pattern.k_idx, rank), pattern.config
+                )
+            if not isinstance(pattern, str):
+                built = build_distributed_index(local_pattern, lq, lk, layout, None, d**-0.5)
                 if kind == "vertical_slash":
                     assert torch.equal(built.vertical, index.vertical) and torch.equal(built.slash, index.slash), where
                 else:
                     mine = layout.positions(rank)
                     assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
             stats = RingStats()
-            l_out, l_lse = ring_attention(lq, lk, lv, pattern, layout, None, hierarchy=hierarchy, stats=stats)
+            l_out, l_lse = ring_attention(lq, lk, lv, local_pattern, layout, None, hierarchy=hierarchy, stats=stats)
             torch.testing.assert_close(
                 l_out, layout.shard(out, rank), atol=1e-12, rtol=0, msg=lambda m, where=where: f"{where}: {m}"
             )

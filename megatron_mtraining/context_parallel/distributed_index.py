@@ -10,8 +10,10 @@ sequence (the builders share their arithmetic, see ``window_statistics_from_part
   sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]``
   buffer; row maxima, normalisers and the column / diagonal mass are reduced.
 * ``MoBAConfig``: chunk key sums are reduced (``[B, chunks, Hkv, D]``); each rank
-  gates its own queries. The index holds rows for this rank's queries only,
-  the only rows the ring reads.
+  gates its own queries.
+* ``MSAPattern``: the index keys circulate the ring and each rank keeps its queries'
+  running block maxima (``block_max_scores``), then picks their top-k.
+Top-k indices hold rows for this rank's queries only, the only rows the ring reads.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, select_topk_blocks
 from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
+from ..sparse.msa import MSAPattern, block_max_scores, msa_select_blocks
 from ..sparse.validation import fail
 from ..sparse.vertical_slash import (
     VerticalSlashConfig,
@@ -28,6 +31,7 @@ from ..sparse.vertical_slash import (
     select_vertical_slash,
     window_statistics_from_parts,
 )
+from .comm import RingExchange
 from .layout import ContextParallelLayout
 
 
@@ -39,6 +43,8 @@ def build_local_index(pattern, q: torch.Tensor, k: torch.Tensor, scale: float) -
         return build_vertical_slash_index(q, k, pattern, softmax_scale=scale)
     if isinstance(pattern, MoBAConfig):
         return build_moba_index(q, k, pattern)
+    if isinstance(pattern, MSAPattern):
+        return msa_select_blocks(pattern.q_idx, pattern.k_idx, pattern.config, q.shape[2])
     return _unknown(pattern)
 
 
@@ -46,7 +52,8 @@ def _unknown(pattern):
     return fail(
         "pattern",
         type(pattern).__name__,
-        "'dense', a VerticalSlashConfig, a MoBAConfig, or a global SparseIndex built for the whole sequence",
+        "'dense', a VerticalSlashConfig, a MoBAConfig, an MSAPattern, or a global SparseIndex built for the whole "
+        "sequence",
     )
 
 
@@ -75,7 +82,33 @@ def build_distributed_index(
             q, positions, k, positions, seq, pattern, _all_reduce(dist.ReduceOp.SUM, group)
         )
         return BlockTopKIndex(blocks=blocks, block_size=pattern.chunk_size, num_heads=hq)
+    if isinstance(pattern, MSAPattern):
+        return _msa(pattern, hq, positions, seq, group)
     return _unknown(pattern)
+
+
+def _msa(pattern: MSAPattern, num_heads: int, positions, seq, group) -> BlockTopKIndex:
+    """Index keys (one head of d_idx per token) circulate the ring; each rank keeps the
+    running block maxima of its own queries, then picks their top-k. No rank holds
+    the whole sequence's keys."""
+    cfg = pattern.config
+    q_idx, k_idx = pattern.q_idx.detach(), pattern.k_idx.detach()
+    bsz, _, groups, _ = q_idx.shape
+    n_blocks = -(-seq // cfg.block_size)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    exchange = RingExchange(members)
+    block_max = None
+    keys, key_pos = k_idx, positions
+    for step in range(len(members)):
+        if step + 1 < len(members):
+            exchange.start([keys, key_pos])
+        part = block_max_scores(q_idx, positions, keys, key_pos, n_blocks, cfg.block_size)
+        block_max = part if block_max is None else torch.maximum(block_max, part)
+        if step + 1 < len(members):
+            keys, key_pos = exchange.wait()
+    blocks = torch.full((bsz, seq, groups, cfg.topk), -1, dtype=torch.int32, device=q_idx.device)
+    blocks[:, positions] = select_topk_blocks(block_max, positions // cfg.block_size, cfg.topk).permute(0, 2, 1, 3)
+    return BlockTopKIndex(blocks=blocks, block_size=cfg.block_size, num_heads=num_heads)
 
 
 def _vertical_slash(config: VerticalSlashConfig, q, k, positions, seq, group, scale) -> VerticalSlashIndex:

@@ -90,6 +90,34 @@ def _check_index_inputs(q_idx, k_idx, index_head_dim: int | None = None) -> None
         fail("q_idx.shape[3]", q_idx.shape[3], f"MSAConfig.index_head_dim ({index_head_dim})")
 
 
+@dataclass
+class MSAPattern:
+    """MSA selection inputs for context parallelism: this rank's index queries and keys
+    (``IndexBranch`` outputs on its tokens) and the config."""
+
+    q_idx: torch.Tensor  # [B, L, Hkv, d_idx]
+    k_idx: torch.Tensor  # [B, L, 1, d_idx]
+    config: MSAConfig
+
+
+def block_max_scores(
+    q_idx: torch.Tensor,
+    query_positions: torch.Tensor,
+    k_idx: torch.Tensor,
+    key_positions: torch.Tensor,
+    n_blocks: int,
+    block_size: int,
+) -> torch.Tensor:
+    """``[B, Hkv, nq, n_blocks]`` max over the given, causally visible keys of each block of
+    ``q_idx . k_idx / sqrt(d_idx)`` (fp32; -inf where the block has no such key). Max is
+    exact and order-free, so maxima over key subsets (ring steps) combine to the whole."""
+    scores = torch.einsum("bqrd,bkd->brqk", q_idx.float(), k_idx[:, :, 0].float()) / math.sqrt(q_idx.shape[-1])
+    scores.masked_fill_(key_positions.view(1, -1) > query_positions.view(-1, 1), float("-inf"))
+    out = scores.new_full((*scores.shape[:3], n_blocks), float("-inf"))
+    blocks = (key_positions // block_size).expand_as(scores)
+    return out.scatter_reduce_(-1, blocks, scores, "amax", include_self=True)
+
+
 @torch.no_grad()
 def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int) -> BlockTopKIndex:
     """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count."""
@@ -101,20 +129,13 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
     bs = config.block_size
     n_blocks = -(-seq // bs)
     rows_per_chunk = max(bs, (1 << 22) // max(seq, 1) // bs * bs)
+    positions = torch.arange(seq, device=q_idx.device)
     blocks = torch.empty(bsz, seq, groups, config.topk, dtype=torch.int32, device=q_idx.device)
-    k_all = k_idx[:, :, 0].float()
     for q0 in range(0, seq, rows_per_chunk):
         q1 = min(q0 + rows_per_chunk, seq)
-        scores = torch.einsum("bqrd,bkd->brqk", q_idx[:, q0:q1].float(), k_all[:, :q1]) / math.sqrt(d)
-        rows = torch.arange(q0, q1, device=q_idx.device)
-        scores.masked_fill_(torch.arange(q1, device=q_idx.device).view(1, -1) > rows.view(-1, 1), float("-inf"))
-        nb = -(-q1 // bs)
-        scores = torch.nn.functional.pad(scores, (0, nb * bs - q1), value=float("-inf"))
-        block_max = torch.nn.functional.pad(
-            scores.unflatten(-1, (nb, bs)).amax(-1), (0, n_blocks - nb), value=float("-inf")
-        )
-        chosen = select_topk_blocks(block_max, rows // bs, config.topk)  # [B, G, nq, k]
-        blocks[:, q0:q1] = chosen.permute(0, 2, 1, 3)
+        rows = positions[q0:q1]
+        block_max = block_max_scores(q_idx[:, q0:q1], rows, k_idx[:, :q1], positions[:q1], n_blocks, bs)
+        blocks[:, q0:q1] = select_topk_blocks(block_max, rows // bs, config.topk).permute(0, 2, 1, 3)
     return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
 
 
