@@ -55,10 +55,21 @@ def _row_selection(layout: KernelLayout) -> dict:
     }
 
 
+def _positions(layout: KernelLayout) -> dict:
+    """Global positions of the query rows and key columns, for context-parallel steps."""
+    has = layout.query_positions is not None
+    return {
+        "QPOS": layout.query_positions if has else layout.tile_count,
+        "KPOS": layout.key_positions if has else layout.tile_count,
+        "HAS_POS": has,
+    }
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     b, s, h, d = q.shape
     return {
         "S": s,
+        "SK": k.shape[1],
         "H": h,
         "HKV": k.shape[2],
         "LB": layout.tiles.shape[0],
@@ -69,6 +80,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
         # fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores as they are.
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         **_row_selection(layout),
+        **_positions(layout),
     }
 
 
@@ -119,7 +131,8 @@ class TritonBlockBarAttention(torch.autograd.Function):
             bar_opts = _opts("bar_dkdv", layout, q)
             _bar_dkdv_kernel[(triton.cdiv(v_max, bar_opts["BLOCK_N"]), b * h)](
                 q, k, v, dout, lse, delta, layout.vertical, layout.active, bar_dk, bar_dv,
-                S=s, H=h, HKV=hkv, NQB=n_qb, V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
+                S=s, SK=k.shape[1], H=h, HKV=hkv, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
+                qk_scale=scale * LOG2E, sm_scale=scale, **_positions(layout),
                 HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **bar_opts,
             )  # fmt: skip
             vert, vptr = layout.vertical, layout.vertical_ptr

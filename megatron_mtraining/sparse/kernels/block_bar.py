@@ -16,6 +16,11 @@ Backward without atomics, so it is deterministic:
   then folding in that group's bar partials for columns of the block with a
   one-hot matmul. Each dK/dV row has exactly one writer.
 All statistics are fp32; exponentials are base 2 with the scale folded in.
+
+Loads use local row and column indices; causality compares global positions,
+which are the indices themselves on one device and are read from ``QPOS`` /
+``KPOS`` (``HAS_POS``) when the rows are a context-parallel rank's tokens and the
+keys another rank's chunk (or gathered columns, ``SK`` of them).
 """
 
 from __future__ import annotations
@@ -27,10 +32,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION: tl.constexpr):
+def _positions(POS, idx, ok, HAS_POS: tl.constexpr):
+    """Global positions of local indices ``idx`` (the indices themselves without ``POS``)."""
+    pos = idx
+    if HAS_POS:
+        pos = tl.load(POS + idx, mask=ok, other=0)
+    return pos
+
+
+@triton.jit
+def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
     """Scaled log2-domain logits [BLOCK, N] with invisible keys at -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    visible = col_ok[None, :] & (cols[None, :] <= rows[:, None])
+    visible = col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None])
     return tl.where(visible, s, float("-inf"))
 
 
@@ -41,10 +55,11 @@ def _load_rows(base, idx, ok, row_stride, d, d_ok):
 
 @triton.jit
 def _online_step(
-    acc, m_i, l_i, q, K_base, V_base, cols, col_ok, rows, kv_stride, d, d_ok, qk_scale, PRECISION: tl.constexpr
-):
+    acc, m_i, l_i, q, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
     k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
-    s = _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION)
+    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -75,51 +90,61 @@ def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexp
 
 
 @triton.jit
-def _selects(sel, kb, RATIO):
-    """Rows whose selection holds the index block of tile ``kb``."""
-    return tl.max((sel == kb // RATIO).to(tl.int32), 1) > 0
+def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: tl.constexpr, HAS_POS: tl.constexpr):
+    """Row positions for tile ``kb``; -1 (sees nothing) on rows that did not select its
+    index block (top-k layouts). Selections hold global block ids."""
+    out = row_pos
+    if HAS_ROWSEL:
+        global_tile = _positions(KPOS, kb * BLOCK, True, HAS_POS) // BLOCK
+        out = tl.where(tl.max((sel == global_tile // RATIO).to(tl.int32), 1) > 0, row_pos, -1)
+    return out
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL,
-    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale,
+    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_POS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
+    row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q = _load_rows(Q + b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
-    K_base = K + b * S * kv_stride + kvh * HEAD_DIM
-    V_base = V + b * S * kv_stride + kvh * HEAD_DIM
+    K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
+    V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, D_PAD], tl.float32)
     lh = h // (H // LH)
     lay = ((b % LB) * LH + lh) * NQB + qb
+    sel = rows
     if HAS_ROWSEL:
         sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
     for t in range(tl.load(TILE_CNT + lay)):
         kb = tl.load(TILES + lay * T_MAX + t)
-        tile_rows = rows
-        if HAS_ROWSEL:  # rows that did not select this tile's block see none of it
-            tile_rows = tl.where(_selects(sel, kb, RATIO), rows, -1)
+        tile_rows = _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS)
         for j in tl.static_range(BLOCK // BLOCK_N):
             cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < SK
             acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, cols < S, tile_rows, kv_stride, d, d_ok, qk_scale, PRECISION
-            )
+                acc, m_i, l_i, q, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok, tile_rows,
+                kv_stride, d, d_ok, qk_scale, PRECISION,
+            )  # fmt: skip
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
         n_cols = tl.load(COL_CNT + bar)
         for c0 in range(0, n_cols, BLOCK_N):
             offs = c0 + tl.arange(0, BLOCK_N)
             cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
+            col_ok = cols >= 0
             acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
-            )
+                acc, m_i, l_i, q, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok, row_pos,
+                kv_stride, d, d_ok, qk_scale, PRECISION,
+            )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -141,11 +166,12 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse, delta, K_base, V_base, cols, col_ok, rows, kv_stride, d, d_ok, qk_scale, PRECISION: tl.constexpr
-):
+    dq, q, do, lse, delta, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
     k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
     v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
-    p = tl.exp2(_scores(q, k, cols, col_ok, rows, qk_scale, PRECISION) - lse[:, None])
+    p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION) - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -153,15 +179,16 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL,
-    S, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ, and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
+    row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -174,24 +201,24 @@ def _dq_kernel(
     tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
     lse = tl.load(LSE + (b * H + h) * S + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)
-    K_base = K + b * S * kv_stride + kvh * HEAD_DIM
-    V_base = V + b * S * kv_stride + kvh * HEAD_DIM
+    K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
+    V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
     dq = tl.zeros([BLOCK, D_PAD], tl.float32)
     lh = h // (H // LH)
     lay = ((b % LB) * LH + lh) * NQB + qb
+    sel = rows
     if HAS_ROWSEL:
         sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
     for t in range(tl.load(TILE_CNT + lay)):
         kb = tl.load(TILES + lay * T_MAX + t)
-        tile_rows = rows
-        if HAS_ROWSEL:
-            tile_rows = tl.where(_selects(sel, kb, RATIO), rows, -1)
+        tile_rows = _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS)
         for j in tl.static_range(BLOCK // BLOCK_N):
             cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < SK
             dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, cols < S, tile_rows, kv_stride, d, d_ok, qk_scale,
-                PRECISION,
+                dq, q, do, lse, delta, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok,
+                tile_rows, kv_stride, d, d_ok, qk_scale, PRECISION,
             )  # fmt: skip
     if HAS_BARS:
         bar = (b * H + h) * NQB + qb
@@ -199,43 +226,26 @@ def _dq_kernel(
         for c0 in range(0, n_cols, BLOCK_N):
             offs = c0 + tl.arange(0, BLOCK_N)
             cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
+            col_ok = cols >= 0
             dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, cols >= 0, rows, kv_stride, d, d_ok, qk_scale, PRECISION
-            )
+                dq, q, do, lse, delta, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok,
+                row_pos, kv_stride, d, d_ok, qk_scale, PRECISION,
+            )  # fmt: skip
     dq_ptrs = DQ + q_off + rows[:, None] * q_stride + d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _kv_grads(
-    dk,
-    dv,
-    k,
-    v,
-    cols,
-    col_ok,
-    Q_base,
-    DO_base,
-    LSE,
-    DELTA,
-    b,
-    h,
-    H,
-    S,
-    rows,
-    q_stride,
-    d,
-    d_ok,
-    qk_scale,
-    extra_mask,
-    PRECISION: tl.constexpr,
-):
+    dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d, d_ok,
+    qk_scale, extra_mask, PRECISION: tl.constexpr,
+):  # fmt: skip
     """Adds one query block's contribution to the dK/dV of a set of key rows."""
     row_ok = rows < S
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
     lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
-    s = _scores(q, k, cols, col_ok, rows, qk_scale, PRECISION)
+    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION)
     p = tl.exp2(tl.where(extra_mask & row_ok[:, None], s, float("-inf")) - lse[:, None])
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -246,10 +256,10 @@ def _kv_grads(
 
 @triton.jit
 def _bar_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, VERT, ACTIVE, BAR_DK, BAR_DV,
-    S, H, HKV, NQB, V_MAX, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, VERT, ACTIVE, BAR_DK, BAR_DV, QPOS, KPOS,
+    S, SK, H, HKV, NQB, N_ACTIVE, V_MAX, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -264,19 +274,24 @@ def _bar_dkdv_kernel(
         d_ok = d < HEAD_DIM
         q_stride = H * HEAD_DIM
         kv_stride = HKV * HEAD_DIM
-        k = _load_rows(K + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
-        v = _load_rows(V + b * S * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
-        col_block = cols // BLOCK
+        k = _load_rows(K + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
+        v = _load_rows(V + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
+        col_pos = _positions(KPOS, cols, col_ok, HAS_POS)
+        col_block = col_pos // BLOCK  # global block of each column
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
-        for qb in range(tl.min(tl.where(col_ok, col_block, NQB), 0), NQB):
+        first = 0  # query blocks before the chunk's first column see none of it (single device)
+        if not HAS_POS:
+            first = tl.min(tl.where(col_ok, col_block, NQB), 0)
+        for qb in range(first, NQB):
             rows = qb * BLOCK + tl.arange(0, BLOCK)
-            diag = qb - col_block
-            in_tile = tl.load(ACTIVE + bh * NQB + diag, mask=col_ok & (diag >= 0), other=0) != 0
+            row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
+            diag = tl.max(row_pos, 0) // BLOCK - col_block  # a query block is one global block
+            in_tile = tl.load(ACTIVE + bh * N_ACTIVE + diag, mask=col_ok & (diag >= 0), other=0) != 0
             dk, dv = _kv_grads(
-                dk, dv, k, v, cols, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, q_stride, d, d_ok,
-                qk_scale, (~in_tile)[None, :], PRECISION,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
+                d, d_ok, qk_scale, (~in_tile)[None, :], PRECISION,
             )  # fmt: skip
         out = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
@@ -307,11 +322,11 @@ def _fold_bars(
 
 @triton.jit
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL,
-    S, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, PRECISION: tl.constexpr,
-    FOLD: tl.constexpr,
+    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_POS: tl.constexpr,
+    PRECISION: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     sub = tl.program_id(0)  # BLOCK_N key rows of KV block kb
     kb = sub // (BLOCK // BLOCK_N)
@@ -321,12 +336,13 @@ def _tile_dkdv_kernel(
     kvh = bkv % HKV
     group = H // HKV
     cols = first + tl.arange(0, BLOCK_N)
-    col_ok = cols < S
+    col_ok = cols < SK
+    col_pos = _positions(KPOS, cols, col_ok, HAS_POS)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
-    kv_off = b * S * kv_stride + kvh * HEAD_DIM
+    kv_off = b * SK * kv_stride + kvh * HEAD_DIM
     k = _load_rows(K + kv_off, cols, col_ok, kv_stride, d, d_ok)
     v = _load_rows(V + kv_off, cols, col_ok, kv_stride, d, d_ok)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -340,13 +356,14 @@ def _tile_dkdv_kernel(
         lay = ((b % LB) * LH + lh) * NKB + kb
         for t in range(tl.load(TILE_T_CNT + lay)):
             rows = tl.load(TILES_T + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
-            keep = col_ok[None, :]
+            row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
+            sel = rows
             if HAS_ROWSEL:
                 sel = _row_selection(ROWSEL, b, lh, LH, S, rows, rows < S, K_SEL, K_PAD)
-                keep = keep & _selects(sel, kb, RATIO)[:, None]
             dk, dv = _kv_grads(
-                dk, dv, k, v, cols, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, q_stride, d, d_ok,
-                qk_scale, keep, PRECISION,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
+                _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
+                col_ok[None, :], PRECISION,
             )  # fmt: skip
         if HAS_BARS:
             bar_dk, bar_dv = _fold_bars(

@@ -33,6 +33,10 @@ class KernelLayout:
     # each row keeps only tiles of the index blocks it selected.
     rowsel: torch.Tensor | None = None  # [B, LH, S, k] int32 selected index blocks per row
     rowsel_ratio: int = 1  # index block size / tile size
+    # Context-parallel steps: global positions of the local query rows and of the keys
+    # (int32); causality compares these. None on one device (positions = indices).
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
 
     @property
     def has_bars(self) -> bool:
