@@ -135,3 +135,45 @@ def check_hierarchy_errors(rank, world):
         ring_attention(q, kv, kv, "dense", ContextParallelLayout("striped", 2, 64, stripe=4), None)
     with pytest.raises(ValueError, match=r"pattern='dict'"):
         ring_attention(q, kv, kv, {}, layout, None)
+
+
+def check_ring_with_kernels(rank, world, seed, seq):
+    """The ring on the Triton kernels (CUDA, or the interpreter on CPU) in fp32 against
+    single-device fp64 attention: every step's kernel layout, the local bar pass and the
+    gradients that travel back."""
+    from megatron_mtraining.context_parallel import StepIndex, ring_work
+    from megatron_mtraining.context_parallel.step_layout import step_kernel_layout
+    from megatron_mtraining.sparse import VerticalSlashIndex
+    from megatron_mtraining.sparse.index import VerticalSlashPart
+
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d = 1, 4, 2, 16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for kind in ("dense", "vertical_slash", "msa"):
+        q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+        g_out = torch.randn(b, seq, hq, d, generator=gen, dtype=torch.float64)
+        index, _ = _global_index(kind, q, k, gen)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = sparse_attention(qr, kr, vr, index)
+        grads = torch.autograd.grad((out * g_out).sum(), (qr, kr, vr))
+        for layout_kind in ("striped", "zigzag"):
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+            where = f"kernels cp={world} rank={rank} {kind} {layout_kind}"
+            # Every step (and the vertical-column pass) has a kernel layout: no silent fallback.
+            mine = layout.positions(rank)
+            for src in range(world):
+                assert step_kernel_layout(StepIndex(ring_work(index), mine, layout.positions(src))) is not None, where
+            if isinstance(index, VerticalSlashIndex):
+                columns = torch.unique(index.vertical[index.vertical >= 0]).long()
+                bars = StepIndex(VerticalSlashPart(index, "bars"), mine, columns)
+                assert step_kernel_layout(bars) is not None, where
+            lq, lk, lv = (layout.shard(t, rank).float().to(device).requires_grad_() for t in (q, k, v))
+            l_out, l_lse = ring_attention(lq, lk, lv, index.to(device), layout, None, backend="triton")
+            torch.testing.assert_close(l_out.double().cpu(), layout.shard(out, rank), atol=2e-5, rtol=0)
+            torch.testing.assert_close(l_lse.double().cpu(), layout.shard(lse, rank, dim=2).double(), atol=2e-5, rtol=0)
+            loss = (l_out.double() * layout.shard(g_out, rank).to(device)).sum()
+            for name, got, full in zip("qkv", torch.autograd.grad(loss, (lq, lk, lv)), grads, strict=True):
+                torch.testing.assert_close(
+                    got.double().cpu(), layout.shard(full, rank), atol=1e-4, rtol=0,
+                    msg=lambda m, n=name, where=where: f"{where} d{n}: {m}",
+                )  # fmt: skip

@@ -1,8 +1,10 @@
 """Context-parallel ring attention on gloo processes against single-device attention."""
 
+import os
+
 import pytest
 import torch
-from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, run
+from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, check_ring_with_kernels, run
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
@@ -32,6 +34,15 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
     """Inner ring of `inner` ranks (a node) x outer ring across nodes: same results."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run(world, check_ring_equals_single_device, seed, 256, inner, ("dense", "vertical_slash", "msa"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+def test_ring_on_kernels(rng):
+    """Ring steps and the local vertical-column pass on the Triton kernels (positions)."""
+    run(2, check_ring_with_kernels, int(torch.randint(0, 2**31, (1,), generator=rng)), 128)
 
 
 def test_hierarchy_and_group_errors():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..sparse.attention import sparse_attention
+from ..sparse.attention import backend_choice, sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart
 from ..sparse.reference import (
     ReferenceSparseAttention,
@@ -26,6 +26,30 @@ from .comm import RingExchange
 from .imbalance import RingStats
 from .layout import ContextParallelLayout
 from .step_index import StepIndex
+from .step_layout import step_kernel_layout
+
+
+class _Step:
+    """One ring step: its index view and, where the kernels serve it, its kernel layout
+    (built once, used by the forward and the backward)."""
+
+    def __init__(self, index: StepIndex, use_kernels: bool):
+        self.index = index
+        self.layout = step_kernel_layout(index) if use_kernels else None
+
+    def forward(self, q, k, v, scale):
+        if self.layout is None:
+            return forward_partial(q, k, v, self.index, scale)
+        from ..sparse.kernels.attention import kernel_forward  # imports Triton
+
+        return kernel_forward(q, k, v, self.layout, scale)
+
+    def backward(self, q, k, v, scale, out, lse, dout, dlse):
+        if self.layout is None:
+            return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
+        from ..sparse.kernels.attention import kernel_backward  # imports Triton
+
+        return kernel_backward(q, k, v, self.layout, scale, out.to(q.dtype), lse, dout, dlse)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -39,7 +63,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, steps: list[list[StepIndex]], inner: list[int], outer: list[int], scale: float):
+    def forward(ctx, q, k, v, steps: list[list[_Step]], inner: list[int], outer: list[int], scale: float):
         dt = compute_dtype(q.dtype)
         b, s, h, d = q.shape
         out = torch.zeros(b, s, h, d, dtype=dt, device=q.device)
@@ -53,8 +77,8 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                if step.may_attend():
-                    out, lse = combine(out, lse, *forward_partial(q, *kv, step, scale))
+                if step.index.may_attend():
+                    out, lse = combine(out, lse, *step.forward(q, *kv, scale))
                 if i + 1 < len(inner_steps):
                     kv = tuple(inner_x.wait())
             if o + 1 < len(steps):
@@ -85,8 +109,8 @@ class _RingAttention(torch.autograd.Function):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
                 grads = zeros()
-                if step.may_attend():
-                    dq_s, *grads = backward_partial(q, *kv, step, ctx.scale, out, lse, dout, dlse)
+                if step.index.may_attend():
+                    dq_s, *grads = step.backward(q, *kv, ctx.scale, out, lse, dout, dlse)
                     dq += dq_s
                 # The accumulator of the chunk held now arrived from the inner predecessor.
                 acc = inner_g.wait() if i else zeros()
@@ -141,7 +165,7 @@ def ring_work(index: SparseIndex) -> SparseIndex:
     return VerticalSlashPart(index, "tiles") if isinstance(index, VerticalSlashIndex) else index
 
 
-def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale):
+def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale, use_kernels: bool):
     """(bar index, (out, lse)) of this rank's queries over the vertical columns, or None
     when the index has none."""
     columns = torch.unique(index.vertical[index.vertical >= 0]).long()
@@ -149,7 +173,12 @@ def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale):
         return None
     k_cols, v_cols = _GatherColumns.apply(k, v, columns, q_pos, index.seq_len, group)
     bars = StepIndex(VerticalSlashPart(index, "bars"), q_pos, columns)
-    return bars, ReferenceSparseAttention.apply(q, k_cols, v_cols, bars, scale, True)
+    layout = step_kernel_layout(bars) if use_kernels else None
+    if layout is None:
+        return bars, ReferenceSparseAttention.apply(q, k_cols, v_cols, bars, scale, True)
+    from ..sparse.kernels.attention import TritonBlockBarAttention  # imports Triton
+
+    return bars, TritonBlockBarAttention.apply(q, k_cols, v_cols, layout, scale)
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -191,6 +220,7 @@ def ring_attention(
     hierarchy=None,
     softmax_scale: float | None = None,
     stats: RingStats | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of this rank's tokens over the whole sequence.
 
@@ -204,7 +234,9 @@ def ring_attention(
     hierarchical ring (inner ring inside a node, outer ring across nodes, the
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
     local kernel. ``stats``: filled with the attended area per ring step (outer-major)
-    and of the local vertical-column pass (imbalance accounting).
+    and of the local vertical-column pass (imbalance accounting). ``backend``: as for
+    ``sparse_attention``; a step whose tokens are not whole kernel blocks runs on the
+    reference path.
     """
     from .distributed_index import build_distributed_index, build_local_index
 
@@ -217,7 +249,7 @@ def ring_attention(
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     if group_size == 1:
         index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
-        return sparse_attention(q, k, v, index, softmax_scale=scale)
+        return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
     rank = dist.get_rank(cp_group)
     members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
     inner, outer = _rings(members, rank, hierarchy)
@@ -230,20 +262,20 @@ def ring_attention(
     # chunk of node (node - o), local (local - i).
     node, local_rank = divmod(rank, n_inner)
     work = ring_work(index)
-    steps = [
-        [
-            StepIndex(
-                work, q_pos, layout.positions(((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner, q.device)
-            )
-            for i in range(n_inner)
-        ]
-        for o in range(n_outer)
-    ]
+    use_kernels = backend_choice(q, backend) == "triton"
+
+    def step(o: int, i: int) -> _Step:
+        source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
+        return _Step(StepIndex(work, q_pos, layout.positions(source, q.device)), use_kernels)
+
+    steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
     out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale)
-    local = _local_bars(q, k, v, index, q_pos, cp_group, scale) if isinstance(index, VerticalSlashIndex) else None
+    local = None
+    if isinstance(index, VerticalSlashIndex):
+        local = _local_bars(q, k, v, index, q_pos, cp_group, scale, use_kernels)
     if local is not None:
         out, lse = combine(out, lse, *local[1])
     if stats is not None:
-        per_step = [int(step.attended_area().sum()) if step.may_attend() else 0 for row in steps for step in row]
+        per_step = [int(s.index.attended_area().sum()) if s.index.may_attend() else 0 for row in steps for s in row]
         stats.record(rank, per_step, int(local[0].attended_area().sum()) if local is not None else 0)
     return out.to(q.dtype), lse.float()

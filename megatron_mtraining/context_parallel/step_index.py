@@ -64,8 +64,12 @@ class StepIndex(SparseIndex):
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         g0, g1 = self._segments[q_start, q_end]
         global_keys = self.index.key_lists(g0, g1)
-        local = torch.where(global_keys >= 0, self._local_key[global_keys.clamp(min=0)], -1)
+        local = torch.where(global_keys >= 0, self.local_key(global_keys), -1)
         return compact(local, local >= 0)[0].long()
+
+    def local_key(self, positions: torch.Tensor) -> torch.Tensor:
+        """Index in this chunk of each global key position (-1 where it is not here)."""
+        return self._local_key[positions.clamp(min=0).long()]
 
     def may_attend(self) -> bool:
         """False when every key of the chunk lies after every query (causally nothing to do)."""

@@ -50,25 +50,32 @@ def sparse_attention(
     return TritonBlockBarAttention.apply(q, k, v, layout, scale)
 
 
-def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:
-    """The kernel layout when the Triton backend runs this call, else None."""
+def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
+    """``"triton"`` when the kernels run this call, else ``"reference"`` (``backend``, else
+    ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve)."""
     choice = backend or os.environ.get(BACKEND_ENV) or "auto"
     if choice not in BACKENDS:
-        name = "backend" if backend else BACKEND_ENV
-        fail(name, choice, f"one of {', '.join(BACKENDS)}")
-    if choice == "reference":
-        return None
+        fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
     kernel_ok = triton_available() and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256
-    if choice == "auto":
-        return kernel_layout(index) if q.is_cuda and kernel_ok else None
-    layout = kernel_layout(index) if kernel_ok else None
-    if layout is None:
+    if choice == "triton" and not kernel_ok:
         fail(
             "backend",
             "triton",
-            f"inputs the kernels serve (a VerticalSlashIndex, BlockTopKIndex or DenseIndex; fp16/bf16/fp32; head dim "
-            f"<= 256; Triton installed), got {type(index).__name__} with {q.dtype}, head dim {q.shape[-1]}",
+            f"inputs the kernels serve (fp16/bf16/fp32, head dim <= 256, Triton installed), got {q.dtype}, "
+            f"head dim {q.shape[-1]}",
         )
+    if choice == "auto":
+        choice = "triton" if q.is_cuda and kernel_ok else "reference"
+    return choice
+
+
+def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:
+    """The kernel layout when the Triton backend runs this call, else None."""
+    if backend_choice(q, backend) == "reference":
+        return None
+    layout = kernel_layout(index)
+    if layout is None and (backend or os.environ.get(BACKEND_ENV)) == "triton":
+        fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
     return layout
 
 

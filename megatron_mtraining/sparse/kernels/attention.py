@@ -84,21 +84,74 @@ def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     }
 
 
+def kernel_forward(q, k, v, layout: KernelLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse fp32) of q over k/v under ``layout``; k/v may be another
+    length (a context-parallel chunk, gathered columns)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, s, h, d = q.shape
+    n_qb = layout.tiles.shape[2]
+    out = new_buffer(q.shape, q.dtype, q.device)
+    lse = new_buffer((b, h, s), torch.float32, q.device)
+    cols = layout.columns if layout.has_bars else layout.tiles
+    col_cnt = layout.column_count if layout.has_bars else layout.tile_count
+    _fwd_kernel[(n_qb, b * h)](
+        q, k, v, out, lse, layout.tiles, layout.tile_count, cols, col_cnt,
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E,
+        HAS_BARS=layout.has_bars, **_common(q, k, layout), **_opts("fwd", layout, q),
+    )  # fmt: skip
+    return out, lse
+
+
+def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse):
+    """(dq, dk, dv) in the inputs' dtypes, given each row's *final* out and lse (so the
+    partials of several K/V chunks add up); ``dlse`` may be None."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    out, dout, lse = out.contiguous(), dout.to(q.dtype).contiguous(), lse.float().contiguous()
+    delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
+    common = _common(q, k, layout)
+    n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
+    cols = layout.columns if layout.has_bars else layout.tiles
+    col_cnt = layout.column_count if layout.has_bars else layout.tile_count
+
+    dq = new_buffer(q.shape, q.dtype, q.device)
+    _dq_kernel[(n_qb, b * h)](
+        q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq,
+        layout.tiles, layout.tile_count, cols, col_cnt,
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E, sm_scale=scale,
+        HAS_BARS=layout.has_bars, HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
+    )  # fmt: skip
+
+    if layout.has_bars:
+        v_max = layout.vertical.shape[-1]
+        bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
+        bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
+        bar_opts = _opts("bar_dkdv", layout, q)
+        _bar_dkdv_kernel[(triton.cdiv(v_max, bar_opts["BLOCK_N"]), b * h)](
+            q, k, v, dout, lse, delta, layout.vertical, layout.active, bar_dk, bar_dv,
+            S=s, SK=k.shape[1], H=h, HKV=hkv, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
+            qk_scale=scale * LOG2E, sm_scale=scale, **_positions(layout),
+            HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **bar_opts,
+        )  # fmt: skip
+        vert, vptr = layout.vertical, layout.vertical_ptr
+    else:
+        v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
+
+    dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
+    tile_opts = _opts("tile_dkdv", layout, q)
+    _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
+        NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
+        HAS_BARS=layout.has_bars, FOLD=32, **common, **tile_opts,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 class TritonBlockBarAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: KernelLayout, scale: float):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        b, s, h, d = q.shape
-        n_qb = layout.tiles.shape[2]
-        out = new_buffer(q.shape, q.dtype, q.device)
-        lse = new_buffer((b, h, s), torch.float32, q.device)
-        cols = layout.columns if layout.has_bars else layout.tiles
-        col_cnt = layout.column_count if layout.has_bars else layout.tile_count
-        _fwd_kernel[(n_qb, b * h)](
-            q, k, v, out, lse, layout.tiles, layout.tile_count, cols, col_cnt,
-            NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E,
-            HAS_BARS=layout.has_bars, **_common(q, k, layout), **_opts("fwd", layout, q),
-        )  # fmt: skip
+        out, lse = kernel_forward(q, k, v, layout, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.scale = layout, scale
         return out, lse
@@ -106,44 +159,4 @@ class TritonBlockBarAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
-        b, s, h, d = q.shape
-        hkv = k.shape[2]
-        dout = dout.contiguous()
-        delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
-        common = _common(q, k, layout)
-        n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
-        cols = layout.columns if layout.has_bars else layout.tiles
-        col_cnt = layout.column_count if layout.has_bars else layout.tile_count
-
-        dq = new_buffer(q.shape, q.dtype, q.device)
-        _dq_kernel[(n_qb, b * h)](
-            q, k, v, out, dout, lse, lse if dlse is None else dlse.contiguous(), delta, dq,
-            layout.tiles, layout.tile_count, cols, col_cnt,
-            NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E, sm_scale=scale,
-            HAS_BARS=layout.has_bars, HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
-        )  # fmt: skip
-
-        if layout.has_bars:
-            v_max = layout.vertical.shape[-1]
-            bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
-            bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
-            bar_opts = _opts("bar_dkdv", layout, q)
-            _bar_dkdv_kernel[(triton.cdiv(v_max, bar_opts["BLOCK_N"]), b * h)](
-                q, k, v, dout, lse, delta, layout.vertical, layout.active, bar_dk, bar_dv,
-                S=s, SK=k.shape[1], H=h, HKV=hkv, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
-                qk_scale=scale * LOG2E, sm_scale=scale, **_positions(layout),
-                HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **bar_opts,
-            )  # fmt: skip
-            vert, vptr = layout.vertical, layout.vertical_ptr
-        else:
-            v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
-
-        dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
-        tile_opts = _opts("tile_dkdv", layout, q)
-        _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
-            q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
-            NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-            HAS_BARS=layout.has_bars, FOLD=32, **common, **tile_opts,
-        )  # fmt: skip
-        return dq, dk, dv, None, None
+        return (*kernel_backward(q, k, v, ctx.layout, ctx.scale, out, lse, dout, dlse), None, None)

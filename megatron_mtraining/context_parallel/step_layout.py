@@ -1,0 +1,111 @@
+"""Kernel layouts of ring steps: a ``StepIndex`` in the kernels' tile + bar form.
+
+Local query block ``i`` and chunk key block ``j`` are global blocks ``gq[i]`` and
+``gk[j]`` when the layout's stripes (or zigzag chunks) are whole blocks, which
+``step_kernel_layout`` checks; tiles are then decided per global block pair and
+causality inside a tile is left to the kernels, which compare global positions.
+The local vertical-column pass gets the bars of each local query block over the
+gathered columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparse.index import BlockTopKIndex, DenseIndex, VerticalSlashPart, compact
+from ..sparse.kernels.layout import KernelLayout, transpose_tiles
+from .step_index import StepIndex
+
+
+def _block_aligned(positions: torch.Tensor, block: int) -> bool:
+    """Runs of ``block`` consecutive positions, each starting at a multiple of ``block``."""
+    if len(positions) % block:
+        return False
+    runs = positions.view(-1, block)
+    return bool(
+        (runs[:, 0] % block == 0).all() and (runs == runs[:, :1] + torch.arange(block, device=runs.device)).all()
+    )
+
+
+def _global_blocks(positions: torch.Tensor, block: int) -> torch.Tensor:
+    return positions[::block] // block
+
+
+def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
+    """The kernel layout of one ring step, or None when the kernels cannot serve it (the
+    tokens are not whole blocks, or the index type has no kernel form)."""
+    work, qpos, kpos = step.index, step.query_positions, step.key_positions
+    if isinstance(work, VerticalSlashPart):
+        block = work.index.block_size
+        if work.part == "bars":
+            return _bars_layout(step, work, block) if _block_aligned(qpos, block) else None
+    elif isinstance(work, BlockTopKIndex):
+        block = min(work.block_size, 128)
+    elif isinstance(work, DenseIndex):
+        block = next((b for b in (128, 64, 32, 16) if _block_aligned(qpos, b) and _block_aligned(kpos, b)), None)
+    else:
+        return None
+    if block is None or not (_block_aligned(qpos, block) and _block_aligned(kpos, block)):
+        return None
+    gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
+    diag = gq.view(-1, 1) - gk.view(1, -1)
+    rowsel, ratio = None, 1
+    if isinstance(work, VerticalSlashPart):
+        member = work.index.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
+    elif isinstance(work, DenseIndex):
+        member = (diag >= 0).view(1, 1, *diag.shape)
+    else:
+        ratio = work.block_size // block
+        rowsel = work.blocks[:, qpos].permute(0, 2, 1, 3).contiguous()  # this rank's rows, global block ids
+        b, hs, lq, k = rowsel.shape
+        n_index_blocks = -(-work.seq_len // work.block_size)
+        chosen = torch.zeros(b, hs, lq // block, n_index_blocks + 1, dtype=torch.bool, device=qpos.device)
+        per_block = rowsel.view(b, hs, lq // block, block * k)
+        chosen.scatter_(-1, torch.where(per_block >= 0, per_block.long(), n_index_blocks), True)
+        member = chosen[..., gk // ratio] & (diag >= 0)
+    local_kb = torch.arange(len(gk), device=qpos.device, dtype=torch.int32)
+    tiles, count = compact(local_kb.expand_as(member), member)
+    tiles_t, count_t = transpose_tiles(tiles, count, len(gk))
+    return KernelLayout(
+        block=block,
+        tiles=tiles.contiguous(),
+        tile_count=count.contiguous(),
+        tiles_t=tiles_t.contiguous(),
+        tile_t_count=count_t.contiguous(),
+        rowsel=rowsel,
+        rowsel_ratio=ratio,
+        query_positions=qpos.int().contiguous(),
+        key_positions=kpos.int().contiguous(),
+    )
+
+
+def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> KernelLayout:
+    """No tiles; per local query block the bar columns, as indices into the gathered keys."""
+    index, dev = work.index, step.device
+    n_qb = len(step.query_positions) // block
+    n_kb = -(-len(step.key_positions) // block)
+    per_block = [step.key_lists(i * block, (i + 1) * block)[:, :, 0] for i in range(n_qb)]
+    width = max(1, max(c.shape[-1] for c in per_block))
+    columns = torch.stack([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in per_block], 2)
+    local_vertical = torch.where(index.vertical >= 0, step.local_key(index.vertical), -1)
+    vertical, _ = compact(local_vertical.int(), local_vertical >= 0)
+    bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block
+    sortable = torch.where(vertical >= 0, vertical, torch.iinfo(torch.int32).max)
+    ptr = torch.searchsorted(sortable.contiguous(), bounds.expand(*vertical.shape[:2], -1).contiguous())
+    b, h = index.vertical.shape[:2]
+    none = torch.full((1, 1, n_qb, 1), -1, dtype=torch.int32, device=dev)
+    none_t = torch.full((1, 1, n_kb, 1), -1, dtype=torch.int32, device=dev)
+    return KernelLayout(
+        block=block,
+        tiles=none,
+        tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
+        tiles_t=none_t,
+        tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
+        columns=columns.int().contiguous(),
+        column_count=(columns >= 0).sum(-1).int().contiguous(),
+        vertical=vertical.contiguous(),
+        vertical_ptr=ptr.int().contiguous(),
+        active=index.active_diagonals().to(torch.int8).contiguous(),
+        query_positions=step.query_positions.int().contiguous(),
+        key_positions=step.key_positions.int().contiguous(),
+    )
