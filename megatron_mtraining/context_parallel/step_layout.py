@@ -84,9 +84,10 @@ def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> Kernel
     index, dev = work.index, step.device
     n_qb = len(step.query_positions) // block
     n_kb = -(-len(step.key_positions) // block)
-    per_block = [step.key_lists(i * block, (i + 1) * block)[:, :, 0] for i in range(n_qb)]
-    width = max(1, max(c.shape[-1] for c in per_block))
-    columns = torch.stack([torch.nn.functional.pad(c, (0, width - c.shape[-1]), value=-1) for c in per_block], 2)
+    bars = index.block_columns(qblocks=_global_blocks(step.query_positions, block)).column_idx
+    columns = torch.where(bars >= 0, step.local_key(bars), -1)
+    if columns.shape[-1] == 0:
+        columns = torch.full((*columns.shape[:-1], 1), -1, dtype=columns.dtype, device=dev)
     local_vertical = torch.where(index.vertical >= 0, step.local_key(index.vertical), -1)
     vertical, _ = compact(local_vertical.int(), local_vertical >= 0)
     bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block

@@ -260,10 +260,17 @@ class VerticalSlashIndex(SparseIndex):
         active.scatter_(-1, torch.where(self.slash >= 0, self.slash.long(), self.num_blocks), True)
         return active[..., :-1]
 
-    def block_columns(self, qblock_start: int = 0, qblock_end: int | None = None) -> BlockColumnLayout:
+    def block_columns(
+        self, qblock_start: int = 0, qblock_end: int | None = None, qblocks: torch.Tensor | None = None
+    ) -> BlockColumnLayout:
+        """The kernel form of query blocks ``qblock_start .. qblock_end`` (or of the query
+        blocks listed in ``qblocks``, e.g. a context-parallel rank's)."""
         qblock_end = self.num_blocks if qblock_end is None else qblock_end
         bs, dev = self.block_size, self.device
-        qb = torch.arange(qblock_start, qblock_end, device=dev, dtype=torch.int32)
+        if qblocks is None:
+            qb = torch.arange(qblock_start, qblock_end, device=dev, dtype=torch.int32)
+        else:
+            qb = qblocks.to(device=dev, dtype=torch.int32)
         # Tiles: key block qb - d for each attended diagonal d <= qb.
         kb = qb.view(1, 1, -1, 1) - self.slash.unsqueeze(2)
         block_idx, block_count = compact(kb, (self.slash.unsqueeze(2) >= 0) & (kb >= 0))
