@@ -257,7 +257,8 @@ def ring_attention(
     index = (
         pattern if isinstance(pattern, SparseIndex) else build_distributed_index(pattern, q, k, layout, cp_group, scale)
     )
-    q_pos = layout.positions(rank, q.device)
+    host_q_pos = layout.positions(rank)
+    q_pos = host_q_pos.to(q.device)
     # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
     # chunk of node (node - o), local (local - i).
     node, local_rank = divmod(rank, n_inner)
@@ -266,7 +267,7 @@ def ring_attention(
 
     def step(o: int, i: int) -> _Step:
         source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
-        return _Step(StepIndex(work, q_pos, layout.positions(source, q.device)), use_kernels)
+        return _Step(StepIndex(work, host_q_pos, layout.positions(source)), use_kernels)
 
     steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
     out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale)

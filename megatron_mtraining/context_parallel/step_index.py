@@ -25,9 +25,18 @@ class StepIndex(SparseIndex):
     key_positions: torch.Tensor  # [Lk] int64 global positions of the chunk's keys
     _segments: dict = field(init=False, repr=False)  # local row range -> global row range
     _local_key: torch.Tensor = field(init=False, repr=False)
+    _may_attend: bool = field(init=False, repr=False)
+    host_query_positions: torch.Tensor = field(init=False, repr=False)
+    host_key_positions: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        qpos = self.query_positions
+        # Bookkeeping on host copies (no device syncs); the kernels and the reference engine
+        # read device copies. Positions are usually made on the host (layout.positions).
+        self.host_query_positions = qpos = self.query_positions.cpu()
+        self.host_key_positions = self.key_positions.cpu()
+        self._may_attend = bool(self.host_key_positions.min() <= qpos.max())
+        self.query_positions = self.query_positions.to(self.index.device, non_blocking=True)
+        self.key_positions = self.key_positions.to(self.index.device, non_blocking=True)
         # Local row runs that are contiguous globally and inside one of the global index's chunks.
         chunk = qpos // self.index.query_chunk
         breaks = torch.nonzero((qpos[1:] != qpos[:-1] + 1) | (chunk[1:] != chunk[:-1])).flatten() + 1
@@ -35,8 +44,9 @@ class StepIndex(SparseIndex):
         self._segments = {
             (a, b): (int(qpos[a]), int(qpos[b - 1]) + 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
         }
-        self._local_key = torch.full((self.index.seq_len + 1,), -1, dtype=torch.int64, device=qpos.device)
-        self._local_key[self.key_positions] = torch.arange(len(self.key_positions), device=qpos.device)
+        dev = self.key_positions.device
+        self._local_key = torch.full((self.index.seq_len + 1,), -1, dtype=torch.int64, device=dev)
+        self._local_key[self.key_positions] = torch.arange(len(self.key_positions), device=dev)
 
     @property
     def batch_size(self) -> int:
@@ -73,4 +83,4 @@ class StepIndex(SparseIndex):
 
     def may_attend(self) -> bool:
         """False when every key of the chunk lies after every query (causally nothing to do)."""
-        return bool(self.key_positions.min() <= self.query_positions.max())
+        return self._may_attend

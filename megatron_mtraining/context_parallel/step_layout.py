@@ -35,17 +35,18 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
     """The kernel layout of one ring step, or None when the kernels cannot serve it (the
     tokens are not whole blocks, or the index type has no kernel form)."""
     work, qpos, kpos = step.index, step.query_positions, step.key_positions
+    host_q, host_k = step.host_query_positions, step.host_key_positions
     if isinstance(work, VerticalSlashPart):
         block = work.index.block_size
         if work.part == "bars":
-            return _bars_layout(step, work, block) if _block_aligned(qpos, block) else None
+            return _bars_layout(step, work, block) if _block_aligned(host_q, block) else None
     elif isinstance(work, BlockTopKIndex):
         block = min(work.block_size, 128)
     elif isinstance(work, DenseIndex):
-        block = next((b for b in (128, 64, 32, 16) if _block_aligned(qpos, b) and _block_aligned(kpos, b)), None)
+        block = next((b for b in (128, 64, 32, 16) if _block_aligned(host_q, b) and _block_aligned(host_k, b)), None)
     else:
         return None
-    if block is None or not (_block_aligned(qpos, block) and _block_aligned(kpos, block)):
+    if block is None or not (_block_aligned(host_q, block) and _block_aligned(host_k, block)):
         return None
     gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
     diag = gq.view(-1, 1) - gk.view(1, -1)
