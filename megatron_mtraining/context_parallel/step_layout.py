@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, VerticalSlashPart, compact
-from ..sparse.kernels.layout import KernelLayout, transpose_tiles
+from ..sparse.kernels.layout import KernelLayout, layout_from_membership, selection_union
 from .step_index import StepIndex
 
 
@@ -50,7 +50,7 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
         return None
     gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
     diag = gq.view(-1, 1) - gk.view(1, -1)
-    rowsel, ratio = None, 1
+    fields = {"query_positions": qpos.int().contiguous(), "key_positions": kpos.int().contiguous()}
     if isinstance(work, VerticalSlashPart):
         member = work.index.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
     elif isinstance(work, DenseIndex):
@@ -58,26 +58,10 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
     else:
         ratio = work.block_size // block
         rowsel = work.blocks[:, qpos].permute(0, 2, 1, 3).contiguous()  # this rank's rows, global block ids
-        b, hs, lq, k = rowsel.shape
-        n_index_blocks = -(-work.seq_len // work.block_size)
-        chosen = torch.zeros(b, hs, lq // block, n_index_blocks + 1, dtype=torch.bool, device=qpos.device)
-        per_block = rowsel.view(b, hs, lq // block, block * k)
-        chosen.scatter_(-1, torch.where(per_block >= 0, per_block.long(), n_index_blocks), True)
+        chosen = selection_union(rowsel, block, -(-work.seq_len // work.block_size))
         member = chosen[..., gk // ratio] & (diag >= 0)
-    local_kb = torch.arange(len(gk), device=qpos.device, dtype=torch.int32)
-    tiles, count = compact(local_kb.expand_as(member), member)
-    tiles_t, count_t = transpose_tiles(tiles, count, len(gk))
-    return KernelLayout(
-        block=block,
-        tiles=tiles.contiguous(),
-        tile_count=count.contiguous(),
-        tiles_t=tiles_t.contiguous(),
-        tile_t_count=count_t.contiguous(),
-        rowsel=rowsel,
-        rowsel_ratio=ratio,
-        query_positions=qpos.int().contiguous(),
-        key_positions=kpos.int().contiguous(),
-    )
+        fields.update(rowsel=rowsel, rowsel_ratio=ratio)
+    return layout_from_membership(member, block, **fields)
 
 
 def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> KernelLayout:

@@ -89,30 +89,42 @@ def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
     )
 
 
-def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
-    tile = min(index.block_size, max_tile)
-    ratio = index.block_size // tile
-    b, s, hs, k = index.blocks.shape
-    n_tiles = -(-s // tile)
-    n_index_blocks = -(-s // index.block_size)
-    rowsel = index.blocks.permute(0, 2, 1, 3).contiguous()  # [B, Hs, S, k]
-    per_block = torch.nn.functional.pad(rowsel, (0, 0, 0, n_tiles * tile - s), value=-1).view(b, hs, n_tiles, tile * k)
-    chosen = torch.zeros(b, hs, n_tiles, n_index_blocks + 1, dtype=torch.bool, device=index.device)
+def selection_union(rowsel: torch.Tensor, block: int, n_index_blocks: int) -> torch.Tensor:
+    """``[B, Hs, ceil(L / block), n_index_blocks]`` bool: the index blocks any row of each
+    ``block`` rows selected (``rowsel [B, Hs, L, k]``, -1 padded)."""
+    b, hs, rows, k = rowsel.shape
+    n_q = -(-rows // block)
+    per_block = torch.nn.functional.pad(rowsel, (0, 0, 0, n_q * block - rows), value=-1).view(b, hs, n_q, block * k)
+    chosen = torch.zeros(b, hs, n_q, n_index_blocks + 1, dtype=torch.bool, device=rowsel.device)
     chosen.scatter_(-1, torch.where(per_block >= 0, per_block.long(), n_index_blocks), True)
-    member = chosen[..., :n_index_blocks].repeat_interleave(ratio, dim=-1)[..., :n_tiles]
-    kb = torch.arange(n_tiles, device=index.device, dtype=torch.int32)
-    member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
+    return chosen[..., :n_index_blocks]
+
+
+def layout_from_membership(member: torch.Tensor, block: int, **fields) -> KernelLayout:
+    """A layout from ``member [LB, LH, n_q, n_k]`` (query block i reads KV block j)."""
+    kb = torch.arange(member.shape[-1], device=member.device, dtype=torch.int32)
     tiles, count = compact(kb.expand_as(member), member)
-    tiles_t, count_t = transpose_tiles(tiles, count, n_tiles)
+    tiles_t, count_t = transpose_tiles(tiles, count, member.shape[-1])
     return KernelLayout(
-        block=tile,
+        block=block,
         tiles=tiles.contiguous(),
         tile_count=count.contiguous(),
         tiles_t=tiles_t.contiguous(),
         tile_t_count=count_t.contiguous(),
-        rowsel=rowsel,
-        rowsel_ratio=ratio,
+        **fields,
     )
+
+
+def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
+    tile = min(index.block_size, max_tile)
+    ratio = index.block_size // tile
+    n_tiles = -(-index.seq_len // tile)
+    rowsel = index.blocks.permute(0, 2, 1, 3).contiguous()  # [B, Hs, S, k]
+    chosen = selection_union(rowsel, tile, -(-index.seq_len // index.block_size))
+    member = chosen.repeat_interleave(ratio, dim=-1)[..., :n_tiles]
+    kb = torch.arange(n_tiles, device=index.device)
+    member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
+    return layout_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
 
 
 def kernel_layout(index: SparseIndex, dense_block: int = 128) -> KernelLayout | None:
