@@ -1,10 +1,12 @@
-"""Sparse ring attention over a context-parallel group.
+"""Sparse ring attention over a context-parallel group, flat or hierarchical.
 
-Q and O stay on their rank; K/V chunks travel around the ring, each rank attending
-its queries to every chunk under the per-step view of one global sparse index
-(``StepIndex``), merging partial (out, lse). The next chunk's transfer is posted
-before the current step's compute. In the backward, dK/dV accumulators travel
-with their chunk and reach its owner after a full turn.
+Q and O stay on their rank; K/V chunks travel around the ring (inside a node, and
+from node to node for the hierarchical ring), each rank attending its queries to
+every chunk under the per-step view of one global sparse index (``StepIndex``),
+merging partial (out, lse). Transfers are posted before the compute they overlap.
+In the backward, dK/dV accumulators travel with their chunk back to its owner.
+A vertical-slash index's vertical columns are attended in one local pass against
+their gathered K/V rather than on the ring, which keeps the ring's work balanced.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..sparse.reference import (
 )
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
+from .distributed_index import build_distributed_index, build_local_index
 from .imbalance import RingStats
 from .layout import ContextParallelLayout
 from .step_index import StepIndex
@@ -238,8 +241,6 @@ def ring_attention(
     ``sparse_attention``; a step whose tokens are not whole kernel blocks runs on the
     reference path.
     """
-    from .distributed_index import build_distributed_index, build_local_index
-
     check_qkv(q, k, v)
     group_size = dist.get_world_size(cp_group) if dist.is_initialized() else 1
     if layout.cp_size != group_size:
