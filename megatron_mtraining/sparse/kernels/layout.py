@@ -57,14 +57,8 @@ def transpose_tiles(tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int) 
 
 
 def dense_layout(index: DenseIndex, block: int) -> KernelLayout:
-    n = -(-index.seq_len // block)
-    kb = torch.arange(n, device=index.device, dtype=torch.int32)
-    tiles = torch.where(kb.view(1, -1) <= kb.view(-1, 1), kb.view(1, -1), -1).view(1, 1, n, n)
-    count = (kb + 1).view(1, 1, n)
-    tiles_t = torch.where(kb.view(1, -1) >= kb.view(-1, 1), kb.view(1, -1), -1)
-    tiles_t = torch.sort(torch.where(tiles_t < 0, torch.iinfo(torch.int32).max, tiles_t), dim=-1).values
-    tiles_t = torch.where(tiles_t == torch.iinfo(torch.int32).max, -1, tiles_t).view(1, 1, n, n)
-    return KernelLayout(block, tiles.contiguous(), count, tiles_t.contiguous(), (n - kb).view(1, 1, n))
+    kb = torch.arange(-(-index.seq_len // block), device=index.device)
+    return layout_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
 
 
 def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
