@@ -1,15 +1,26 @@
 """Context-parallel benchmark: sparse ring attention over NCCL (one process per GPU).
 
-    torchrun --nproc_per_node 2 scripts/bench_context_parallel.py [--seq-lens 65536 262144] [--check-len 8192]
+    torchrun --nproc_per_node N scripts/bench_context_parallel.py [--seq-lens 262144 524288]
+        [--inner 2] [--check-len 8192] [--out results.json]
 
 Qwen2.5-3B attention shape (16 query heads, 2 KV heads, head dim 128), bf16, causal.
 First checks, at ``--check-len``, that each rank's output equals single-GPU
-``sparse_attention`` on the whole sequence (sharded). Then, per total length, times
-forward and backward (median over iterations, slowest rank) for: the dense ring,
-the vertical-slash ring on the striped layout and on the zigzag layout (density
-``--density``, the index shape of ``bench_kernels.py``), and reports per-GPU useful
-TFLOP/s (attended area only; backward 2.5x forward) and the worker / step imbalance
-degrees of the ring's work.
+``sparse_attention`` on the whole sequence (sharded), on the flat and (with
+``--inner``) the hierarchical ring. Then, per total length, times forward and
+backward (median over iterations, slowest rank) of:
+
+* the dense ring (zigzag, Megatron's layout);
+* the vertical-slash ring (density ``--density``, the index of ``bench_kernels.py``)
+  on the striped layout, flat, and hierarchical with ``--inner`` GPUs per emulated
+  node (inner ring over them, outer ring across the groups);
+* the vertical-slash ring on the zigzag layout (flat), for comparison;
+
+and reports per-GPU useful TFLOP/s at the slowest rank's time (attended area only,
+backward 2.5x forward), the exposed communication (time the compute stream stood
+waiting for ring transfers, slowest rank), and worker / step imbalance degrees of
+the attended area and of the measured kernel times. The vertical-slash rows are
+compared with the single-GPU kernel on the same index (``single_*``; per-GPU work
+is 1/N of it, throughput is comparable), the "85% of single-GPU" figure.
 """
 
 from __future__ import annotations
@@ -35,8 +46,14 @@ from megatron_mtraining.context_parallel import (  # noqa: E402
 from megatron_mtraining.sparse import DenseIndex, sparse_attention  # noqa: E402
 
 
+def slowest(ms: float) -> float:
+    t = torch.tensor(ms, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def timed(fn, iters: int) -> float:
-    """Median ms of ``fn`` on this rank, then the slowest rank's."""
+    """Median ms of ``fn`` on this rank (after one warm-up call), then the slowest rank's."""
     times = []
     for _ in range(iters + 1):
         dist.barrier()
@@ -45,73 +62,158 @@ def timed(fn, iters: int) -> float:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    t = torch.tensor(sorted(times[1:])[len(times[1:]) // 2], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return slowest(sorted(times[1:])[len(times[1:]) // 2])
 
 
-def check(seq: int, rank: int, world: int, gen: torch.Generator) -> float:
+def hierarchy_groups(world: int, inner: int | None):
+    """(inner_group, outer_group) of this rank with ``inner`` consecutive ranks per
+    emulated node, or None (flat). Every rank creates every group, in one order."""
+    if not inner or inner in (1, world):
+        return None
+    rank = dist.get_rank()
+    mine = {}
+    for node in range(world // inner):
+        ranks = list(range(node * inner, (node + 1) * inner))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["inner"] = g
+    for local in range(inner):
+        ranks = list(range(local, world, inner))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["outer"] = g
+    return mine["inner"], mine["outer"]
+
+
+def qkv(seq: int, layout: ContextParallelLayout, rank: int, gen: torch.Generator):
+    return [
+        layout.shard(torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16(), rank).requires_grad_()
+        for h in (HQ, HKV, HKV)
+    ]
+
+
+def check(seq: int, rank: int, world: int, hierarchy, gen: torch.Generator) -> dict:
     q, k, v = (torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16() for h in (HQ, HKV, HKV))
     index = natural_index(seq, 128, 0.1, gen, "cuda")
     ref, _ = sparse_attention(q, k, v, index)
     layout = ContextParallelLayout("striped", world, seq, stripe=128)
-    out, _ = ring_attention(*(layout.shard(t, rank) for t in (q, k, v)), index, layout, None)
-    return float((out.float() - layout.shard(ref, rank).float()).abs().max())
+    errors = {}
+    for name, h in (("flat", None), ("hierarchical", hierarchy)):
+        if name == "hierarchical" and h is None:
+            continue
+        out, _ = ring_attention(*(layout.shard(t, rank) for t in (q, k, v)), index, layout, None, hierarchy=h)
+        errors[name] = slowest(float((out.float() - layout.shard(ref, rank).float()).abs().max()))
+    return errors
 
 
-def bench(seq: int, kind: str, layout_kind: str, args, rank: int, world: int, gen: torch.Generator) -> dict:
-    layout = ContextParallelLayout(layout_kind, world, seq, stripe=128)
-    index = (
-        DenseIndex(1, HQ, seq, device="cuda") if kind == "dense" else natural_index(seq, 128, args.density, gen, "cuda")
-    )
-    q, k, v = (
-        layout.shard(torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16(), rank).requires_grad_()
-        for h in (HQ, HKV, HKV)
-    )
-    stats = RingStats()
-    out, _ = ring_attention(q, k, v, index, layout, None, stats=stats)
-    ring_area, local_area = stats.gather()
+def single_gpu(seq: int, index, gen: torch.Generator, iters: int) -> tuple[float, float]:
+    """Forward and backward ms of the single-GPU kernel on the whole sequence."""
+    q, k, v = (torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16().requires_grad_() for h in (HQ, HKV, HKV))
+    out, _ = sparse_attention(q, k, v, index)
     grad = torch.randn_like(out)
-    fwd = timed(lambda: ring_attention(q, k, v, index, layout, None), args.iters)
+    fwd = timed(lambda: sparse_attention(q, k, v, index), iters)
+    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), iters)
+    return fwd, bwd
+
+
+def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> dict:
+    layout = ContextParallelLayout(layout_kind, world, seq, stripe=128)
+    q, k, v = qkv(seq, layout, rank, gen)
+    ring = lambda stats=None: ring_attention(q, k, v, index, layout, None, hierarchy=hierarchy, stats=stats)  # noqa: E731
+    out, _ = ring()
+    grad = torch.randn_like(out)
+    fwd = timed(ring, args.iters)
     bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), args.iters)
+    # One instrumented call: attended areas, kernel times and transfer waits per rank and step.
+    stats = RingStats(time_kernels=True)
+    out_t, _ = ring(stats)
+    torch.autograd.grad(out_t, (q, k, v), grad)
+    ring_area, local_area = stats.gather()
     area = float(ring_area.sum() + local_area.sum())
     flops_per_gpu = 4 * area * D / world
-    worker, step = imbalance_degrees(ring_area)
-    return {
-        "seq": seq, "attention": kind, "layout": layout_kind, "density": area / (HQ * seq * (seq + 1) / 2),
-        "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9,
-        "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9, "worker_id": worker, "step_id": step,
+    r = {
+        "seq": seq, "attention": kind, "layout": layout_kind,
+        "ring": "flat" if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
+        "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd,
+        "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
     }  # fmt: skip
+    r["worker_id"], r["step_id"] = imbalance_degrees(ring_area)
+    for phase in ("fwd", "bwd"):
+        step_ms, local_ms, wait_ms = stats.gather_times(phase)
+        r[f"{phase}_kernel_worker_id"], r[f"{phase}_kernel_step_id"] = imbalance_degrees(step_ms)
+        r[f"{phase}_kernel_ms_max"] = float((step_ms.sum(1) + local_ms).max())
+        r[f"{phase}_exposed_comm_ms"] = float(wait_ms.max())
+    return r
+
+
+def report(r: dict) -> None:
+    print(
+        f"{r['seq']:>7} {r['attention']:<14} {r['layout']:<8} {r['ring']:<16} {r['density']:.4f} "
+        f"fwd {r['fwd_ms']:8.2f} ms {r['fwd_tflops_per_gpu']:6.1f} TF/GPU (kernels {r['fwd_kernel_ms_max']:7.2f}, "
+        f"exposed comm {r['fwd_exposed_comm_ms']:6.2f})  bwd {r['bwd_ms']:8.2f} ms {r['bwd_tflops_per_gpu']:6.1f} "
+        f"(kernels {r['bwd_kernel_ms_max']:7.2f}, exposed {r['bwd_exposed_comm_ms']:6.2f})  area ID worker "
+        f"{r['worker_id']:.3f} step {r['step_id']:.3f}; kernel-time ID fwd {r['fwd_kernel_worker_id']:.3f}/"
+        f"{r['fwd_kernel_step_id']:.3f} bwd {r['bwd_kernel_worker_id']:.3f}/{r['bwd_kernel_step_id']:.3f}"
+        + (
+            f"; single GPU fwd {r['single_fwd_tflops']:.1f} bwd {r['single_bwd_tflops']:.1f} TF/s -> ring/single "
+            f"{r['ring_over_single_fwd']:.2f} / {r['ring_over_single_bwd']:.2f}"
+            if "single_fwd_tflops" in r
+            else ""
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[262144])
     p.add_argument("--check-len", type=int, default=8192)
     p.add_argument("--density", type=float, default=0.05)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--inner", type=int, default=None, help="GPUs per emulated node for the hierarchical ring")
+    p.add_argument("--dense-max", type=int, default=524288, help="longest total length to time the dense ring at")
+    p.add_argument("--no-single", action="store_true", help="skip the single-GPU comparison")
+    p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if args.inner and world % args.inner:
+        raise SystemExit(f"--inner={args.inner} must divide the number of GPUs ({world})")
+    hierarchy = hierarchy_groups(world, args.inner)
     gen = torch.Generator().manual_seed(0)
-    err = check(args.check_len, rank, world, gen)
-    rows = []
+    errors = check(args.check_len, rank, world, hierarchy, gen)
     if rank == 0:
         print(f"{world} x {torch.cuda.get_device_name()}, torch {torch.__version__}; check at {args.check_len} tokens: "
-              f"max |ring - single GPU| = {err:.3e} (bf16)", flush=True)  # fmt: skip
+              f"max |ring - single GPU| (bf16) = {errors}", flush=True)  # fmt: skip
+    rows = []
     for seq in args.seq_lens:
-        for kind, layout_kind in (("dense", "zigzag"), ("vertical_slash", "striped"), ("vertical_slash", "zigzag")):
-            r = bench(seq, kind, layout_kind, args, rank, world, gen)
+        sparse = natural_index(seq, 128, args.density, torch.Generator().manual_seed(seq), "cuda")
+        cases = [("vertical_slash", "striped", None), ("vertical_slash", "zigzag", None)]
+        if hierarchy is not None:
+            cases.insert(1, ("vertical_slash", "striped", hierarchy))
+        if seq <= args.dense_max:
+            cases.insert(0, ("dense", "zigzag", None))
+        single = None
+        if not args.no_single:
+            single = single_gpu(seq, sparse, gen, args.iters)
+        for kind, layout_kind, h in cases:
+            index = DenseIndex(1, HQ, seq, device="cuda") if kind == "dense" else sparse
+            r = bench(seq, kind, layout_kind, h, index, args, rank, world, gen)
+            if single is not None and kind != "dense":
+                flops = 4 * float(sparse.attended_area().sum()) * D
+                r["single_fwd_ms"], r["single_bwd_ms"] = single
+                r["single_fwd_tflops"], r["single_bwd_tflops"] = flops / single[0] / 1e9, 2.5 * flops / single[1] / 1e9
+                r["ring_over_single_fwd"] = r["fwd_tflops_per_gpu"] / r["single_fwd_tflops"]
+                r["ring_over_single_bwd"] = r["bwd_tflops_per_gpu"] / r["single_bwd_tflops"]
             rows.append(r)
             if rank == 0:
-                print(f"{seq:>7} {kind:<15} {layout_kind:<8} density {r['density']:.4f} fwd {r['fwd_ms']:8.2f} ms "
-                      f"({r['fwd_tflops_per_gpu']:6.1f} TF/GPU)  bwd {r['bwd_ms']:8.2f} ms ({r['bwd_tflops_per_gpu']:6.1f})"
-                      f"  worker ID {r['worker_id']:.3f} step ID {r['step_id']:.3f}", flush=True)  # fmt: skip
+                report(r)
+        del sparse
+        torch.cuda.empty_cache()
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"check_max_abs_err": err, "rows": rows}, f, indent=1)
+            json.dump({"world": world, "inner": args.inner, "check_max_abs_err": errors, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
 
 

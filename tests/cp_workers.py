@@ -95,7 +95,7 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
                 else:
                     mine = layout.positions(rank)
                     assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
-            stats = RingStats()
+            stats = RingStats(time_kernels=True)
             l_out, l_lse = ring_attention(lq, lk, lv, local_pattern, layout, None, hierarchy=hierarchy, stats=stats)
             torch.testing.assert_close(
                 l_out, layout.shard(out, rank), atol=1e-12, rtol=0, msg=lambda m, where=where: f"{where}: {m}"
@@ -114,6 +114,12 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             ring_area, local_area = stats.gather()
             total = ring_area.sum() + local_area.sum()
             assert total == float(index.attended_area().sum()), (where, total)
+            # Timed: every step with work has forward and backward time, skipped steps none.
+            for phase in ("fwd", "bwd"):
+                step_ms, local_ms, wait_ms = stats.gather_times(phase)
+                assert step_ms.shape == ring_area.shape and local_ms.shape == wait_ms.shape == (world,), where
+                assert torch.all(step_ms[ring_area > 0] > 0), (where, phase, step_ms, ring_area)
+                assert torch.equal(local_ms > 0, local_area > 0) and torch.all(wait_ms >= 0), (where, phase)
 
 
 def check_hierarchy_errors(rank, world):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .imbalance import timed
+
 
 class RingExchange:
     """Sends tensors to the next rank of a ring and receives the same shapes from the
@@ -12,12 +14,15 @@ class RingExchange:
 
     ``ranks`` are the global ranks of the ring in order; this process is one of them.
     Messages between a pair are matched in posting order, which every rank keeps.
-    A ring of one rank hands the tensors back without communication.
+    A ring of one rank hands the tensors back without communication. With a ``timer``
+    (``KernelTimer``), ``wait`` is timed under ``phase``: on CUDA that is how long the
+    compute stream stalls on the transfer, i.e. the communication compute did not hide.
     """
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], timer=None, phase: str = "fwd"):
         me = dist.get_rank()
         self.ranks = ranks
+        self.timer, self.phase = timer, phase
         pos = ranks.index(me)
         self.next = ranks[(pos + 1) % len(ranks)]
         self.prev = ranks[(pos - 1) % len(ranks)]
@@ -35,7 +40,8 @@ class RingExchange:
 
     def wait(self) -> list[torch.Tensor]:
         requests, received, _ = self._pending
-        for r in requests:
-            r.wait()
+        with timed(self.timer, self.phase):
+            for r in requests:
+                r.wait()
         self._pending = None
         return received

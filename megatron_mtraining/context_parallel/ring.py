@@ -17,7 +17,6 @@ import torch.distributed as dist
 from ..sparse.attention import backend_choice, sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart
 from ..sparse.reference import (
-    ReferenceSparseAttention,
     backward_partial,
     combine,
     compute_dtype,
@@ -26,33 +25,57 @@ from ..sparse.reference import (
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
 from .distributed_index import build_distributed_index, build_local_index
-from .imbalance import RingStats
+from .imbalance import KernelTimer, RingStats, timed
 from .layout import ContextParallelLayout
 from .step_index import StepIndex
 from .step_layout import step_kernel_layout
 
 
 class _Step:
-    """One ring step: its index view and, where the kernels serve it, its kernel layout
-    (built once, used by the forward and the backward)."""
+    """One piece of a rank's attention work (a ring step, or the local vertical-column
+    pass): its index view and, where the kernels serve it, its kernel layout (built
+    once, used by the forward and the backward); with a ``timer`` its computations are
+    timed (``RingStats``)."""
 
-    def __init__(self, index: StepIndex, use_kernels: bool):
+    def __init__(self, index: StepIndex, use_kernels: bool, timer: KernelTimer | None = None):
         self.index = index
         self.layout = step_kernel_layout(index) if use_kernels else None
+        self.timer = timer
 
     def forward(self, q, k, v, scale):
-        if self.layout is None:
-            return forward_partial(q, k, v, self.index, scale)
-        from ..sparse.kernels.attention import kernel_forward  # imports Triton
+        with timed(self.timer, "fwd"):
+            if self.layout is None:
+                return forward_partial(q, k, v, self.index, scale)
+            from ..sparse.kernels.attention import kernel_forward  # imports Triton
 
-        return kernel_forward(q, k, v, self.layout, scale)
+            return kernel_forward(q, k, v, self.layout, scale)
 
     def backward(self, q, k, v, scale, out, lse, dout, dlse):
-        if self.layout is None:
-            return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
-        from ..sparse.kernels.attention import kernel_backward  # imports Triton
+        with timed(self.timer, "bwd"):
+            if self.layout is None:
+                dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
+                return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
+            from ..sparse.kernels.attention import kernel_backward  # imports Triton
 
-        return kernel_backward(q, k, v, self.layout, scale, out.to(q.dtype), lse, dout, dlse)
+            return kernel_backward(q, k, v, self.layout, scale, out.to(q.dtype), lse, dout, dlse)
+
+
+class _LocalPass(torch.autograd.Function):
+    """A ``_Step`` on this rank's own inputs, differentiable (its (out, lse) is a partial
+    in the compute dtype, merged with the ring's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, step: _Step, scale: float):
+        out, lse = step.forward(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.step, ctx.scale = step, scale
+        return out.to(compute_dtype(q.dtype)), lse.to(compute_dtype(q.dtype))
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.step.backward(q, k, v, ctx.scale, out, lse, dout, dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -66,12 +89,12 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, steps: list[list[_Step]], inner: list[int], outer: list[int], scale: float):
+    def forward(ctx, q, k, v, steps: list[list[_Step]], inner: list[int], outer: list[int], scale: float, comm_timer):
         dt = compute_dtype(q.dtype)
         b, s, h, d = q.shape
         out = torch.zeros(b, s, h, d, dtype=dt, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device)
-        inner_x, outer_x = RingExchange(inner), RingExchange(outer)
+        inner_x, outer_x = RingExchange(inner, comm_timer, "fwd"), RingExchange(outer, comm_timer, "fwd")
         outer_kv = (k, v)
         for o, inner_steps in enumerate(steps):
             if o + 1 < len(steps):
@@ -87,7 +110,7 @@ class _RingAttention(torch.autograd.Function):
             if o + 1 < len(steps):
                 outer_kv = tuple(outer_x.wait())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps, ctx.rings, ctx.scale = steps, (inner, outer), scale
+        ctx.steps, ctx.rings, ctx.scale, ctx.comm_timer = steps, (inner, outer), scale, comm_timer
         return out, lse  # compute dtype: merged with the local bars before the cast
 
     @staticmethod
@@ -95,8 +118,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dt = out.dtype
         inner, outer = ctx.rings
-        inner_x, outer_x = RingExchange(inner), RingExchange(outer)
-        inner_g, outer_g = RingExchange(inner), RingExchange(outer)
+        inner_x, outer_x, inner_g, outer_g = (
+            RingExchange(r, ctx.comm_timer, "bwd") for r in (inner, outer, inner, outer)
+        )
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.to(dt)
 
@@ -126,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
             if o + 1 < len(ctx.steps):
                 outer_kv = tuple(outer_x.wait())
         dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -168,20 +192,15 @@ def ring_work(index: SparseIndex) -> SparseIndex:
     return VerticalSlashPart(index, "tiles") if isinstance(index, VerticalSlashIndex) else index
 
 
-def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale, use_kernels: bool):
-    """(bar index, (out, lse)) of this rank's queries over the vertical columns, or None
-    when the index has none."""
+def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale, use_kernels: bool, timer):
+    """(step, (out, lse)) of this rank's queries over the vertical columns, or None when
+    the index has none."""
     columns = torch.unique(index.vertical[index.vertical >= 0]).long()
     if not len(columns):
         return None
     k_cols, v_cols = _GatherColumns.apply(k, v, columns, q_pos, index.seq_len, group)
-    bars = StepIndex(VerticalSlashPart(index, "bars"), q_pos, columns)
-    layout = step_kernel_layout(bars) if use_kernels else None
-    if layout is None:
-        return bars, ReferenceSparseAttention.apply(q, k_cols, v_cols, bars, scale, True)
-    from ..sparse.kernels.attention import TritonBlockBarAttention  # imports Triton
-
-    return bars, TritonBlockBarAttention.apply(q, k_cols, v_cols, layout, scale)
+    step = _Step(StepIndex(VerticalSlashPart(index, "bars"), q_pos, columns), use_kernels, timer)
+    return step, _LocalPass.apply(q, k_cols, v_cols, step, scale)
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -237,7 +256,8 @@ def ring_attention(
     hierarchical ring (inner ring inside a node, outer ring across nodes, the
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
     local kernel. ``stats``: filled with the attended area per ring step (outer-major)
-    and of the local vertical-column pass (imbalance accounting). ``backend``: as for
+    and of the local vertical-column pass, and with ``time_kernels`` their kernel times
+    and the exposed transfer wait (imbalance accounting). ``backend``: as for
     ``sparse_attention``; a step whose tokens are not whole kernel blocks runs on the
     reference path.
     """
@@ -266,18 +286,22 @@ def ring_attention(
     work = ring_work(index)
     use_kernels = backend_choice(q, backend) == "triton"
 
+    n_steps = n_outer * n_inner
+    timers = stats.new_timers(rank, n_steps, q.device) if stats is not None else ([None] * n_steps, None, None)
+    step_timers, local_timer, comm_timer = timers
+
     def step(o: int, i: int) -> _Step:
         source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
-        return _Step(StepIndex(work, host_q_pos, layout.positions(source)), use_kernels)
+        return _Step(StepIndex(work, host_q_pos, layout.positions(source)), use_kernels, step_timers[o * n_inner + i])
 
     steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
-    out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale)
+    out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale, comm_timer)
     local = None
     if isinstance(index, VerticalSlashIndex):
-        local = _local_bars(q, k, v, index, q_pos, cp_group, scale, use_kernels)
+        local = _local_bars(q, k, v, index, q_pos, cp_group, scale, use_kernels, local_timer)
     if local is not None:
         out, lse = combine(out, lse, *local[1])
     if stats is not None:
         per_step = [int(s.index.attended_area().sum()) if s.index.may_attend() else 0 for row in steps for s in row]
-        stats.record(rank, per_step, int(local[0].attended_area().sum()) if local is not None else 0)
+        stats.record(rank, per_step, int(local[0].index.attended_area().sum()) if local is not None else 0)
     return out.to(q.dtype), lse.float()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, VerticalSlashPart, compact
-from ..sparse.kernels.layout import KernelLayout, layout_from_membership, selection_union
+from ..sparse.kernels.layout import KernelLayout, layout_from_membership, selection_union, slash_tiles, vertical_counts
 from .step_index import StepIndex
 
 
@@ -49,11 +49,11 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
     if block is None or not (_block_aligned(host_q, block) and _block_aligned(host_k, block)):
         return None
     gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
-    diag = gq.view(-1, 1) - gk.view(1, -1)
     fields = {"query_positions": qpos.int().contiguous(), "key_positions": kpos.int().contiguous()}
     if isinstance(work, VerticalSlashPart):
-        member = work.index.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
-    elif isinstance(work, DenseIndex):
+        return _slash_layout(work.index.slash, gq, gk, work.index.num_blocks, block, fields)
+    diag = gq.view(-1, 1) - gk.view(1, -1)
+    if isinstance(work, DenseIndex):
         member = (diag >= 0).view(1, 1, *diag.shape)
     else:
         ratio = work.block_size // block
@@ -64,21 +64,30 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
     return layout_from_membership(member, block, **fields)
 
 
+def _slash_layout(slash, gq, gk, n_blocks: int, block: int, fields: dict) -> KernelLayout:
+    tiles, count, tiles_t, count_t = slash_tiles(slash, gq, gk, n_blocks)
+    return KernelLayout(
+        block=block,
+        tiles=tiles.contiguous(),
+        tile_count=count.contiguous(),
+        tiles_t=tiles_t.contiguous(),
+        tile_t_count=count_t.contiguous(),
+        **fields,
+    )
+
+
 def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> KernelLayout:
-    """No tiles; per local query block the bar columns, as indices into the gathered keys."""
+    """No tiles; each local query block reads a prefix of its head's vertical columns, as
+    indices into the gathered keys (see ``KernelLayout.bar_count``)."""
     index, dev = work.index, step.device
     n_qb = len(step.query_positions) // block
     n_kb = -(-len(step.key_positions) // block)
-    bars = index.block_columns(qblocks=_global_blocks(step.query_positions, block)).column_idx
-    columns = torch.where(bars >= 0, step.local_key(bars), -1)
-    if columns.shape[-1] == 0:
-        columns = torch.full((*columns.shape[:-1], 1), -1, dtype=columns.dtype, device=dev)
+    # The gathered keys are the vertical columns in position order, so each head's list
+    # maps to ascending local indices and a prefix by position is a prefix of the list.
     local_vertical = torch.where(index.vertical >= 0, step.local_key(index.vertical), -1)
     vertical, _ = compact(local_vertical.int(), local_vertical >= 0)
+    last_rows = step.query_positions.view(n_qb, block).amax(-1)
     bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block
-    sortable = torch.where(vertical >= 0, vertical, torch.iinfo(torch.int32).max)
-    ptr = torch.searchsorted(sortable.contiguous(), bounds.expand(*vertical.shape[:2], -1).contiguous())
-    b, h = index.vertical.shape[:2]
     none = torch.full((1, 1, n_qb, 1), -1, dtype=torch.int32, device=dev)
     none_t = torch.full((1, 1, n_kb, 1), -1, dtype=torch.int32, device=dev)
     return KernelLayout(
@@ -87,10 +96,9 @@ def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> Kernel
         tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
         tiles_t=none_t,
         tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
-        columns=columns.int().contiguous(),
-        column_count=(columns >= 0).sum(-1).int().contiguous(),
         vertical=vertical.contiguous(),
-        vertical_ptr=ptr.int().contiguous(),
+        bar_count=vertical_counts(index.vertical, last_rows, right=True).contiguous(),
+        vertical_ptr=vertical_counts(vertical, bounds).contiguous(),
         active=index.active_diagonals().to(torch.int8).contiguous(),
         query_positions=step.query_positions.int().contiguous(),
         key_positions=step.key_positions.int().contiguous(),

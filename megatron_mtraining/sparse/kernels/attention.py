@@ -65,6 +65,21 @@ def _positions(layout: KernelLayout) -> dict:
     }
 
 
+def _bars(layout: KernelLayout) -> dict:
+    """Kernel arguments of the bar pass of the row-major kernels (placeholders without bars)."""
+    if not layout.has_bars:
+        t = layout.tile_count
+        return {"VERT": t, "BAR_CNT": t, "ACTIVE": t, "V_MAX": 1, "N_ACTIVE": 1, "HAS_BARS": False}
+    return {
+        "VERT": layout.vertical,
+        "BAR_CNT": layout.bar_count,
+        "ACTIVE": layout.active,
+        "V_MAX": layout.vertical.shape[-1],
+        "N_ACTIVE": layout.active.shape[-1],
+        "HAS_BARS": True,
+    }
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     b, s, h, d = q.shape
     return {
@@ -92,12 +107,10 @@ def kernel_forward(q, k, v, layout: KernelLayout, scale: float) -> tuple[torch.T
     n_qb = layout.tiles.shape[2]
     out = new_buffer(q.shape, q.dtype, q.device)
     lse = new_buffer((b, h, s), torch.float32, q.device)
-    cols = layout.columns if layout.has_bars else layout.tiles
-    col_cnt = layout.column_count if layout.has_bars else layout.tile_count
     _fwd_kernel[(n_qb, b * h)](
-        q, k, v, out, lse, layout.tiles, layout.tile_count, cols, col_cnt,
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E,
-        HAS_BARS=layout.has_bars, **_common(q, k, layout), **_opts("fwd", layout, q),
+        q, k, v, out, lse, layout.tiles, layout.tile_count, **_bars(layout),
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E,
+        **_common(q, k, layout), **_opts("fwd", layout, q),
     )  # fmt: skip
     return out, lse
 
@@ -112,15 +125,13 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
     delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
     common = _common(q, k, layout)
     n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
-    cols = layout.columns if layout.has_bars else layout.tiles
-    col_cnt = layout.column_count if layout.has_bars else layout.tile_count
 
     dq = new_buffer(q.shape, q.dtype, q.device)
     _dq_kernel[(n_qb, b * h)](
         q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq,
-        layout.tiles, layout.tile_count, cols, col_cnt,
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], C_MAX=cols.shape[-1], qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_BARS=layout.has_bars, HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
+        layout.tiles, layout.tile_count, **_bars(layout),
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
+        HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
     )  # fmt: skip
 
     if layout.has_bars:

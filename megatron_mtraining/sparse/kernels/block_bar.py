@@ -70,6 +70,26 @@ def _online_step(
 
 
 @triton.jit
+def _in_tile(ACTIVE, bh, N_ACTIVE, row_pos, col_pos, col_ok, BLOCK: tl.constexpr):
+    """Columns inside an attended tile of this query block (one global block), which the
+    tiles already cover and the bars must skip."""
+    diag = tl.max(row_pos, 0) // BLOCK - col_pos // BLOCK
+    return tl.load(ACTIVE + bh * N_ACTIVE + diag, mask=col_ok & (diag >= 0), other=0) != 0
+
+
+@triton.jit
+def _bar_chunk(VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_POS: tl.constexpr):  # fmt: skip
+    """``BLOCK_N`` bar columns from entry ``c0`` of the block's visible prefix of the
+    head's vertical list: (columns, their positions, attended mask)."""
+    offs = c0 + tl.arange(0, BLOCK_N)
+    cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < n_bars, other=-1)
+    ok = cols >= 0
+    pos = _positions(KPOS, cols, ok, HAS_POS)
+    return cols, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, row_pos, pos, ok, BLOCK)
+
+
+@triton.jit
 def _program_rows(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S, H, HKV):
     """Indices shared by the row-major kernels: (b, h, kv head, rows, row mask, d, d mask)."""
     qb = tl.program_id(0)
@@ -102,8 +122,8 @@ def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL, QPOS, KPOS,
-    S, SK, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale,
+    Q, K, V, O, LSE, TILES, TILE_CNT, VERT, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_POS: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -135,15 +155,15 @@ def _fwd_kernel(
                 kv_stride, d, d_ok, qk_scale, PRECISION,
             )  # fmt: skip
     if HAS_BARS:
-        bar = (b * H + h) * NQB + qb
-        n_cols = tl.load(COL_CNT + bar)
-        for c0 in range(0, n_cols, BLOCK_N):
-            offs = c0 + tl.arange(0, BLOCK_N)
-            cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
-            col_ok = cols >= 0
+        bh = b * H + h
+        n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        for c0 in range(0, n_bars, BLOCK_N):
+            cols, col_pos, col_ok = _bar_chunk(
+                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK, BLOCK_N, HAS_POS
+            )
             acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok, row_pos,
-                kv_stride, d, d_ok, qk_scale, PRECISION,
+                acc, m_i, l_i, q, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
+                PRECISION,
             )  # fmt: skip
 
     empty = l_i == 0.0
@@ -179,8 +199,8 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, COLS, COL_CNT, ROWSEL, QPOS, KPOS,
-    S, SK, H, HKV, LB, LH, NQB, T_MAX, C_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, VERT, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
@@ -221,15 +241,15 @@ def _dq_kernel(
                 tile_rows, kv_stride, d, d_ok, qk_scale, PRECISION,
             )  # fmt: skip
     if HAS_BARS:
-        bar = (b * H + h) * NQB + qb
-        n_cols = tl.load(COL_CNT + bar)
-        for c0 in range(0, n_cols, BLOCK_N):
-            offs = c0 + tl.arange(0, BLOCK_N)
-            cols = tl.load(COLS + bar * C_MAX + offs, mask=offs < n_cols, other=-1)
-            col_ok = cols >= 0
+        bh = b * H + h
+        n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        for c0 in range(0, n_bars, BLOCK_N):
+            cols, col_pos, col_ok = _bar_chunk(
+                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK, BLOCK_N, HAS_POS
+            )
             dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok,
-                row_pos, kv_stride, d, d_ok, qk_scale, PRECISION,
+                dq, q, do, lse, delta, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
+                PRECISION,
             )  # fmt: skip
     dq_ptrs = DQ + q_off + rows[:, None] * q_stride + d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -277,18 +297,16 @@ def _bar_dkdv_kernel(
         k = _load_rows(K + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
         v = _load_rows(V + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
         col_pos = _positions(KPOS, cols, col_ok, HAS_POS)
-        col_block = col_pos // BLOCK  # global block of each column
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
         first = 0  # query blocks before the chunk's first column see none of it (single device)
         if not HAS_POS:
-            first = tl.min(tl.where(col_ok, col_block, NQB), 0)
+            first = tl.min(tl.where(col_ok, col_pos // BLOCK, NQB), 0)
         for qb in range(first, NQB):
             rows = qb * BLOCK + tl.arange(0, BLOCK)
             row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
-            diag = tl.max(row_pos, 0) // BLOCK - col_block  # a query block is one global block
-            in_tile = tl.load(ACTIVE + bh * N_ACTIVE + diag, mask=col_ok & (diag >= 0), other=0) != 0
+            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, row_pos, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
                 d, d_ok, qk_scale, (~in_tile)[None, :], PRECISION,

@@ -24,9 +24,11 @@ class KernelLayout:
     tile_count: torch.Tensor  # [LB, LH, n_qblocks] int32
     tiles_t: torch.Tensor  # [LB, LH, n_kvblocks, max] int32 query blocks reading each KV block
     tile_t_count: torch.Tensor  # [LB, LH, n_kvblocks] int32
-    columns: torch.Tensor | None = None  # [B, Hq, n_qblocks, max_cols] int32 bar columns per query block
-    column_count: torch.Tensor | None = None
-    vertical: torch.Tensor | None = None  # [B, Hq, V] int32 ascending, -1 padded
+    # Bars: query block i reads the first bar_count[..., i] entries of its head's vertical
+    # list (those at or before its last row), skipping columns inside its own attended
+    # tiles in the kernel; a prefix count keeps the layout O(n_qblocks) per head.
+    vertical: torch.Tensor | None = None  # [B, Hq, V] int32 key indices, ascending by position, -1 padded
+    bar_count: torch.Tensor | None = None  # [B, Hq, n_qblocks] int32
     vertical_ptr: torch.Tensor | None = None  # [B, Hq, n_kvblocks + 1] int32: vertical entries per KV block
     active: torch.Tensor | None = None  # [B, Hq, n_blocks] int8: attended block diagonals
     # Top-k layouts: the tiles of a query block are the union of its rows' choices, and
@@ -61,24 +63,48 @@ def dense_layout(index: DenseIndex, block: int) -> KernelLayout:
     return layout_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
 
 
+def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Tensor, n_blocks: int):
+    """Tiles of the attended block diagonals ``slash [B, Hq, max]`` (-1 padded) between
+    query blocks and key blocks with global ids ``q_blocks`` / ``k_blocks`` (a whole
+    sequence, or a context-parallel rank's rows and a ring step's chunk): query block
+    ``g`` reads key block ``g - d``, and key block ``g`` is read by query block ``g + d``,
+    where present. Returns (tiles, count, tiles_t, count_t) in local block indices,
+    ascending. Lookups cost ``n_q x n_diagonals`` per head, not ``n_q x n_k``."""
+    diagonals = slash.unsqueeze(2).long()
+
+    def lists(blocks: torch.Tensor, sign: int, targets: torch.Tensor):
+        local_of = torch.full((n_blocks + 1,), -1, dtype=torch.int32, device=slash.device)
+        local_of[targets.long()] = torch.arange(len(targets), dtype=torch.int32, device=slash.device)
+        wanted = blocks.long().view(1, 1, -1, 1) + sign * diagonals
+        ok = (diagonals >= 0) & (wanted >= 0) & (wanted < n_blocks)
+        local = local_of[torch.where(ok, wanted, n_blocks)]
+        return compact(local, local >= 0)
+
+    return (*lists(q_blocks, -1, k_blocks), *lists(k_blocks, 1, q_blocks))
+
+
+def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, right: bool = False) -> torch.Tensor:
+    """``[B, Hq, len(bounds)]`` int32: entries of each head's ascending, -1 padded vertical
+    list below (``right``: at or below) each bound."""
+    sortable = torch.where(vertical_positions >= 0, vertical_positions, torch.iinfo(torch.int32).max)
+    wanted = bounds.to(sortable.dtype).expand(*sortable.shape[:2], -1).contiguous()
+    return torch.searchsorted(sortable.contiguous(), wanted, right=right).to(torch.int32)
+
+
 def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
-    bc = index.block_columns()
-    n = index.num_blocks
-    tiles_t, tile_t_count = transpose_tiles(bc.block_idx, bc.block_count, n)
-    vertical = index.vertical.contiguous()
-    bounds = torch.arange(n + 1, device=vertical.device, dtype=torch.int32) * index.block_size
-    sortable = torch.where(vertical >= 0, vertical, torch.iinfo(torch.int32).max)
-    ptr = torch.searchsorted(sortable, bounds.expand(*vertical.shape[:2], -1).contiguous()).to(torch.int32)
+    n, bs = index.num_blocks, index.block_size
+    blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
+    tiles, count, tiles_t, tile_t_count = slash_tiles(index.slash, blocks[:-1], blocks[:-1], n)
+    last_rows = torch.clamp(blocks[1:] * bs, max=index.seq_len) - 1
     return KernelLayout(
-        block=index.block_size,
-        tiles=bc.block_idx.contiguous(),
-        tile_count=bc.block_count.contiguous(),
+        block=bs,
+        tiles=tiles.contiguous(),
+        tile_count=count.contiguous(),
         tiles_t=tiles_t.contiguous(),
         tile_t_count=tile_t_count.contiguous(),
-        columns=bc.column_idx.contiguous(),
-        column_count=bc.column_count.contiguous(),
-        vertical=vertical,
-        vertical_ptr=ptr.contiguous(),
+        vertical=index.vertical.contiguous(),
+        bar_count=vertical_counts(index.vertical, last_rows, right=True).contiguous(),
+        vertical_ptr=vertical_counts(index.vertical, blocks * bs).contiguous(),
         active=index.active_diagonals().to(torch.int8).contiguous(),
     )
 
