@@ -138,12 +138,32 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
         "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
     }  # fmt: skip
     r["worker_id"], r["step_id"] = imbalance_degrees(ring_area)
+    if args.profile and layout_kind == "striped" and kind != "dense":
+        profile(ring, out, grad, (q, k, v), rank)
     for phase in ("fwd", "bwd"):
         step_ms, local_ms, wait_ms = stats.gather_times(phase)
         r[f"{phase}_kernel_worker_id"], r[f"{phase}_kernel_step_id"] = imbalance_degrees(step_ms)
         r[f"{phase}_kernel_ms_max"] = float((step_ms.sum(1) + local_ms).max())
         r[f"{phase}_exposed_comm_ms"] = float(wait_ms.max())
     return r
+
+
+def profile(ring, out, grad, inputs, rank: int) -> None:
+    """Host and device time per op and named range of one forward and one backward (every
+    rank runs them; rank 0 prints)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ring()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30), flush=True)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, inputs, grad, retain_graph=True)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
 
 
 def report(r: dict) -> None:
@@ -173,6 +193,7 @@ def main() -> None:
     p.add_argument("--dense-max", type=int, default=524288, help="longest total length to time the dense ring at")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU comparison")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown of one striped ring call")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")

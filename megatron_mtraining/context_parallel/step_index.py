@@ -23,7 +23,7 @@ class StepIndex(SparseIndex):
     index: SparseIndex
     query_positions: torch.Tensor  # [Lq] int64 global positions of the local query rows
     key_positions: torch.Tensor  # [Lk] int64 global positions of the chunk's keys
-    _segments: dict = field(init=False, repr=False)  # local row range -> global row range
+    _segments: dict | None = field(init=False, repr=False, default=None)  # local row range -> global row range
     _local_key: torch.Tensor = field(init=False, repr=False)
     _may_attend: bool = field(init=False, repr=False)
     host_query_positions: torch.Tensor = field(init=False, repr=False)
@@ -37,13 +37,6 @@ class StepIndex(SparseIndex):
         self._may_attend = bool(self.host_key_positions.min() <= qpos.max())
         self.query_positions = self.query_positions.to(self.index.device, non_blocking=True)
         self.key_positions = self.key_positions.to(self.index.device, non_blocking=True)
-        # Local row runs that are contiguous globally and inside one of the global index's chunks.
-        chunk = qpos // self.index.query_chunk
-        breaks = torch.nonzero((qpos[1:] != qpos[:-1] + 1) | (chunk[1:] != chunk[:-1])).flatten() + 1
-        bounds = [0, *breaks.tolist(), len(qpos)]
-        self._segments = {
-            (a, b): (int(qpos[a]), int(qpos[b - 1]) + 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        }
         dev = self.key_positions.device
         self._local_key = torch.full((self.index.seq_len + 1,), -1, dtype=torch.int64, device=dev)
         self._local_key[self.key_positions] = torch.arange(len(self.key_positions), device=dev)
@@ -68,11 +61,26 @@ class StepIndex(SparseIndex):
     def device(self) -> torch.device:
         return self.query_positions.device
 
+    def segments(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Local row runs that are contiguous globally and inside one of the global index's
+        query chunks -> their global row range. Built on first use: only the reference
+        path walks rows this way, and a striped rank has thousands of runs."""
+        if self._segments is None:
+            qpos = self.host_query_positions
+            chunk = qpos // self.index.query_chunk
+            breaks = torch.nonzero((qpos[1:] != qpos[:-1] + 1) | (chunk[1:] != chunk[:-1])).flatten() + 1
+            bounds = [0, *breaks.tolist(), len(qpos)]
+            starts, ends = qpos[bounds[:-1]].tolist(), (qpos[[b - 1 for b in bounds[1:]]] + 1).tolist()
+            self._segments = {
+                (a, b): (g0, g1) for a, b, g0, g1 in zip(bounds[:-1], bounds[1:], starts, ends, strict=True)
+            }
+        return self._segments
+
     def query_ranges(self, num_rows: int) -> list[tuple[int, int]]:
-        return list(self._segments)
+        return list(self.segments())
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
-        g0, g1 = self._segments[q_start, q_end]
+        g0, g1 = self.segments()[q_start, q_end]
         global_keys = self.index.key_lists(g0, g1)
         local = torch.where(global_keys >= 0, self.local_key(global_keys), -1)
         return compact(local, local >= 0)[0].long()

@@ -70,23 +70,23 @@ def _online_step(
 
 
 @triton.jit
-def _in_tile(ACTIVE, bh, N_ACTIVE, row_pos, col_pos, col_ok, BLOCK: tl.constexpr):
-    """Columns inside an attended tile of this query block (one global block), which the
-    tiles already cover and the bars must skip."""
-    diag = tl.max(row_pos, 0) // BLOCK - col_pos // BLOCK
+def _in_tile(ACTIVE, bh, N_ACTIVE, q_block, col_pos, col_ok, BLOCK: tl.constexpr):
+    """Columns inside an attended tile of global query block ``q_block``, which the tiles
+    already cover and the bars must skip."""
+    diag = q_block - col_pos // BLOCK
     return tl.load(ACTIVE + bh * N_ACTIVE + diag, mask=col_ok & (diag >= 0), other=0) != 0
 
 
 @triton.jit
-def _bar_chunk(VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_POS: tl.constexpr):  # fmt: skip
+def _bar_chunk(VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
     """``BLOCK_N`` bar columns from entry ``c0`` of the block's visible prefix of the
     head's vertical list: (columns, their positions, attended mask)."""
     offs = c0 + tl.arange(0, BLOCK_N)
     cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < n_bars, other=-1)
     ok = cols >= 0
     pos = _positions(KPOS, cols, ok, HAS_POS)
-    return cols, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, row_pos, pos, ok, BLOCK)
+    return cols, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, q_block, pos, ok, BLOCK)
 
 
 @triton.jit
@@ -157,9 +157,10 @@ def _fwd_kernel(
     if HAS_BARS:
         bh = b * H + h
         n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(0, n_bars, BLOCK_N):
             cols, col_pos, col_ok = _bar_chunk(
-                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK, BLOCK_N, HAS_POS
+                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK, BLOCK_N, HAS_POS
             )
             acc, m_i, l_i = _online_step(
                 acc, m_i, l_i, q, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
@@ -243,9 +244,10 @@ def _dq_kernel(
     if HAS_BARS:
         bh = b * H + h
         n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(0, n_bars, BLOCK_N):
             cols, col_pos, col_ok = _bar_chunk(
-                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, row_pos, BLOCK, BLOCK_N, HAS_POS
+                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK, BLOCK_N, HAS_POS
             )
             dq = _dq_step(
                 dq, q, do, lse, delta, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
@@ -306,7 +308,7 @@ def _bar_dkdv_kernel(
         for qb in range(first, NQB):
             rows = qb * BLOCK + tl.arange(0, BLOCK)
             row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
-            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, row_pos, col_pos, col_ok, BLOCK)
+            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
                 d, d_ok, qk_scale, (~in_tile)[None, :], PRECISION,
