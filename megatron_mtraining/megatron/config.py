@@ -1,0 +1,169 @@
+"""The plugin's attention settings, and how they travel with a Megatron ``TransformerConfig``.
+
+``MTrainingAttentionConfig`` holds everything Megatron's own config has no field for: the
+attention type, the pattern parameters, the context-parallel token layout and the ring
+hierarchy. It validates itself on construction; every error names the field, the value and
+what is accepted. Pattern sections can be given as the ``megatron_mtraining.sparse`` config
+objects or as plain dicts (from YAML), whose unknown keys are rejected by name.
+
+Megatron builds every module from one ``TransformerConfig`` instance, so the plugin config is
+attached to that instance as the attribute ``mtraining_attention``
+(:func:`attach_attention_config`) and read back by the modules (:func:`get_attention_config`).
+The attribute survives ``copy.deepcopy`` (Megatron deep-copies the config for GQA with fewer
+KV heads than TP ranks), but not ``dataclasses.replace``: attach after the last replace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..context_parallel.layout import KINDS
+from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
+from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
+
+ATTENTION_TYPES = ("dense", "mtraining", "msa", "moba")
+BACKENDS = (None, "reference", "triton")
+CONFIG_ATTRIBUTE = "mtraining_attention"
+
+# Section name -> pattern config class; a section is named after the attention type it serves.
+_PATTERN_SECTIONS = {"mtraining": VerticalSlashConfig, "msa": MSAConfig, "moba": MoBAConfig}
+
+
+def _check_hierarchy(name: str, value) -> None:
+    if value is not None:
+        check_int(name, value, minimum=1)
+
+
+def _check_backend(name: str, value) -> None:
+    if value not in BACKENDS:
+        fail(name, value, "None (automatic: Triton kernels for CUDA inputs), 'reference' or 'triton'")
+
+
+def _check_pattern(name: str, value, *, cls) -> None:
+    if not isinstance(value, cls):
+        fail(name, type(value).__name__, f"a {cls.__name__} or a dict of its fields")
+
+
+def _pattern_from_dict(cls, values: dict, where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            fail(f"{where}.{key}", values[key], f"one of the {cls.__name__} fields: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class MTrainingAttentionConfig(ValidatedConfig):
+    """Attention type, pattern parameters and context-parallel layout of a model.
+
+    ``type`` selects the pattern; only its section (``mtraining``, ``msa`` or ``moba``) is
+    used. ``layout`` is the token order of a context-parallel rank (``zigzag`` is Megatron's
+    own batch split; ``striped`` needs the plugin's batch-split and RoPE patches), ``stripe``
+    its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
+    ring, or None for the flat ring; it must match Megatron's
+    ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
+    the groups. ``backend`` forces the sparse attention backend (None: Triton kernels for CUDA
+    inputs, the PyTorch reference otherwise).
+    """
+
+    type: str = setting("dense", check_choice, choices=ATTENTION_TYPES)
+    mtraining: VerticalSlashConfig = setting(VerticalSlashConfig(), _check_pattern, cls=VerticalSlashConfig)
+    msa: MSAConfig = setting(MSAConfig(), _check_pattern, cls=MSAConfig)
+    moba: MoBAConfig = setting(MoBAConfig(), _check_pattern, cls=MoBAConfig)
+    layout: str = setting("zigzag", check_choice, choices=KINDS)
+    stripe: int = setting(128, check_int, minimum=1)
+    hierarchy: int | None = setting(None, _check_hierarchy)
+    backend: str | None = setting(None, _check_backend)
+
+    def __post_init__(self):
+        for section, cls in _PATTERN_SECTIONS.items():
+            value = getattr(self, section)
+            if isinstance(value, dict):
+                where = f"{type(self).__name__}.{section}"
+                object.__setattr__(self, section, _pattern_from_dict(cls, value, where))
+        super().__post_init__()
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "attention") -> MTrainingAttentionConfig:
+        """From a YAML-style mapping; an unknown key fails naming ``where.key``."""
+        if not isinstance(values, dict):
+            fail(where, type(values).__name__, "a mapping of attention settings")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                fail(f"{where}.{key}", values[key], f"one of the attention settings: {', '.join(sorted(known))}")
+        parsed = dict(values)
+        for section, pattern_cls in _PATTERN_SECTIONS.items():
+            if isinstance(parsed.get(section), dict):
+                parsed[section] = _pattern_from_dict(pattern_cls, parsed[section], f"{where}.{section}")
+        return cls(**parsed)
+
+    @property
+    def pattern(self):
+        """The pattern config of ``type`` (``"dense"`` for dense attention)."""
+        return "dense" if self.type == "dense" else getattr(self, self.type)
+
+    def validate_for(self, config) -> None:
+        """Checks against a Megatron ``TransformerConfig`` (done when attaching, so a bad
+        combination fails at start-up rather than in the first forward)."""
+        if config.attention_dropout:
+            fail(
+                "TransformerConfig.attention_dropout", config.attention_dropout, "0.0 (sparse attention has no dropout)"
+            )
+        if config.softmax_type != "vanilla":
+            fail("TransformerConfig.softmax_type", config.softmax_type, "'vanilla' (no attention sinks in the kernels)")
+        if config.window_size is not None:
+            fail("TransformerConfig.window_size", config.window_size, "None (the pattern decides what is attended)")
+        if self.type == "msa" and config.tensor_model_parallel_size > 1:
+            # The index projections are replicated modules; with TP their per-rank KL would
+            # need TP-sharded index heads and a TP all-reduce of the shared key projection.
+            fail("TransformerConfig.tensor_model_parallel_size", config.tensor_model_parallel_size, "1 for type 'msa'")
+        cp = config.context_parallel_size
+        sizes = config.hierarchical_context_parallel_sizes
+        if self.hierarchy is not None and cp > 1:
+            want = [self.hierarchy, cp // self.hierarchy]
+            if cp % self.hierarchy:
+                fail(f"{type(self).__name__}.hierarchy", self.hierarchy, f"a divisor of context_parallel_size ({cp})")
+            if list(sizes or []) != want:
+                fail(
+                    "TransformerConfig.hierarchical_context_parallel_sizes",
+                    sizes,
+                    f"{want} (inner, outer) for {type(self).__name__}.hierarchy={self.hierarchy}",
+                )
+
+
+def attach_attention_config(config, attention: MTrainingAttentionConfig):
+    """Validates ``attention`` against the Megatron ``config`` and attaches it (attribute
+    ``mtraining_attention``). For MSA it also installs the KL loss scale hook
+    ``config.experimental_attention_variant_loss_scale_func`` that Megatron's schedules call
+    every microbatch. Returns ``config``."""
+    if not isinstance(attention, MTrainingAttentionConfig):
+        fail("attention", type(attention).__name__, "an MTrainingAttentionConfig")
+    attention.validate_for(config)
+    if attention.type == "msa":
+        from .msa_loss import MSALossAutoScaler
+
+        hook = config.experimental_attention_variant_loss_scale_func
+        if hook is not None and hook != MSALossAutoScaler.set_loss_scale:
+            fail(
+                "TransformerConfig.experimental_attention_variant_loss_scale_func",
+                hook,
+                "None or MSALossAutoScaler.set_loss_scale (the MSA KL loss needs Megatron's loss scale)",
+            )
+        config.experimental_attention_variant_loss_scale_func = MSALossAutoScaler.set_loss_scale
+    setattr(config, CONFIG_ATTRIBUTE, attention)
+    return config
+
+
+def get_attention_config(config) -> MTrainingAttentionConfig:
+    """The plugin config attached to a Megatron ``TransformerConfig``."""
+    attention = getattr(config, CONFIG_ATTRIBUTE, None)
+    if attention is None:
+        fail(
+            f"TransformerConfig.{CONFIG_ATTRIBUTE}",
+            None,
+            "an MTrainingAttentionConfig attached with attach_attention_config(config, attention) before the "
+            "model is built",
+        )
+    return attention

@@ -1,0 +1,215 @@
+"""The core-attention module that puts the plugin's sparse attention in a Megatron layer.
+
+:class:`SparseCoreAttention` takes ``DotProductAttention``'s place in a ``SelfAttention``
+(the ``core_attention`` slot of a layer spec) and keeps its contract: the same constructor
+keywords, ``query [sq, b, np, hn]`` and ``key/value [sk, b, ng, hn]`` in (after RoPE; GQA
+with ``ng`` KV heads), ``[sq, b, np * hn]`` out. It converts the layout to the sparse API's
+``[b, s, h, d]`` once, builds the pattern that the config attached to the
+``TransformerConfig`` names, and runs the sparse ring over the context-parallel group (or the
+single-device kernel when that group has one rank). Attention is causal; the sequence a
+context-parallel rank holds is in the configured layout's token order.
+
+MSA's index branch lives here too, so one module owns selection, attention and the KL loss.
+It reads the layer input, which ``DotProductAttention``'s forward does not receive:
+:class:`MSASelfAttention` hands it over, detached, without changing that forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+from ..context_parallel import ContextParallelLayout, ring_attention
+from ..context_parallel.distributed_index import build_distributed_index, build_local_index
+from ..sparse import DenseIndex, IndexBranch, MSAPattern, SparseIndex, sparse_attention
+from ..sparse.validation import fail
+from .config import get_attention_config
+from .msa_loss import MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
+
+
+def _group_size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+class SparseCoreAttention(MegatronModule):
+    """Causal sparse attention with ``DotProductAttention``'s constructor and forward.
+
+    ``attention`` (from the layer spec's params) is the type the spec was built for; it must
+    equal the attached config's ``type``. Dropout is not supported (``attention_dropout``
+    must be 0). ``cp_comm_type`` is accepted and unused: context parallelism always runs the
+    plugin's ring. Parameters exist only for MSA (``index_branch``); this class derives from
+    ``MegatronModule`` rather than ``DotProductAttention``, so the default
+    ``sharded_state_dict`` already checkpoints them (``DotProductAttention``'s override would
+    emit only ``softmax_offset``).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        attention: str | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        self.attention_config = get_attention_config(config)
+        if attention is not None and attention != self.attention_config.type:
+            fail(
+                "MTrainingAttentionConfig.type",
+                self.attention_config.type,
+                f"'{attention}', the attention type the layer spec was built for",
+            )
+        if attention_type != "self":
+            fail("attention_type", attention_type, "'self' (sparse attention is causal self-attention)")
+        self.attn_mask_type = self._check_mask_type(attn_mask_type)
+        if attention_dropout:
+            fail("attention_dropout", attention_dropout, "0.0 (sparse attention has no dropout)")
+        self.attention_config.validate_for(config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group(
+            check_initialized=False
+        )
+        self.hierarchy = self._hierarchy_groups(pg_collection)
+        self.layer_number = max(1, layer_number)
+        # Megatron's query-key layer scaling divides the scale by the layer number and
+        # multiplies the scores back in the softmax: the net scale is unchanged.
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.index_input = None  # the layer input, set by MSASelfAttention for one forward
+        if self.attention_config.type == "msa":
+            groups = divide(config.num_query_groups, _group_size(self.tp_group))
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            self.index_branch = IndexBranch(
+                config.hidden_size, groups, self.attention_config.msa, init_std=config.init_method_std
+            ).to(device=device, dtype=config.params_dtype)
+
+    @staticmethod
+    def _check_mask_type(mask_type: AttnMaskType) -> AttnMaskType:
+        if mask_type != AttnMaskType.causal:
+            fail("attn_mask_type", mask_type, "AttnMaskType.causal (sparse attention is causal)")
+        return mask_type
+
+    def _hierarchy_groups(self, pg_collection):
+        """(inner, outer) groups of the hierarchical ring: Megatron's hierarchical CP groups."""
+        inner_size = self.attention_config.hierarchy
+        if inner_size is None or _group_size(self.cp_group) == 1:
+            return None
+        groups = getattr(pg_collection, "hcp", None) or parallel_state.get_hierarchical_context_parallel_groups(
+            check_initialized=False
+        )
+        if not groups or len(groups) != 2 or groups[0].size() != inner_size:
+            fail(
+                "hierarchical CP groups",
+                None if not groups else [g.size() for g in groups],
+                f"[{inner_size}, {_group_size(self.cp_group) // inner_size}] from initialize_model_parallel("
+                f"hierarchical_context_parallel_sizes=...) for MTrainingAttentionConfig.hierarchy={inner_size}",
+            )
+        return tuple(groups)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        index_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[sq, b, np, hn]`` queries over ``[sk, b, ng, hn]`` keys/values -> ``[sq, b, np*hn]``.
+
+        ``attention_mask`` is not read: the attention is causal over global positions, which
+        the layout gives (as Transformer Engine ignores the mask for a causal mask type).
+        ``index_input``: the layer input ``[s, b, hidden]`` for MSA's index branch when the
+        caller passes it explicitly (recompute); otherwise ``self.index_input``.
+        """
+        if attention_bias is not None:
+            fail("attention_bias", type(attention_bias).__name__, "None (no additive bias in sparse attention)")
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "packed_seq_params is not supported by SparseCoreAttention yet: pass packed_seq_params=None "
+                "(one sequence per sample, the sbhd format)"
+            )
+        self._check_mask_type(attn_mask_type or self.attn_mask_type)
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (query, key, value))
+        cp_size = _group_size(self.cp_group)
+        layout = None
+        if cp_size > 1:
+            cfg = self.attention_config
+            layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
+        if self.attention_config.type == "msa":
+            out = self._msa(q, k, v, index_input if index_input is not None else self.index_input, layout)
+        else:
+            out = self._attend(q, k, v, self.attention_config.pattern, layout)
+        return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
+
+    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+        scale, backend = self.softmax_scale, self.attention_config.backend
+        if layout is None:
+            index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
+            out, _ = sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
+        else:
+            out, _ = ring_attention(q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend)
+        return out
+
+    def _msa(self, q, k, v, hidden, layout) -> torch.Tensor:
+        """MSA: select with the index branch (dense during warmup), attend, and attach this
+        rank's share of the KL loss to the output while training."""
+        if hidden is None:
+            fail(
+                "index_input",
+                None,
+                "the layer input: build MSA layers with get_gpt_layer_spec(attention='msa'), whose "
+                "MSASelfAttention hands it to the core attention",
+            )
+        cfg = self.attention_config.msa
+        q_idx, k_idx = self.index_branch(hidden.transpose(0, 1))
+        if cfg.warmup_steps > 0 and cfg.in_warmup(training_iteration(self.config)):
+            # Dense main branch; the KL spans every visible token.
+            seq = q.shape[1] if layout is None else layout.seq_len
+            index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
+        elif layout is None:
+            index = build_local_index(MSAPattern(q_idx, k_idx, cfg), q, k, self.softmax_scale)
+        else:
+            pattern = MSAPattern(q_idx, k_idx, cfg)
+            index = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
+        out = self._attend(q, k, v, index, layout)
+        if self.training and torch.is_grad_enabled():
+            kl = msa_layer_kl(q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group)
+            record_kl(kl.detach(), self.layer_number, self.config.num_layers, self.cp_group)
+            out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
+        return out
+
+
+class MSASelfAttention(SelfAttention):
+    """``SelfAttention`` that also gives its core attention the layer input, detached (MSA's
+    index branch reads it; only the KL loss may train the branch). The rest of the layer is
+    Megatron's own."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.core_attention.index_input = hidden_states.detach()
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self.core_attention.index_input = None
+
+    def _checkpointed_attention_forward(self, *args, core_attention_extra_kwargs=None, **kwargs):
+        # Recompute runs the core attention again in the backward, after forward returned and
+        # cleared index_input: pass the input through the checkpoint instead.
+        extra = {**(core_attention_extra_kwargs or {}), "index_input": self.core_attention.index_input}
+        return super()._checkpointed_attention_forward(*args, core_attention_extra_kwargs=extra, **kwargs)

@@ -1,0 +1,412 @@
+"""Worker bodies for the gloo Megatron tests (spawned processes import this).
+
+A tiny GPT (2 layers, hidden 64, 4 heads in 2 query groups, sequence 256, vocabulary 128,
+fp32) is built from the plugin's layer spec. Losses and gradients follow Megatron's
+conventions: each context-parallel rank takes the mean over its tokens, the MSA KL scale is
+set through the config hook with ``loss_scale * cp_size / num_microbatches`` (the schedules'
+call), and gradients are averaged over the CP ranks (what Megatron DDP does over dp x cp).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from megatron_mtraining.context_parallel import ContextParallelLayout
+from megatron_mtraining.megatron import (
+    MTrainingAttentionConfig,
+    apply_cpu_compat,
+    attach_attention_config,
+    get_attention_metrics_tracker,
+    get_gpt_layer_spec,
+    set_training_iteration,
+)
+from megatron_mtraining.sparse import DenseIndex, msa_kl_loss, msa_select_blocks
+
+SEQ, BATCH, VOCAB, SEED = 256, 2, 128, 1234
+# Larger than Megatron's 0.02 so that attention is far from uniform and the patterns matter.
+INIT_STD = 0.2
+
+PATTERNS = {
+    "dense": {},
+    "mtraining": {
+        "mtraining": {"last_q": 32, "vertical_topp": 0.5, "slash_topp": 0.5, "block_size": 16, "sink_tokens": 2}
+    },
+    "msa": {"msa": {"block_size": 16, "topk": 4, "index_head_dim": 16, "warmup_steps": 0}},
+    "moba": {"moba": {"chunk_size": 32, "topk": 3}},
+}
+
+
+def _entry(rank, world, init_file, fn, args):
+    # Several processes share two cores: one thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, fn, *args) -> None:
+    """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any rank fails
+    the caller with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)
+
+
+def init_megatron(cp_size: int = 1, hierarchical: list[int] | None = None) -> None:
+    apply_cpu_compat()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        context_parallel_size=cp_size, hierarchical_context_parallel_sizes=hierarchical
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+
+
+def attention_config(kind: str, **overrides):
+    return MTrainingAttentionConfig.from_dict({"type": kind, **PATTERNS[kind], **overrides})
+
+
+def build_model(attention, position_embedding: str = "rope", spec=None, **config_overrides):
+    """The tiny GPT for the current parallel state; ``attention`` is an MTrainingAttentionConfig
+    (None: no plugin config, for Megatron's own spec)."""
+    cp = parallel_state.get_context_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        init_method_std=INIT_STD,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=[2, cp // 2] if attention is not None and attention.hierarchy else None,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=torch.float32,
+        **config_overrides,
+    )
+    if attention is not None:
+        attach_attention_config(config, attention)
+        spec = spec or get_gpt_layer_spec(attention.type)
+    return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type=position_embedding)
+
+
+def full_batch():
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return {"tokens": tokens, "labels": labels, "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous()}
+
+
+def local_batch(layout: str, stripe: int):
+    """This CP rank's tokens: Megatron's own split for zigzag, ``ContextParallelLayout.shard``
+    for striped."""
+    batch, group = full_batch(), parallel_state.get_context_parallel_group()
+    if layout == "zigzag":
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    split = ContextParallelLayout(layout, group.size(), SEQ, stripe=stripe)
+    return {name: split.shard(t, group.rank()) for name, t in batch.items()}
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward under Megatron's conventions: (loss, gradients), averaged
+    over the CP group (every parameter is expected to get a gradient)."""
+    group = parallel_state.get_context_parallel_group()
+    cp = group.size()
+    model.zero_grad(set_to_none=True)
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss = per_token.float().mean()
+    hook = model.config.experimental_attention_variant_loss_scale_func
+    if hook is not None:
+        hook(torch.ones(1) * cp / 1)  # loss_scale * cp_size / num_microbatches
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        grads[name] = p.grad.clone()
+    loss = loss.detach()
+    if cp > 1:
+        for t in [loss, *grads.values()]:
+            dist.all_reduce(t, group=group)
+            t.div_(cp)
+    return loss, grads
+
+
+def recorded_kl() -> torch.Tensor:
+    """The per-layer MSA KL recorded since the last clear, summed over the CP group (what
+    the tracker's ``report`` does before averaging over DP)."""
+    values = get_attention_metrics_tracker().metrics["msa_kl_loss"].values.clone()
+    dist.all_reduce(values, group=parallel_state.get_context_parallel_group())
+    return values
+
+
+def reference(kind: str, position_embedding: str) -> dict:
+    """cp_size 1: the state, loss and gradients (and MSA's recorded KL) every CP run is
+    compared with."""
+    get_attention_metrics_tracker().clear()
+    model = build_model(attention_config(kind), position_embedding)
+    loss, grads = loss_and_grads(model, full_batch())
+    ref = {"state": model.state_dict(), "loss": loss, "grads": grads}
+    if kind == "msa":
+        ref["kl"] = recorded_kl()
+    return ref
+
+
+def compute_references(rank, world, path):
+    init_megatron()
+    refs = {(kind, pos): reference(kind, pos) for kind in PATTERNS for pos in ("rope", "learned_absolute")}
+    # The patterns must matter, or parity would not test them.
+    for kind in PATTERNS:
+        if kind != "dense":
+            gap = (refs[kind, "rope"]["loss"] - refs["dense", "rope"]["loss"]).abs()
+            assert gap > 1e-4, f"{kind} loss equals the dense loss ({gap}): the pattern selects everything"
+    torch.save(refs, path)
+
+
+def assert_matches(name: str, loss, grads, ref) -> None:
+    torch.testing.assert_close(loss, ref["loss"], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} loss: {m}")
+    assert grads.keys() == ref["grads"].keys()
+    for param, grad in grads.items():
+        want = ref["grads"][param]
+        tol = 1e-5 * want.abs().max().item() + 1e-7
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=tol, msg=lambda m, p=param: f"{name} {p}: {m}")
+
+
+def check_cp_parity(rank, world, path, runs):
+    """``runs``: (kind, layout, hierarchical) triples, each compared with its cp_size-1 reference."""
+    refs = torch.load(path, weights_only=False)
+    hier_sizes = [2, world // 2] if world >= 4 else None
+    init_megatron(world, hier_sizes)
+    stripe = 16
+    for kind, layout, hierarchical in runs:
+        # Megatron's RoPE slice per CP rank is the zigzag one: striped runs use learned positions.
+        pos = "rope" if layout == "zigzag" else "learned_absolute"
+        attention = attention_config(kind, layout=layout, stripe=stripe, hierarchy=2 if hierarchical else None)
+        ref = refs[kind, pos]
+        model = build_model(attention, pos)
+        model.load_state_dict(ref["state"])
+        get_attention_metrics_tracker().clear()
+        loss, grads = loss_and_grads(model, local_batch(layout, stripe))
+        name = f"{kind} cp={world} {layout}{' 2x2' if hierarchical else ''}"
+        assert_matches(name, loss, grads, ref)
+        if kind == "msa":
+            torch.testing.assert_close(
+                recorded_kl(), ref["kl"], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n} KL: {m}"
+            )
+
+
+def check_dense_equals_megatron(rank, world):
+    """The dense type against Megatron's local spec (DotProductAttention), same weights."""
+    init_megatron()
+    ours = build_model(attention_config("dense"))
+    theirs = build_model(None, spec=get_gpt_layer_local_spec())
+    assert isinstance(theirs.decoder.layers[0].self_attention.core_attention, DotProductAttention)
+    theirs.load_state_dict(ours.state_dict())
+    loss, grads = loss_and_grads(theirs, full_batch())
+    assert_matches("dense vs DotProductAttention", *loss_and_grads(ours, full_batch()), {"loss": loss, "grads": grads})
+
+
+def _msa_config(warmup_steps: int = 0):
+    return MTrainingAttentionConfig.from_dict(
+        {"type": "msa", "msa": {**PATTERNS["msa"]["msa"], "warmup_steps": warmup_steps}}
+    )
+
+
+def _capture_core_attention_inputs(model) -> dict:
+    """layer number -> (query, key, layer input) of the latest forward, as the core attention saw them."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen[module.layer_number] = (args[0].detach(), args[1].detach(), module.index_input)
+
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _scaled_backward(model, scale: float) -> dict[str, torch.Tensor]:
+    """Gradients of the mean token loss with the MSA loss scale set through the config hook."""
+    batch = full_batch()
+    model.zero_grad(set_to_none=True)
+    loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+    model.config.experimental_attention_variant_loss_scale_func(torch.tensor([scale]))
+    loss.backward()
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+def _independent_kl(model, seen, dense: bool):
+    """Per layer: the KL of msa_kl_loss on the captured inputs with the layer's index weights,
+    and its gradient in those weights (times kl_coeff)."""
+    cfg = model.config.mtraining_attention.msa
+    out = {}
+    for number, (query, key, hidden) in seen.items():
+        branch = model.decoder.layers[number - 1].self_attention.core_attention.index_branch
+        wq, wk = (w.detach().clone().requires_grad_() for w in (branch.linear_q.weight, branch.linear_k.weight))
+        x = hidden.transpose(0, 1)
+        q_idx = (x @ wq.T).unflatten(-1, (key.shape[2], cfg.index_head_dim))
+        k_idx = (x @ wk.T).unsqueeze(2)
+        q, k = query.transpose(0, 1), key.transpose(0, 1)
+        b, s, hq, d = q.shape
+        index = DenseIndex(b, hq, s) if dense else msa_select_blocks(q_idx, k_idx, cfg, hq)
+        kl = msa_kl_loss(q, k, q_idx, k_idx, index, 1.0 / math.sqrt(d))
+        out[number] = (kl.detach(), *torch.autograd.grad(kl * cfg.kl_coeff, [wq, wk]))
+    return out
+
+
+class _Writer:
+    """Collects what a TensorBoard SummaryWriter would be given."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[name, iteration] = float(value)
+
+
+def _check_dist_checkpoint(model) -> None:
+    """An MSA model round-trips through dist_checkpointing; a dense checkpoint loads into it,
+    leaving the index projections at their initialisation."""
+    params = dict(model.named_parameters())
+    with tempfile.TemporaryDirectory() as ckpt:
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+        fresh = build_model(_msa_config())
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), ckpt))
+        for n, p in fresh.named_parameters():
+            assert torch.equal(p, params[n]), f"{n} did not round-trip"
+    with tempfile.TemporaryDirectory() as ckpt:
+        dense = build_model(attention_config("dense"))
+        dist_checkpointing.save(dense.sharded_state_dict(), ckpt)
+        fresh = build_model(_msa_config())
+        init = {n: p.detach().clone() for n, p in fresh.named_parameters() if "index_branch" in n}
+        # Megatron's "unexpected": keys the model asks for that the checkpoint lacks.
+        strict = StrictHandling.RETURN_UNEXPECTED
+        state, _, unexpected = dist_checkpointing.load(fresh.sharded_state_dict(), ckpt, strict=strict)
+        assert unexpected == {f"decoder.layers.{n.split('layers.0.')[-1]}" for n in init if "layers.0." in n}
+        missing = fresh.load_state_dict(state, strict=False).missing_keys
+        assert sorted(missing) == sorted(init), missing
+        for n, p in fresh.named_parameters():
+            if n in init:
+                assert torch.equal(p, init[n]) and 0.5 * INIT_STD < p.std() < 1.5 * INIT_STD, n
+            else:
+                assert torch.equal(p, dense.get_parameter(n)), n
+
+
+def check_msa_kl_and_checkpoint(rank, world):
+    init_megatron()
+    tracker = get_attention_metrics_tracker()
+    model = build_model(_msa_config())
+    seen = _capture_core_attention_inputs(model)
+    index_names = [n for n, _ in model.named_parameters() if "index_branch" in n]
+    assert len(index_names) == 4, index_names
+
+    # Index projections are checkpointed, in Megatron's stacked layer keys (decoder.layers.*).
+    sharded = model.sharded_state_dict()
+    for number, layer in enumerate(model.decoder.layers):
+        for proj in ("linear_q", "linear_k"):
+            name = f"self_attention.core_attention.index_branch.{proj}.weight"
+            tensor = sharded[f"decoder.layers.{number}.{name}"]
+            assert tensor.key == f"decoder.layers.{name}", tensor.key
+            assert tensor.data is layer.get_parameter(name)
+
+    _check_dist_checkpoint(model)
+
+    # The KL reaches the index weights only through the autoscaler, scaled by the hook.
+    tracker.clear()
+    g1 = _scaled_backward(model, 1.0)
+    kl_recorded = tracker.metrics["msa_kl_loss"].values.clone()
+    writer = _Writer()
+    assert "msa_kl_loss" in tracker.report(loss_scale=1.0, iteration=7, writer=writer, num_layers=2)
+    assert writer.scalars.keys() == {("msa_kl_loss", 7)}, writer.scalars
+    assert abs(writer.scalars["msa_kl_loss", 7] - kl_recorded.mean().item()) < 1e-6, writer.scalars
+    g3, g0 = _scaled_backward(model, 3.0), _scaled_backward(model, 0.0)
+    for n in g1:
+        if n in index_names:
+            assert g1[n].abs().max() > 0, n
+            torch.testing.assert_close(g3[n], 3 * g1[n], msg=lambda m, n=n: f"{n}: {m}")
+            assert not g0[n].any(), n
+        else:  # the index branch reads the layer input detached: the backbone never sees the KL
+            assert torch.equal(g1[n], g0[n]) and torch.equal(g3[n], g0[n]), n
+    for number, (kl, dwq, dwk) in _independent_kl(model, seen, dense=False).items():
+        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
+        torch.testing.assert_close(g1[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(g1[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(kl_recorded[number - 1], kl, rtol=1e-5, atol=1e-7)
+
+    # Selective recompute of the core attention gives the same gradients.
+    recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
+    recomputed.load_state_dict(model.state_dict())
+    assert recomputed.decoder.layers[0].self_attention.checkpoint_core_attention
+    for n, g in _scaled_backward(recomputed, 1.0).items():
+        torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+
+    # Warmup: dense main branch, the KL over every visible token trains the indexer.
+    warm = build_model(_msa_config(warmup_steps=5))
+    warm.load_state_dict(model.state_dict())
+    batch = full_batch()
+    try:
+        warm(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        raise AssertionError("MSA warmup ran without the training iteration")
+    except ValueError as e:
+        assert "mtraining_iteration" in str(e), e
+    dense = build_model(attention_config("dense"))
+    dense.load_state_dict({k: v for k, v in model.state_dict().items() if "index_branch" not in k})
+    dense_loss = dense(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+    set_training_iteration(warm.config, 4)
+    seen = _capture_core_attention_inputs(warm)
+    g_warm = _scaled_backward(warm, 1.0)
+    warm_loss = warm(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+    torch.testing.assert_close(warm_loss, dense_loss, rtol=1e-6, atol=1e-7)
+    for number, (_, dwq, dwk) in _independent_kl(warm, seen, dense=True).items():
+        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
+        torch.testing.assert_close(g_warm[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(g_warm[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
+    set_training_iteration(warm.config, 5)
+    sparse_loss = warm(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+    assert (sparse_loss - dense_loss).abs() > 1e-5, "after warmup the main branch is still dense"
+
+
+def check_cpu_compat_ddp_and_optimizer(rank, world):
+    """Megatron DDP + get_megatron_optimizer take a step on the CPU, index projections included."""
+    init_megatron()
+    assert apply_cpu_compat(), "apply_cpu_compat is not active without CUDA"
+    assert torch.tensor([1.0], device="cuda").device.type == "cpu"
+    model = build_model(_msa_config())
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), [ddp])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = full_batch()
+    losses = []
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        model.config.experimental_attention_variant_loss_scale_func(torch.ones(1))
+        loss.backward()
+        ddp.finish_grad_sync()
+        assert optimizer.step()[0], "the optimizer skipped its step"
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    for n, p in model.named_parameters():
+        assert not torch.equal(p, before[n]), f"{n} did not change"

@@ -1,0 +1,251 @@
+"""The Megatron layer: config validation, layer specs, and a tiny GPT built from the plugin's
+spec on gloo (CPU), checked against cp_size 1 and against Megatron's own attention.
+
+Model-level runs happen in spawned processes (``megatron_workers``): they initialise
+Megatron's parallel state and apply ``cpu_compat``, which must not leak into this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import megatron_workers as workers
+import pytest
+import torch
+
+from megatron_mtraining.megatron import (
+    MSASelfAttention,
+    MTrainingAttentionConfig,
+    SparseCoreAttention,
+    apply_cpu_compat,
+    attach_attention_config,
+    get_attention_config,
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_spec,
+)
+from megatron_mtraining.sparse import MSAConfig, VerticalSlashConfig
+
+
+def _transformer_config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0)
+    return TransformerConfig(**{**values, **overrides})
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_from_dict_builds_the_pattern_sections():
+    cfg = MTrainingAttentionConfig.from_dict(
+        {"type": "msa", "msa": {"block_size": 64, "topk": 8}, "layout": "striped", "stripe": 64, "hierarchy": 2}
+    )
+    assert cfg.msa == MSAConfig(block_size=64, topk=8)
+    assert cfg.pattern is cfg.msa
+    assert cfg.mtraining == VerticalSlashConfig()
+    assert MTrainingAttentionConfig(type="dense").pattern == "dense"
+    assert MTrainingAttentionConfig(mtraining={"last_q": 32}).mtraining.last_q == 32
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"type": "flash"}, r"MTrainingAttentionConfig\.type='flash'.*dense, mtraining, msa, moba"),
+        ({"layout": "ring"}, r"MTrainingAttentionConfig\.layout='ring'.*contiguous, zigzag, striped"),
+        ({"stripe": 0}, r"MTrainingAttentionConfig\.stripe=0"),
+        ({"hierarchy": 0}, r"MTrainingAttentionConfig\.hierarchy=0"),
+        ({"backend": "flash"}, r"MTrainingAttentionConfig\.backend='flash'.*'reference' or 'triton'"),
+        ({"msa": {"blok_size": 64}}, r"attention\.msa\.blok_size=64.*MSAConfig fields"),
+        ({"mtraining": {"block_size": 24}}, r"VerticalSlashConfig\.block_size=24.*power of two"),
+        ({"moba": [1, 2]}, r"MTrainingAttentionConfig\.moba='list'.*MoBAConfig"),
+        ({"tyep": "msa"}, r"attention\.tyep='msa'.*attention settings"),
+    ],
+)
+def test_bad_config_names_the_field(values, match):
+    with pytest.raises(ValueError, match=match):
+        MTrainingAttentionConfig.from_dict(values)
+
+
+def test_constructor_rejects_unknown_section_keys():
+    with pytest.raises(ValueError, match=r"MTrainingAttentionConfig\.moba\.chunk=4"):
+        MTrainingAttentionConfig(moba={"chunk": 4})
+
+
+@pytest.mark.parametrize(
+    "attention, overrides, match",
+    [
+        ({}, {"attention_dropout": 0.1}, r"TransformerConfig\.attention_dropout=0\.1"),
+        ({"type": "msa"}, {"tensor_model_parallel_size": 2}, r"tensor_model_parallel_size=2.*'msa'"),
+        ({"hierarchy": 3}, {"context_parallel_size": 4}, r"MTrainingAttentionConfig\.hierarchy=3.*divisor"),
+        ({"hierarchy": 2}, {"context_parallel_size": 4}, r"hierarchical_context_parallel_sizes=None.*\[2, 2\]"),
+        ({}, {"window_size": (64, 0)}, r"TransformerConfig\.window_size"),
+    ],
+)
+def test_config_checked_against_the_transformer_config(attention, overrides, match):
+    config = _transformer_config(**overrides)
+    with pytest.raises(ValueError, match=match):
+        attach_attention_config(config, MTrainingAttentionConfig(**attention))
+
+
+def test_config_travels_with_the_transformer_config():
+    config = _transformer_config()
+    with pytest.raises(ValueError, match=r"TransformerConfig\.mtraining_attention=None.*attach_attention_config"):
+        get_attention_config(config)
+    msa = MTrainingAttentionConfig(type="msa")
+    assert attach_attention_config(config, msa) is config
+    assert get_attention_config(config) is msa
+    from megatron_mtraining.megatron import MSALossAutoScaler
+
+    assert config.experimental_attention_variant_loss_scale_func == MSALossAutoScaler.set_loss_scale
+    other = _transformer_config(experimental_attention_variant_loss_scale_func=print)
+    with pytest.raises(ValueError, match="experimental_attention_variant_loss_scale_func"):
+        attach_attention_config(other, msa)
+
+
+# ---------------------------------------------------------------- specs
+
+
+def _without_attention(spec):
+    attn = spec.submodules.self_attention
+    rest = dataclasses.replace(spec.submodules, self_attention=None)
+    return rest, dataclasses.replace(attn.submodules, core_attention=None), attn.params
+
+
+def _same(a, b) -> bool:
+    """Structural equality of specs; Megatron builds a new functools.partial per call, and
+    partials compare by identity."""
+    if isinstance(a, functools.partial):
+        return isinstance(b, functools.partial) and _same((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("attention", ["dense", "mtraining", "msa", "moba"])
+def test_layer_spec_is_megatrons_except_the_attention(attention):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
+
+    ours = get_gpt_layer_spec(attention, qk_layernorm=True, normalization="RMSNorm")
+    theirs = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    assert _same(_without_attention(ours), _without_attention(theirs))
+    assert not _same(ours, theirs)
+    assert ours.module is theirs.module
+    attn = ours.submodules.self_attention
+    assert attn.module is (MSASelfAttention if attention == "msa" else SelfAttention)
+    assert attn.submodules.core_attention.module is SparseCoreAttention
+    assert attn.submodules.core_attention.params == {"attention": attention}
+    # Megatron's spec is not modified in place.
+    assert get_gpt_layer_local_spec().submodules.self_attention.module is SelfAttention
+
+
+def test_package_exports_the_megatron_layer():
+    import megatron_mtraining
+
+    assert megatron_mtraining.get_gpt_layer_spec is get_gpt_layer_spec
+    assert megatron_mtraining.get_gpt_decoder_block_spec is get_gpt_decoder_block_spec
+    assert megatron_mtraining.MTrainingAttentionConfig is MTrainingAttentionConfig
+
+
+def test_decoder_block_spec_uses_the_attached_type():
+    config = attach_attention_config(_transformer_config(), MTrainingAttentionConfig(type="moba"))
+    block = get_gpt_decoder_block_spec(config, pp_rank=0)  # pp_rank: no parallel state here
+    assert len(block.layer_specs) == 2
+    for spec in block.layer_specs:
+        assert spec.submodules.self_attention.submodules.core_attention.params == {"attention": "moba"}
+    msa = get_gpt_decoder_block_spec(config, attention="msa", pp_rank=0)
+    assert msa.layer_specs[0].submodules.self_attention.module is MSASelfAttention
+
+
+def test_spec_errors_name_the_argument():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    with pytest.raises(ValueError, match=r"attention='sparse'"):
+        get_gpt_layer_spec("sparse")
+    with pytest.raises(ValueError, match=r"backend='apex'"):
+        get_gpt_layer_spec("dense", backend="apex")
+    with pytest.raises(ValueError, match=r"self_attention='MLASelfAttention'"):
+        get_gpt_layer_spec("dense", multi_latent_attention=True)
+    if not HAVE_TE:
+        with pytest.raises(ValueError, match=r"backend='te'.*Transformer Engine is not installed"):
+            get_gpt_layer_spec("dense", backend="te")
+
+
+def test_core_attention_contract_errors():
+    """Constructor and forward reject what sparse attention cannot do, naming the argument
+    (no process group needed: the checks come first)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = attach_attention_config(_transformer_config(), MTrainingAttentionConfig(type="mtraining"))
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    with pytest.raises(ValueError, match=r"MTrainingAttentionConfig\.type='mtraining'.*'msa'"):
+        SparseCoreAttention(**kwargs, attention="msa")
+    with pytest.raises(ValueError, match=r"attn_mask_type=.*padding.*causal"):
+        SparseCoreAttention(**{**kwargs, "attn_mask_type": AttnMaskType.padding})
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1"):
+        SparseCoreAttention(**kwargs, attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention_type='cross'"):
+        SparseCoreAttention(**{**kwargs, "attention_type": "cross"})
+
+    class _Groups:  # a stand-in process-group collection: one rank everywhere
+        tp = cp = None
+
+    module = SparseCoreAttention(**kwargs, pg_collection=_Groups())
+    q = torch.randn(64, 1, 4, 16)
+    kv = torch.randn(64, 1, 2, 16)
+    assert module(q, kv, kv, None).shape == (64, 1, 64)
+    with pytest.raises(ValueError, match="attention_bias"):
+        module(q, kv, kv, None, attention_bias=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="packed_seq_params"):
+        module(q, kv, kv, None, packed_seq_params=object())
+    with pytest.raises(ValueError, match=r"attn_mask_type=.*no_mask"):
+        module(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask)
+
+
+def test_cpu_compat_is_a_no_op_with_cuda(monkeypatch):
+    current_device = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert apply_cpu_compat() is False
+    assert torch.cuda.current_device is current_device
+
+
+# ---------------------------------------------------------------- models on gloo
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """cp_size-1 state, loss and gradients of every attention type (RoPE and learned positions)."""
+    path = str(tmp_path_factory.mktemp("megatron") / "references.pt")
+    workers.run(1, workers.compute_references, path)
+    return path
+
+
+def test_dense_equals_megatron_dot_product_attention():
+    workers.run(1, workers.check_dense_equals_megatron)
+
+
+def test_msa_kl_loss_scale_logging_warmup_recompute_and_checkpoint():
+    workers.run(1, workers.check_msa_kl_and_checkpoint)
+
+
+def test_cpu_compat_runs_megatron_ddp_and_optimizer():
+    workers.run(1, workers.check_cpu_compat_ddp_and_optimizer)
+
+
+def test_cp2_equals_cp1(references):
+    runs = [(kind, layout, False) for kind in workers.PATTERNS for layout in ("zigzag", "striped")]
+    workers.run(2, workers.check_cp_parity, references, runs)
+
+
+def test_cp4_equals_cp1(references):
+    runs = [
+        (kind, layout, hierarchical)
+        for kind in workers.PATTERNS
+        for layout, hierarchical in (("zigzag", False), ("striped", False), ("zigzag", True))
+    ]
+    workers.run(4, workers.check_cp_parity, references, runs)
