@@ -49,9 +49,9 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
     if block is None or not (_block_aligned(host_q, block) and _block_aligned(host_k, block)):
         return None
     gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
-    fields = {"query_positions": qpos.int().contiguous(), "key_positions": kpos.int().contiguous()}
+    fields = {"query_positions": qpos.int(), "key_positions": kpos.int()}
     if isinstance(work, VerticalSlashPart):
-        return _slash_layout(work.index.slash, gq, gk, work.index.num_blocks, block, fields)
+        return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
     diag = gq.view(-1, 1) - gk.view(1, -1)
     if isinstance(work, DenseIndex):
         member = (diag >= 0).view(1, 1, *diag.shape)
@@ -62,18 +62,6 @@ def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
         member = chosen[..., gk // ratio] & (diag >= 0)
         fields.update(rowsel=rowsel, rowsel_ratio=ratio)
     return layout_from_membership(member, block, **fields)
-
-
-def _slash_layout(slash, gq, gk, n_blocks: int, block: int, fields: dict) -> KernelLayout:
-    tiles, count, tiles_t, count_t = slash_tiles(slash, gq, gk, n_blocks)
-    return KernelLayout(
-        block=block,
-        tiles=tiles.contiguous(),
-        tile_count=count.contiguous(),
-        tiles_t=tiles_t.contiguous(),
-        tile_t_count=count_t.contiguous(),
-        **fields,
-    )
 
 
 def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> KernelLayout:
@@ -96,10 +84,10 @@ def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> Kernel
         tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
         tiles_t=none_t,
         tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
-        vertical=vertical.contiguous(),
-        bar_count=vertical_counts(index.vertical, last_rows, right=True).contiguous(),
-        vertical_ptr=vertical_counts(vertical, bounds).contiguous(),
-        active=index.active_diagonals().to(torch.int8).contiguous(),
-        query_positions=step.query_positions.int().contiguous(),
-        key_positions=step.key_positions.int().contiguous(),
+        vertical=vertical,
+        bar_count=vertical_counts(index.vertical, last_rows, right=True),
+        vertical_ptr=vertical_counts(vertical, bounds),
+        active=index.active_diagonals().to(torch.int8),
+        query_positions=step.query_positions.int(),
+        key_positions=step.key_positions.int(),
     )

@@ -7,6 +7,7 @@ per attention call and shared by the forward and backward kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,13 @@ class KernelLayout:
     # (int32); causality compares these. None on one device (positions = indices).
     query_positions: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+
+    def __post_init__(self):
+        # The kernels index every table with flat row-major offsets.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.contiguous())
 
     @property
     def has_bars(self) -> bool:
@@ -94,18 +102,14 @@ def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, righ
 def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
-    tiles, count, tiles_t, tile_t_count = slash_tiles(index.slash, blocks[:-1], blocks[:-1], n)
     last_rows = torch.clamp(blocks[1:] * bs, max=index.seq_len) - 1
     return KernelLayout(
-        block=bs,
-        tiles=tiles.contiguous(),
-        tile_count=count.contiguous(),
-        tiles_t=tiles_t.contiguous(),
-        tile_t_count=tile_t_count.contiguous(),
-        vertical=index.vertical.contiguous(),
-        bar_count=vertical_counts(index.vertical, last_rows, right=True).contiguous(),
-        vertical_ptr=vertical_counts(index.vertical, blocks * bs).contiguous(),
-        active=index.active_diagonals().to(torch.int8).contiguous(),
+        bs,
+        *slash_tiles(index.slash, blocks[:-1], blocks[:-1], n),
+        vertical=index.vertical,
+        bar_count=vertical_counts(index.vertical, last_rows, right=True),
+        vertical_ptr=vertical_counts(index.vertical, blocks * bs),
+        active=index.active_diagonals().to(torch.int8),
     )
 
 
@@ -124,15 +128,7 @@ def layout_from_membership(member: torch.Tensor, block: int, **fields) -> Kernel
     """A layout from ``member [LB, LH, n_q, n_k]`` (query block i reads KV block j)."""
     kb = torch.arange(member.shape[-1], device=member.device, dtype=torch.int32)
     tiles, count = compact(kb.expand_as(member), member)
-    tiles_t, count_t = transpose_tiles(tiles, count, member.shape[-1])
-    return KernelLayout(
-        block=block,
-        tiles=tiles.contiguous(),
-        tile_count=count.contiguous(),
-        tiles_t=tiles_t.contiguous(),
-        tile_t_count=count_t.contiguous(),
-        **fields,
-    )
+    return KernelLayout(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1]), **fields)
 
 
 def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
