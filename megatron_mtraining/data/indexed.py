@@ -1,0 +1,222 @@
+"""jsonl / parquet text -> a Megatron indexed dataset (``.bin`` / ``.idx``) for a data mix.
+
+:func:`prepare` runs a :class:`~.config.MixConfig` in two passes:
+
+1. **Tokenise** each source into ``<prefix>.sources/<name>.bin/.idx``: every record's text with
+   the local Hugging Face tokenizer, EOD (the tokenizer's EOS) appended, documents outside the
+   source's ``[min_tokens, max_tokens]`` (EOD excluded) dropped. Memory stays at one batch.
+2. **Mix**: each source's documents are repeated by its factor (``repeat``, or solved from the
+   ``weight`` token shares), the document order is shuffled with the seed, and the documents
+   are copied from the per-source files into ``<prefix>.bin/.idx``. A summary is printed and
+   written to ``<prefix>.summary.json``.
+
+Packing is left to Megatron's ``GPTDataset``, which concatenates the (shuffled) documents and
+cuts them into ``seq_length + 1``-token samples at load time, so the file holds one document
+per entry rather than pre-cut samples. Reasons: one tokenised mix serves every stage of a
+32K -> 512K curriculum (only ``--seq-length`` changes); Megatron's train / valid / test split
+is by documents, so documents must stay whole; and ``reset_position_ids`` /
+``reset_attention_mask`` / ``eod_mask_loss`` find the document boundaries from the EOD
+tokens written here. The shuffle in pass 2 matters because that split takes contiguous
+document ranges: unshuffled, the validation set would be the last source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+
+from .config import MixConfig, SourceConfig
+from .readers import read_texts
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class SourceStats:
+    """What happened to one source: documents read and kept, tokens (EOD included), mix counts."""
+
+    name: str
+    read: int = 0
+    kept: int = 0
+    too_short: int = 0
+    too_long: int = 0
+    tokens: int = 0
+    factor: float = 1.0
+    mix_docs: int = 0
+    mix_tokens: int = 0
+
+
+@dataclass
+class PrepareSummary:
+    """The written mix: per-source statistics and the training-length view of the whole."""
+
+    prefix: str
+    seq_length: int
+    eod: int
+    dtype: str
+    sources: list[SourceStats]
+    long_doc_tokens: int
+
+    @property
+    def documents(self) -> int:
+        return sum(s.mix_docs for s in self.sources)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.mix_tokens for s in self.sources)
+
+    @property
+    def samples(self) -> int:
+        """``seq_length + 1``-token samples that one epoch gives GPTDataset (consecutive samples share a token)."""
+        return max(0, (self.tokens - 1) // self.seq_length)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"documents": self.documents, "tokens": self.tokens, "samples": self.samples}
+
+    def format(self) -> str:
+        header = f"{'source':<20} {'read':>8} {'kept':>8} {'short':>7} {'long':>7} {'tokens':>12} {'factor':>7} {'mix docs':>9} {'mix tokens':>12} {'share':>7}"
+        lines = [f"mix written to {self.prefix}.bin/.idx ({self.dtype}, EOD id {self.eod})", header]
+        for s in self.sources:
+            share = s.mix_tokens / self.tokens if self.tokens else 0.0
+            lines.append(
+                f"{s.name:<20} {s.read:>8} {s.kept:>8} {s.too_short:>7} {s.too_long:>7} {s.tokens:>12} "
+                f"{s.factor:>7.3f} {s.mix_docs:>9} {s.mix_tokens:>12} {share:>7.1%}"
+            )
+        long_share = self.long_doc_tokens / self.tokens if self.tokens else 0.0
+        lines.append(
+            f"total: {self.documents} documents, {self.tokens} tokens; {self.samples} samples of "
+            f"{self.seq_length}+1 tokens per epoch; {long_share:.1%} of tokens in documents >= {self.seq_length} tokens"
+        )
+        return "\n".join(lines)
+
+
+def _progress(iterable=None, **kwargs):
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def _source_texts(source: SourceConfig) -> Iterator[str]:
+    for path in source.paths:
+        yield from read_texts(path, source.text_key)
+
+
+def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenize_source(
+    source: SourceConfig, tokenizer, eod: int, dtype: type, prefix: Path, config: MixConfig, progress: bool = True
+) -> SourceStats:
+    """Pass 1 for one source: tokenised, length-filtered, EOD-terminated documents at ``prefix``."""
+    stats = SourceStats(source.name)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    bar = _progress(desc=f"tokenize {source.name}", unit="doc", disable=not progress)
+    for batch in _batches(_source_texts(source), config.batch_size):
+        # A fast tokenizer encodes a batch on all cores (Rust threads), hence batches, not workers.
+        encoded = tokenizer(
+            batch,
+            add_special_tokens=config.add_special_tokens,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )["input_ids"]
+        for ids in encoded:
+            stats.read += 1
+            if len(ids) < source.min_tokens:
+                stats.too_short += 1
+                continue
+            if source.max_tokens is not None and len(ids) > source.max_tokens:
+                stats.too_long += 1
+                continue
+            doc = np.asarray([*ids, eod], dtype=dtype)
+            builder.add_document(doc, [doc.size])
+            stats.kept += 1
+            stats.tokens += doc.size
+        bar.update(len(batch))
+    bar.close()
+    builder.finalize(str(prefix) + ".idx")
+    if stats.kept == 0:
+        raise ValueError(
+            f"sources[{source.name}]: none of its {stats.read} documents is within min_tokens={source.min_tokens}, "
+            f"max_tokens={source.max_tokens} (files: {', '.join(map(str, source.paths))})"
+        )
+    return stats
+
+
+def mix_factors(config: MixConfig, stats: list[SourceStats]) -> list[float]:
+    """Per-source repeat factors. With weights, the factors give each source ``weight`` of the
+    tokens: scaled to ``total_tokens`` when set, else so that no source is subsampled (the
+    source with the fewest tokens per unit of weight is used exactly once)."""
+    if not config.weighted:
+        return [1.0 if s.repeat is None else s.repeat for s in config.sources]
+    weights = [s.weight / sum(src.weight for src in config.sources) for s in config.sources]
+    scale = config.total_tokens or max(st.tokens / w for st, w in zip(stats, weights, strict=True))
+    return [w * scale / st.tokens for st, w in zip(stats, weights, strict=True)]
+
+
+def mix_order(doc_counts: list[int], factors: list[float], seed: int) -> np.ndarray:
+    """``[N, 2]`` (source, document) pairs: ``floor(f)`` copies of every document of a source and
+    a seeded sample (without replacement) of ``round(frac(f) * n)`` more, in a seeded random order."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for source, (n, factor) in enumerate(zip(doc_counts, factors, strict=True)):
+        whole = math.floor(factor)
+        extra = rng.choice(n, size=round((factor - whole) * n), replace=False)
+        docs = np.concatenate([np.tile(np.arange(n), whole), np.sort(extra)])
+        parts.append(np.stack([np.full(docs.size, source), docs], axis=1))
+    order = np.concatenate(parts)
+    return order[rng.permutation(len(order))]
+
+
+def prepare(config: MixConfig, progress: bool = True) -> PrepareSummary:
+    """Runs both passes of ``config`` and returns (and writes next to the output) the summary."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    # Long-context documents exceed every tokenizer's model_max_length; the length checks here are ours.
+    tokenizer.model_max_length = sys.maxsize
+    eod = tokenizer.eos_token_id
+    if eod is None:
+        raise ValueError(f"tokenizer={str(config.tokenizer)!r} has no eos_token; it is needed as the EOD token")
+    prefix = config.output_prefix
+    source_dir = Path(str(prefix) + ".sources")
+    source_dir.mkdir(parents=True, exist_ok=True)
+    dtype = DType.optimal_dtype(len(tokenizer))
+
+    stats = [tokenize_source(s, tokenizer, eod, dtype, source_dir / s.name, config, progress) for s in config.sources]
+    datasets = [IndexedDataset(str(source_dir / s.name)) for s in config.sources]
+    factors = mix_factors(config, stats)
+    order = mix_order([len(d) for d in datasets], factors, config.seed)
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    long_doc_tokens = 0
+    for st, factor in zip(stats, factors, strict=True):
+        st.factor = factor
+    for source, doc in _progress(order, desc="write mix", unit="doc", disable=not progress):
+        tokens = datasets[source][doc]
+        builder.add_document(tokens, [tokens.size])
+        stats[source].mix_docs += 1
+        stats[source].mix_tokens += tokens.size
+        if tokens.size >= config.seq_length:
+            long_doc_tokens += tokens.size
+    builder.finalize(str(prefix) + ".idx")
+
+    summary = PrepareSummary(str(prefix), config.seq_length, eod, np.dtype(dtype).name, stats, long_doc_tokens)
+    record = summary.to_dict() | {
+        "tokenizer": str(config.tokenizer),
+        "seed": config.seed,
+        "sources_config": [asdict(s) | {"paths": [str(p) for p in s.paths]} for s in config.sources],
+    }
+    Path(str(prefix) + ".summary.json").write_text(json.dumps(record, indent=2) + "\n")
+    return summary

@@ -1,0 +1,302 @@
+"""Data pipeline: synthetic documents, jsonl / parquet -> indexed dataset round trip, filtering,
+mixing, GPTDataset packing of the output, and config errors. CPU only, a tokenizer trained here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
+from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.core.datasets.utils import Split  # noqa: E402
+from megatron.core.tokenizers import MegatronTokenizer  # noqa: E402
+
+from megatron_mtraining.data import (  # noqa: E402
+    MixConfig,
+    find_copy_span,
+    find_passkey,
+    generate_documents,
+    load_tokenizer,
+    make_document,
+    prepare,
+    train_tiny_tokenizer,
+    write_jsonl,
+)
+from megatron_mtraining.data.indexed import mix_order  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Long passkey / copy documents and short filler ones (jsonl), and a BPE trained on them."""
+    root = tmp_path_factory.mktemp("data")
+    write_jsonl(generate_documents(12, 6000, seed=0, kinds=("passkey", "copy")), root / "long.jsonl")
+    write_jsonl(generate_documents(30, 300, seed=1, kinds=("filler", "passkey")), root / "short.jsonl")
+    texts = [json.loads(line)["text"] for f in ("long.jsonl", "short.jsonl") for line in (root / f).open()]
+    train_tiny_tokenizer(texts, root / "tokenizer", vocab_size=400)
+    return root
+
+
+def _texts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.open()]
+
+
+def _encode(corpus: Path, texts: list[str]) -> list[list[int]]:
+    tok = load_tokenizer(corpus / "tokenizer")
+    return [[*tok(t)["input_ids"], tok.eos_token_id] for t in texts]
+
+
+def _config(corpus: Path, out: str, sources: list[dict], **top) -> MixConfig:
+    raw = {"tokenizer": str(corpus / "tokenizer"), "output_prefix": str(corpus / out), "seq_length": 256}
+    return MixConfig.from_dict(raw | top | {"sources": sources})
+
+
+def _docs(prefix: str) -> list[list[int]]:
+    dataset = IndexedDataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_round_trip_tokens_in_equal_tokens_out(corpus):
+    paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
+    config = _config(corpus, "rt", [{"name": "all", "paths": paths}], seed=7)
+    summary = prepare(config, progress=False)
+    expected = _encode(corpus, _texts(corpus / "long.jsonl") + _texts(corpus / "short.jsonl"))
+    # The per-source file keeps the input order; the mix is the seeded shuffle of it.
+    assert _docs(str(corpus / "rt.sources" / "all")) == expected
+    order = mix_order([len(expected)], [1.0], seed=7)
+    assert _docs(str(corpus / "rt")) == [expected[d] for _, d in order]
+    # Byte-level BPE is lossless, so the text comes back too, passkeys included.
+    tok = load_tokenizer(corpus / "tokenizer")
+    texts = _texts(corpus / "long.jsonl") + _texts(corpus / "short.jsonl")
+    for (_, d), ids in zip(order, _docs(str(corpus / "rt")), strict=True):
+        assert tok.decode(ids[:-1]) == texts[d] and find_passkey(tok.decode(ids)) == find_passkey(texts[d])
+    assert summary.documents == len(expected) and summary.tokens == sum(map(len, expected))
+    recorded = json.loads((corpus / "rt.summary.json").read_text())
+    assert recorded["tokens"] == summary.tokens and recorded["sources"][0]["kept"] == len(expected)
+
+
+def test_parquet_input_matches_jsonl(corpus):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = _texts(corpus / "short.jsonl")
+    pq.write_table(pa.table({"body": texts, "id": list(range(len(texts)))}), corpus / "short.parquet")
+    prepare(
+        _config(corpus, "pq", [{"name": "pq", "paths": [str(corpus / "short.parquet")], "text_key": "body"}]), False
+    )
+    assert _docs(str(corpus / "pq.sources" / "pq")) == _encode(corpus, texts)
+
+
+def test_length_filter_counts(corpus):
+    texts = _texts(corpus / "long.jsonl") + _texts(corpus / "short.jsonl")
+    lengths = np.array([len(ids) - 1 for ids in _encode(corpus, texts)])  # EOD excluded
+    lo, hi = int(np.percentile(lengths, 30)), int(np.percentile(lengths, 80))
+    paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
+    summary = prepare(_config(corpus, "flt", [{"name": "f", "paths": paths}], min_tokens=lo, max_tokens=hi), False)
+    stats = summary.sources[0]
+    assert (stats.read, stats.too_short, stats.too_long) == (len(texts), (lengths < lo).sum(), (lengths > hi).sum())
+    kept = [len(d) - 1 for d in _docs(str(corpus / "flt"))]
+    assert len(kept) == stats.kept == ((lengths >= lo) & (lengths <= hi)).sum()
+    assert min(kept) >= lo and max(kept) <= hi
+
+
+def test_repeat_and_weights(corpus):
+    long, short = str(corpus / "long.jsonl"), str(corpus / "short.jsonl")
+    summary = prepare(
+        _config(corpus, "rep", [{"name": "long", "paths": [long]}, {"name": "short", "paths": [short], "repeat": 2.5}]),
+        False,
+    )
+    long_stats, short_stats = summary.sources
+    assert long_stats.mix_docs == 12 and short_stats.mix_docs == 2 * 30 + 15
+    # Every short document is there twice or three times, never dropped.
+    source = _docs(str(corpus / "rep.sources" / "short"))
+    counts = [sum(doc == s for doc in _docs(str(corpus / "rep"))) for s in source]
+    assert sorted(set(counts)) == [2, 3] and sum(counts) == 75
+
+    weighted = prepare(
+        _config(
+            corpus,
+            "w",
+            [{"name": "long", "paths": [long], "weight": 1}, {"name": "short", "paths": [short], "weight": 1}],
+        ),
+        False,
+    )
+    # The short source is upsampled to half the tokens (to within one document); the long one is used once.
+    long_stats, short_stats = weighted.sources
+    assert long_stats.factor == 1.0 and short_stats.factor > 1.0
+    longest_short = max(map(len, _docs(str(corpus / "w.sources" / "short"))))
+    assert abs(short_stats.mix_tokens - long_stats.mix_tokens) <= longest_short
+
+    # total_tokens sizes the mix: the long source is subsampled, the short one upsampled.
+    sized = prepare(
+        _config(
+            corpus,
+            "sized",
+            [{"name": "long", "paths": [long], "weight": 3}, {"name": "short", "paths": [short], "weight": 1}],
+            total_tokens=30000,
+        ),
+        False,
+    )
+    long_stats, short_stats = sized.sources
+    assert long_stats.factor < 1.0 < short_stats.factor and long_stats.mix_docs < 12
+    assert abs(long_stats.mix_tokens - 22500) < 3500 and abs(short_stats.mix_tokens - 7500) < 300
+
+
+def test_gpt_dataset_packs_the_output(corpus):
+    seq = 128
+    paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
+    summary = prepare(_config(corpus, "pack", [{"name": "all", "paths": paths}], seq_length=seq), False)
+    indexed = IndexedDataset(str(corpus / "pack"))
+    config = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=seq,
+        # The tokenizer as the trainer loads it (--tokenizer-type HuggingFaceTokenizer), so EOD ids must agree.
+        tokenizer=MegatronTokenizer.from_pretrained(
+            str(corpus / "tokenizer"), metadata_path={"library": "huggingface"}
+        ),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        split="100,0,0",
+    )
+    dataset = GPTDataset(
+        indexed, str(corpus / "pack"), np.arange(len(indexed), dtype=np.int32), None, Split.train, config
+    )
+    assert config.tokenizer.eod == summary.eod and len(dataset) == summary.samples
+    # In storage order, samples cut the EOD-joined document stream into seq + 1 windows that share one token.
+    stream = np.concatenate([indexed[int(d)] for d in dataset.document_index])
+    eod_positions = set(np.flatnonzero(stream == summary.eod))
+    ends = set(np.cumsum([indexed.sequence_lengths[int(d)] for d in dataset.document_index]) - 1)
+    assert eod_positions == ends
+    for i in range(len(dataset)):
+        sample = dataset[int(np.flatnonzero(dataset.shuffle_index == i)[0])]
+        assert sample["tokens"].shape == (seq,) and sample["labels"].shape == (seq,)
+        window = np.append(sample["tokens"].numpy(), sample["labels"][-1].item())
+        assert np.array_equal(window, stream[i * seq : i * seq + seq + 1])
+
+
+def test_synthetic_documents_are_deterministic_and_retrievable(corpus):
+    first = [d.text for d in generate_documents(6, 2000, seed=3)]
+    assert first == [d.text for d in generate_documents(6, 2000, seed=3)]
+    assert first[:4] == [d.text for d in generate_documents(4, 2000, seed=3)]
+    assert first != [d.text for d in generate_documents(6, 2000, seed=4)]
+    depths = []
+    for i in range(24):
+        doc = make_document("passkey", 3000, seed=5, index=i)
+        assert find_passkey(doc.text) == doc.answer and doc.text.count(doc.answer) == 2
+        assert doc.text.endswith(f"What is the pass key? The pass key is {doc.answer}.")
+        needle = doc.text.index(f"The pass key is {doc.answer}. Remember it.")
+        assert abs(needle / len(doc.text) - doc.depth) < 0.05
+        depths.append(doc.depth)
+        assert abs(len(doc.text) - 3000) < 200
+    assert min(depths) < 0.25 and max(depths) > 0.75  # needles land at every depth
+    copy = make_document("copy", 3000, seed=5, index=1)
+    assert find_copy_span(copy.text) == copy.answer and copy.text.endswith(copy.answer)
+    tok = load_tokenizer(corpus / "tokenizer")
+    count = lambda s: len(tok(s)["input_ids"])  # noqa: E731
+    doc = make_document("passkey", 1500, seed=0, count_tokens=count)
+    assert 1500 <= count(doc.text) <= 1500 + 60
+
+
+def test_make_synthetic_docs_cli(tmp_path, capsys):
+    main = _script("make_synthetic_docs").main
+    main(
+        ["--out", str(tmp_path / "d.jsonl"), "--num-docs", "3", "--length", "500", "--kinds", "passkey", "--seed", "2"]
+    )
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").open()]
+    assert [r["kind"] for r in records] == ["passkey"] * 3 and all(
+        find_passkey(r["text"]) == r["answer"] for r in records
+    )
+
+
+def test_prepare_data_cli_flags(corpus, capsys):
+    _script("prepare_data").main(
+        ["--input", str(corpus / "short.jsonl"), "--tokenizer", str(corpus / "tokenizer"),
+         "--output-prefix", str(corpus / "cli"), "--seq-length", "64", "--no-progress"]
+    )  # fmt: skip
+    assert "total: 30 documents" in capsys.readouterr().out
+    assert _docs(str(corpus / "cli.sources" / "input")) == _encode(corpus, _texts(corpus / "short.jsonl"))
+
+
+def test_example_config_validates(corpus, tmp_path, monkeypatch):
+    # The example's inputs are made by its own commands; here stand-ins in a scratch working directory.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "synthetic").mkdir(parents=True)
+    for name in ("long", "short"):
+        (tmp_path / "data" / "synthetic" / f"{name}.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "data" / "synthetic" / "tokenizer").mkdir()
+    config = MixConfig.from_yaml(ROOT / "configs" / "data" / "synthetic_mix.yaml")
+    assert [s.name for s in config.sources] == ["long", "short"] and config.weighted
+    assert len(config.sources[0].paths) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seq_length": None}, "seq_length=None"),
+        ({"seq_length": 0}, "seq_length=0"),
+        ({"colour": 1}, "unknown field(s) colour"),
+        ({"tokenizer": "/nonexistent/tok"}, "tokenizer='/nonexistent/tok'"),
+        ({"sources": []}, "sources=[]"),
+        ({"sources": [{"name": "a", "paths": ["/nonexistent.jsonl"]}]}, "sources[a].paths='/nonexistent.jsonl'"),
+        (
+            {"sources": [{"name": "a", "paths": ["{long}"], "min_tokens": 10, "max_tokens": 5}]},
+            "sources[a].max_tokens=5",
+        ),
+        ({"sources": [{"name": "a", "paths": ["{long}"], "weight": -1}]}, "sources[a].weight=-1"),
+        ({"sources": [{"name": "a", "paths": ["{long}"], "weight": 1, "repeat": 2}]}, "sources[a].repeat=2"),
+        (
+            {"sources": [{"name": "a", "paths": ["{long}"], "weight": 1}, {"name": "b", "paths": ["{long}"]}]},
+            "sources[b].weight is missing",
+        ),
+        ({"sources": [{"name": "a", "paths": ["{long}"]}, {"name": "a", "paths": ["{long}"]}]}, "sources[].name='a'"),
+        ({"sources": [{"name": "a", "paths": ["{long}"], "text_key": ""}]}, "sources[a].text_key=''"),
+        ({"total_tokens": 100}, "total_tokens=100"),
+    ],
+)
+def test_bad_config_names_the_field(corpus, change, message):
+    raw = {
+        "tokenizer": str(corpus / "tokenizer"),
+        "output_prefix": str(corpus / "bad"),
+        "seq_length": 64,
+        "sources": [{"name": "a", "paths": [str(corpus / "long.jsonl")]}],
+    }
+    raw |= json.loads(json.dumps(change).replace("{long}", str(corpus / "long.jsonl")))
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ValueError) as err:
+        MixConfig.from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_bad_input_records_name_file_and_line(corpus, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no field text_key='text'"):
+        prepare(_config(corpus, "badrec", [{"name": "a", "paths": [str(bad)]}]), False)
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        prepare(_config(corpus, "badrec", [{"name": "a", "paths": [str(bad)]}]), False)
+    with pytest.raises(ValueError, match=r"sources\[a\]: none of its 30 documents"):
+        prepare(
+            _config(corpus, "badrec", [{"name": "a", "paths": [str(corpus / "short.jsonl")]}], min_tokens=10**6), False
+        )
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_arguments_are_checked_up_front():
+    with pytest.raises(ValueError, match=r"kinds=\('passkey', 'bogus'\)"):
+        generate_documents(2, 100, seed=0, kinds=("passkey", "bogus"))
+    with pytest.raises(ValueError, match="length=0"):
+        make_document("filler", 0, seed=0)
