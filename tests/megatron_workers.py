@@ -5,6 +5,8 @@ fp32) is built from the plugin's layer spec. Losses and gradients follow Megatro
 conventions: each context-parallel rank takes the mean over its tokens, the MSA KL scale is
 set through the config hook with ``loss_scale * cp_size / num_microbatches`` (the schedules'
 call), and gradients are averaged over the CP ranks (what Megatron DDP does over dp x cp).
+Context-parallel runs split the batch and RoPE with Megatron's own functions, patched by
+``megatron_mtraining.patches`` for every layout but zigzag, as training does.
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import utils as megatron_utils
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_mtraining.context_parallel import ContextParallelLayout
+from megatron_mtraining import patches
 from megatron_mtraining.megatron import (
     MTrainingAttentionConfig,
+    SparseCoreAttention,
     apply_cpu_compat,
     attach_attention_config,
     get_attention_metrics_tracker,
@@ -81,9 +86,9 @@ def attention_config(kind: str, **overrides):
     return MTrainingAttentionConfig.from_dict({"type": kind, **PATTERNS[kind], **overrides})
 
 
-def build_model(attention, position_embedding: str = "rope", spec=None, **config_overrides):
-    """The tiny GPT for the current parallel state; ``attention`` is an MTrainingAttentionConfig
-    (None: no plugin config, for Megatron's own spec)."""
+def transformer_config(attention, **config_overrides) -> TransformerConfig:
+    """The tiny GPT's config for the current parallel state, with ``attention`` (an
+    MTrainingAttentionConfig) attached unless None."""
     cp = parallel_state.get_context_parallel_world_size()
     config = TransformerConfig(
         num_layers=2,
@@ -106,6 +111,14 @@ def build_model(attention, position_embedding: str = "rope", spec=None, **config
     )
     if attention is not None:
         attach_attention_config(config, attention)
+    return config
+
+
+def build_model(attention, position_embedding: str = "rope", spec=None, **config_overrides):
+    """The tiny GPT for the current parallel state; ``attention`` is an MTrainingAttentionConfig
+    (None: no plugin config, for Megatron's own spec)."""
+    config = transformer_config(attention, **config_overrides)
+    if attention is not None:
         spec = spec or get_gpt_layer_spec(attention.type)
     return GPTModel(config, spec, VOCAB, SEQ, position_embedding_type=position_embedding)
 
@@ -117,14 +130,34 @@ def full_batch():
     return {"tokens": tokens, "labels": labels, "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous()}
 
 
-def local_batch(layout: str, stripe: int):
-    """This CP rank's tokens: Megatron's own split for zigzag, ``ContextParallelLayout.shard``
-    for striped."""
-    batch, group = full_batch(), parallel_state.get_context_parallel_group()
-    if layout == "zigzag":
-        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
-    split = ContextParallelLayout(layout, group.size(), SEQ, stripe=stripe)
-    return {name: split.shard(t, group.rank()) for name, t in batch.items()}
+def _cp_split_functions() -> tuple:
+    # The RoPE slice is read where RotaryEmbedding's module bound it by name: a patch of
+    # rope_utils' attribute alone would not reach the model.
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    return megatron_utils.get_batch_on_this_cp_rank, rotary_pos_embedding.get_pos_emb_on_this_cp_rank
+
+
+MEGATRON_CP_SPLIT = _cp_split_functions()
+
+
+def use_layout(layout: str, stripe: int) -> None:
+    """Megatron's CP batch split and RoPE slice for ``layout``: unpatched for zigzag (its own
+    order), the plugin's patches otherwise. Removes what the previous case applied."""
+    patches.remove_patches()
+    assert _cp_split_functions() == MEGATRON_CP_SPLIT, "remove_patches() left a patched function behind"
+    if layout != "zigzag":
+        patches.apply_patches(layout, stripe)
+        assert all(a is not b for a, b in zip(_cp_split_functions(), MEGATRON_CP_SPLIT, strict=True)), (
+            "a patch was not installed"
+        )
+
+
+def local_batch():
+    """This CP rank's tokens through Megatron's ``get_batch_on_this_cp_rank``, looked up at call
+    time: the patches replace it in ``megatron.*`` modules, not in names bound here."""
+    group = parallel_state.get_context_parallel_group()
+    return megatron_utils.get_batch_on_this_cp_rank(full_batch(), is_hybrid_cp=False, cp_group=group)
 
 
 def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -159,11 +192,11 @@ def recorded_kl() -> torch.Tensor:
     return values
 
 
-def reference(kind: str, position_embedding: str) -> dict:
+def reference(kind: str) -> dict:
     """cp_size 1: the state, loss and gradients (and MSA's recorded KL) every CP run is
     compared with."""
     get_attention_metrics_tracker().clear()
-    model = build_model(attention_config(kind), position_embedding)
+    model = build_model(attention_config(kind))
     loss, grads = loss_and_grads(model, full_batch())
     ref = {"state": model.state_dict(), "loss": loss, "grads": grads}
     if kind == "msa":
@@ -173,11 +206,11 @@ def reference(kind: str, position_embedding: str) -> dict:
 
 def compute_references(rank, world, path):
     init_megatron()
-    refs = {(kind, pos): reference(kind, pos) for kind in PATTERNS for pos in ("rope", "learned_absolute")}
+    refs = {kind: reference(kind) for kind in PATTERNS}
     # The patterns must matter, or parity would not test them.
     for kind in PATTERNS:
         if kind != "dense":
-            gap = (refs[kind, "rope"]["loss"] - refs["dense", "rope"]["loss"]).abs()
+            gap = (refs[kind]["loss"] - refs["dense"]["loss"]).abs()
             assert gap > 1e-4, f"{kind} loss equals the dense loss ({gap}): the pattern selects everything"
     torch.save(refs, path)
 
@@ -192,26 +225,59 @@ def assert_matches(name: str, loss, grads, ref) -> None:
 
 
 def check_cp_parity(rank, world, path, runs):
-    """``runs``: (kind, layout, hierarchical) triples, each compared with its cp_size-1 reference."""
+    """``runs``: (kind, layout, hierarchical) triples, each compared with its cp_size-1 reference.
+
+    Every case goes through Megatron's batch split and RoPE slice (patched for the layout), so
+    the whole model runs in the layout's token order as in training. Consecutive cases differ
+    in layout, so removing and re-applying the patches in one process is exercised too."""
     refs = torch.load(path, weights_only=False)
     hier_sizes = [2, world // 2] if world >= 4 else None
     init_megatron(world, hier_sizes)
     stripe = 16
     for kind, layout, hierarchical in runs:
-        # Megatron's RoPE slice per CP rank is the zigzag one: striped runs use learned positions.
-        pos = "rope" if layout == "zigzag" else "learned_absolute"
+        use_layout(layout, stripe)
         attention = attention_config(kind, layout=layout, stripe=stripe, hierarchy=2 if hierarchical else None)
-        ref = refs[kind, pos]
-        model = build_model(attention, pos)
+        ref = refs[kind]
+        model = build_model(attention)
         model.load_state_dict(ref["state"])
         get_attention_metrics_tracker().clear()
-        loss, grads = loss_and_grads(model, local_batch(layout, stripe))
+        loss, grads = loss_and_grads(model, local_batch())
         name = f"{kind} cp={world} {layout}{' 2x2' if hierarchical else ''}"
         assert_matches(name, loss, grads, ref)
         if kind == "msa":
             torch.testing.assert_close(
                 recorded_kl(), ref["kl"], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n} KL: {m}"
             )
+
+
+def check_hierarchy_rank_order(rank, world):
+    """Hierarchical groups of the right sizes ([2, 2]) but the wrong ranks (inner groups across
+    nodes) are refused by name: the ring would pair ranks that do not hold neighbouring
+    stripes."""
+    init_megatron(world, [2, world // 2])
+    patches.remove_patches()
+    cp_group = parallel_state.get_context_parallel_group()
+    # new_group is collective: every rank creates every group, in one order.
+    inner = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+    outer = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
+    config = transformer_config(attention_config("dense", hierarchy=2))
+    groups = ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp_group, hcp=[inner, outer]
+    )
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    try:
+        SparseCoreAttention(**kwargs, pg_collection=groups)
+        raise AssertionError("hierarchical groups in the wrong rank order were accepted")
+    except ValueError as e:
+        assert "hierarchical_context_parallel_sizes" in str(e) and "consecutive CP ranks" in str(e), e
+    # Megatron's own groups of the same sizes are accepted.
+    SparseCoreAttention(**kwargs, pg_collection=ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "hcp"]))
+
+
+def check_cp4(rank, world, path, runs):
+    """One spawn for the cp_size-4 parity and group checks (spawning costs seconds each)."""
+    check_cp_parity(rank, world, path, runs)
+    check_hierarchy_rank_order(rank, world)
 
 
 def check_dense_equals_megatron(rank, world):

@@ -7,7 +7,9 @@ with ``ng`` KV heads), ``[sq, b, np * hn]`` out. It converts the layout to the s
 ``[b, s, h, d]`` once, builds the pattern that the config attached to the
 ``TransformerConfig`` names, and runs the sparse ring over the context-parallel group (or the
 single-device kernel when that group has one rank). Attention is causal; the sequence a
-context-parallel rank holds is in the configured layout's token order.
+context-parallel rank holds is in the configured layout's token order, which Megatron's batch
+split and RoPE slice give: zigzag is Megatron's own order, any other layout needs
+``megatron_mtraining.patches.apply_patches(layout, stripe)`` before the model is built (checked).
 
 MSA's index branch lives here too, so one module owns selection, attention and the KL loss.
 It reads the layer input, which ``DotProductAttention``'s forward does not receive:
@@ -26,11 +28,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from .. import patches
 from ..context_parallel import ContextParallelLayout, ring_attention
 from ..context_parallel.distributed_index import build_distributed_index, build_local_index
 from ..sparse import DenseIndex, IndexBranch, MSAPattern, SparseIndex, sparse_attention
 from ..sparse.validation import fail
 from .config import get_attention_config
+from .cp_groups import hierarchy_from_megatron
 from .msa_loss import MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
 
 
@@ -85,6 +89,7 @@ class SparseCoreAttention(MegatronModule):
             check_initialized=False
         )
         self.hierarchy = self._hierarchy_groups(pg_collection)
+        self._check_patches(_group_size(self.cp_group))
         self.layer_number = max(1, layer_number)
         # Megatron's query-key layer scaling divides the scale by the layer number and
         # multiplies the scores back in the softmax: the net scale is unchanged.
@@ -108,17 +113,55 @@ class SparseCoreAttention(MegatronModule):
         inner_size = self.attention_config.hierarchy
         if inner_size is None or _group_size(self.cp_group) == 1:
             return None
-        groups = getattr(pg_collection, "hcp", None) or parallel_state.get_hierarchical_context_parallel_groups(
-            check_initialized=False
-        )
-        if not groups or len(groups) != 2 or groups[0].size() != inner_size:
+        # Equal sizes are not enough: the ring numbers CP ranks node-major, so the groups'
+        # rank order is checked too.
+        try:
+            inner, outer = hierarchy_from_megatron(getattr(pg_collection, "hcp", None), self.cp_group)
+        except ValueError as err:
+            raise ValueError(f"{err} (for attention.hierarchy={inner_size})") from err
+        if inner.size() != inner_size:
             fail(
                 "hierarchical CP groups",
-                None if not groups else [g.size() for g in groups],
+                [inner.size(), outer.size()],
                 f"[{inner_size}, {_group_size(self.cp_group) // inner_size}] from initialize_model_parallel("
                 f"hierarchical_context_parallel_sizes=...) for MTrainingAttentionConfig.hierarchy={inner_size}",
             )
-        return tuple(groups)
+        return inner, outer
+
+    def _check_patches(self, cp_size: int) -> None:
+        """The ring assumes every CP rank holds its tokens in the configured layout's order;
+        Megatron's batch split and RoPE slice decide that order, so they must agree."""
+        if cp_size == 1:
+            return
+        cfg = self.attention_config
+        applied = patches.applied_layout()
+        if cfg.layout == "zigzag":
+            # Megatron's own split is zigzag, and zigzag patches reproduce it.
+            if applied is None or applied.kind == "zigzag":
+                return
+            raise ValueError(
+                f"attention.layout='zigzag' does not match the Megatron patches, which split CP batches and RoPE in "
+                f"the {applied.kind!r} layout (stripe {applied.stripe}): set attention.layout={applied.kind!r} "
+                f"(and attention.stripe={applied.stripe}), or call megatron_mtraining.patches.remove_patches() "
+                "before building the model"
+            )
+        # The stripe only moves tokens in the striped layout.
+        if (
+            applied is not None
+            and applied.kind == cfg.layout
+            and (cfg.layout != "striped" or applied.stripe == cfg.stripe)
+        ):
+            return
+        want = f"megatron_mtraining.patches.apply_patches({cfg.layout!r}, {cfg.stripe})"
+        if applied is None:
+            got = "are not applied, so Megatron splits CP batches and RoPE in its zigzag order"
+        else:
+            got = f"are applied with layout {applied.kind!r} and stripe {applied.stripe}"
+        raise ValueError(
+            f"attention.layout={cfg.layout!r}, attention.stripe={cfg.stripe} needs Megatron's CP batch split and RoPE "
+            f"slice in the same layout, but the patches {got}: call {want} before building the model"
+            + ("" if applied is None else " (remove_patches() first)")
+        )
 
     def forward(
         self,
@@ -150,6 +193,9 @@ class SparseCoreAttention(MegatronModule):
         cp_size = _group_size(self.cp_group)
         layout = None
         if cp_size > 1:
+            # Again per forward: removing or changing the patches after the build would
+            # silently misplace every token.
+            self._check_patches(cp_size)
             cfg = self.attention_config
             layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
         if self.attention_config.type == "msa":

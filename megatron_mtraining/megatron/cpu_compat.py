@@ -1,20 +1,43 @@
-"""What megatron.core needs to build, train and optimize a model on a machine without CUDA.
+"""What megatron.core (and megatron.training) need to run on a machine without CUDA.
 
 Megatron-Core assumes a CUDA device in a few dozen places. :func:`apply_cpu_compat` patches
 them so the plugin's CPU tests (and a CPU run of the training entry point) use the same
-Megatron code as a GPU run, with gloo for communication. It does nothing when CUDA is
-available, and applying it twice is the same as once. Each patch below says why it exists;
-the measurements behind them are in the project's research notes on megatron-core 0.19.2.
+Megatron code as a GPU run, with gloo for communication. With ``training=True`` it also
+patches what ``megatron.training.pretrain`` needs, and :data:`CPU_MEGATRON_ARGUMENTS` are the
+Megatron arguments a CPU run defaults to. It does nothing when CUDA is available, and
+applying it twice is the same as once. Each patch below says why it exists; the
+measurements behind them are in the project's research notes on megatron-core 0.19.2.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _applied = False
+_training_applied = False
+
+# Megatron argument defaults (argparse dests) for a CPU run: gloo, CPU initialisation, no
+# fused kernels (they need Apex, Transformer Engine or CUDA), and no RNG state on load: the
+# CPU RNG tracker holds no states, and Megatron refuses a checkpoint whose tracker states are
+# empty (training/checkpointing.py, load_checkpoint).
+CPU_MEGATRON_ARGUMENTS = {
+    "distributed_backend": "gloo",
+    "use_cpu_initialization": True,
+    "transformer_impl": "local",
+    "gradient_accumulation_fusion": False,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "no_persist_layer_norm": True,
+    "no_load_rng": True,
+}
 
 
 class _NoStream:
@@ -59,12 +82,15 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def apply_cpu_compat() -> bool:
-    """Patches torch and megatron.core for CPU-only runs; returns whether it is active
-    (False with CUDA). Call it in every process before building a model."""
+def apply_cpu_compat(training: bool = False) -> bool:
+    """Patches torch and megatron.core (and with ``training`` megatron.training) for CPU-only
+    runs; returns whether it is active (False with CUDA). Call it in every process before
+    building a model (before ``pretrain``)."""
     global _applied
     if torch.cuda.is_available():
         return False
+    if training:
+        _apply_training()
     if _applied:
         return True
     from megatron.core import tensor_parallel
@@ -75,7 +101,15 @@ def apply_cpu_compat() -> bool:
     # The default RNG tracker reads torch.cuda.get_rng_state(); the inference tracker's
     # add/fork do nothing, so dropout and initialisation draw from the CPU generator.
     seed = tp_random.model_parallel_cuda_manual_seed
-    cpu_seed = functools.wraps(seed)(lambda *a, **k: seed(*a, **{**k, "inference_rng_tracker": True}))
+    signature = inspect.signature(seed)
+
+    @functools.wraps(seed)
+    def cpu_seed(*args, **kwargs):
+        # megatron.training passes the tracker flags positionally.
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["inference_rng_tracker"] = True
+        return seed(*bound.args, **bound.kwargs)
+
     tp_random.model_parallel_cuda_manual_seed = tensor_parallel.model_parallel_cuda_manual_seed = cpu_seed
     # Activation recompute saves and restores the CUDA generator's state around the recomputed
     # region; there is none (Megatron saves the CPU generator's state separately).
@@ -94,3 +128,49 @@ def apply_cpu_compat() -> bool:
     _CudaToCpu().__enter__()
     _applied = True
     return True
+
+
+def _apply_training() -> None:
+    global _training_applied
+    if _training_applied:
+        return
+    from megatron.core.optimizer import optimizer as optimizer_module
+    from megatron.training import arguments, initialize, training
+
+    # pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA; and
+    # with torch.cuda.device_count() == 0 it creates no model-parallel groups and never seeds
+    # the model-parallel RNG tracker. During it one (CPU) device is reported, and selecting
+    # it does nothing (gloo takes no device).
+    init = initialize.initialize_megatron
+
+    @functools.wraps(init)
+    def initialize_megatron(*args, **kwargs):
+        count, select = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda *a, **k: None)
+        try:
+            return init(*args, **{**kwargs, "allow_no_cuda": True})
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = count, select
+
+    training.initialize_megatron = initialize_megatron
+    # validate_args reads the CUDA device's compute capability when TP or CP > 1.
+    arguments.get_device_arch_version = lambda: 0
+    # Megatron's jit_fuser is torch.compile: on a CPU each fused function costs seconds of C++
+    # compilation at start-up, more than small CPU runs ever get back.
+    torch._dynamo.config.disable = True
+    # Gradient clipping asserts CUDA gradients (optimizer/clip_grads.py: param.grad.type()).
+    optimizer_module.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
+    # Checkpoints save the CUDA generator's state (training/checkpointing.py, get_rng_state);
+    # the CPU generator's stands in (restoring it is a lazily queued no-op without CUDA).
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    _training_applied = True
+
+
+def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """``clip_grad_by_total_norm_fp32`` without its CUDA assertion: the same in-place scaling
+    by ``min(1, max_norm / (total_norm + 1e-6))``."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    coeff = torch.as_tensor(max_norm / (total_norm + 1.0e-6)).clamp_max(1.0)
+    if grads:
+        torch._foreach_mul_(grads, coeff)

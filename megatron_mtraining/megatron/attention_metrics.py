@@ -1,0 +1,97 @@
+"""Per-layer attention metrics for the training loop: attended fraction and ring imbalance.
+
+:class:`MeasuredCoreAttention` is :class:`SparseCoreAttention` that, on the micro-batches the
+training loop flags (:func:`collect_attention_metrics`), records per layer into the plugin's
+metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
+
+* ``attended_fraction``: attended (query, key) pairs over the causal pairs of the whole
+  sequence, averaged over batch and heads (1.0 for dense attention). Each CP rank records
+  its queries' share; the tracker sums the shares over the CP group.
+* ``worker_imbalance`` / ``step_imbalance`` (CP > 1): the MTraining paper's imbalance
+  degrees of the ring's attended area (``context_parallel.imbalance_degrees``), the same on
+  every CP rank, so each rank records ``1 / cp_size`` of it.
+
+Counting the area walks the index on the host, so the loop flags only the last step of each
+logging interval and gives its values the weight of the whole interval (``weight``): the
+tracker's one scale then averages them with the KL, which is recorded every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..context_parallel import RingStats, imbalance_degrees, ring_attention
+from ..context_parallel.distributed_index import build_local_index
+from ..sparse import SparseIndex
+from .core_attention import SparseCoreAttention
+from .msa_loss import get_attention_metrics_tracker
+
+FRACTION_METRIC = "attended_fraction"
+WORKER_METRIC = "worker_imbalance"
+STEP_METRIC = "step_imbalance"
+METRICS = (FRACTION_METRIC, WORKER_METRIC, STEP_METRIC)
+COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
+
+
+def collect_attention_metrics(config, weight: float) -> None:
+    """Makes the layers built from ``config`` record their metrics with ``weight`` (0: off)."""
+    setattr(config, COLLECT_ATTRIBUTE, weight)
+
+
+class MeasuredCoreAttention(SparseCoreAttention):
+    """:class:`SparseCoreAttention` that records the attended fraction and ring imbalance."""
+
+    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+        weight = getattr(self.config, COLLECT_ATTRIBUTE, 0)
+        if not weight or not self.training:
+            return super()._attend(q, k, v, pattern, layout)
+        seq = q.shape[1] if layout is None else layout.seq_len
+        causal = q.shape[0] * q.shape[2] * seq * (seq + 1) / 2
+        if layout is None:
+            index = (
+                pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, self.softmax_scale)
+            )
+            self._record(FRACTION_METRIC, weight * float(index.attended_area().sum()) / causal, None)
+            return super()._attend(q, k, v, index, layout)
+        stats = RingStats()
+        out, _ = ring_attention(
+            q,
+            k,
+            v,
+            pattern,
+            layout,
+            self.cp_group,
+            self.hierarchy,
+            self.softmax_scale,
+            stats=stats,
+            backend=self.attention_config.backend,
+        )
+        rank = dist.get_rank(self.cp_group)
+        mine = sum(stats.ring[rank]) + stats.local[rank]
+        self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group)
+        worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
+        self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
+        self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
+        return out
+
+    def _record(self, name: str, value: float, group) -> None:
+        tensor = torch.tensor(value, dtype=torch.float32, device=torch.cuda.current_device())
+        get_attention_metrics_tracker().record(name, tensor, self.layer_number, self.config.num_layers, group)
+
+
+def measured(block_spec):
+    """A copy of a decoder-block spec whose layers use :class:`MeasuredCoreAttention`."""
+    layers = []
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention
+        core = dataclasses.replace(attention.submodules.core_attention, module=MeasuredCoreAttention)
+        attention = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, core_attention=core)
+        )
+        layers.append(
+            dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+        )
+    return dataclasses.replace(block_spec, layer_specs=layers)

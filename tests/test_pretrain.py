@@ -1,0 +1,180 @@
+"""The training entry point, ``python -m megatron_mtraining.pretrain``, end to end on CPU/gloo.
+
+Each run is a subprocess on ``configs/tiny_cpu.yaml`` (2 layers, hidden 64, sequence 256,
+Megatron's mock data, 6 steps). Losses are read from the entry point's own per-step line,
+which prints the LM loss over the step's tokens at full precision (Megatron's line rounds
+and, on the first step after a resume, averages two steps).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+LINE = re.compile(r"\[mtraining\] iteration +(\d+) \| (.*)")
+
+
+def pretrain(tmp: Path, *overrides: str, world: int = 1, config: Path = CONFIG, check: bool = True):
+    """Runs the entry point in ``tmp``; returns the completed process (output in ``.stdout``)."""
+    launcher = [sys.executable, "-m"]
+    if world > 1:
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m"]
+    cmd = [*launcher, "megatron_mtraining.pretrain", "--config", str(config), *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    proc.stdout += proc.stderr
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}"
+    return proc
+
+
+def metrics(output: str) -> dict[int, dict[str, str]]:
+    """Per iteration, the entry point's metrics line as name -> value text."""
+    found = {}
+    for match in LINE.finditer(output):
+        fields = (part.split(":", 1) for part in match.group(2).split("|") if ":" in part)
+        found[int(match.group(1))] = {k.strip(): v.strip() for k, v in fields}
+    return found
+
+
+def losses(output: str) -> dict[int, float]:
+    return {it: float(m["lm_loss"]) for it, m in metrics(output).items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Six mtraining steps on one process, with TensorBoard and offline W&B."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    proc = pretrain(
+        tmp,
+        f"megatron.tensorboard_dir={tmp / 'tb'}",
+        "megatron.wandb_project=tiny",
+        "megatron.wandb_exp_name=uninterrupted",
+        f"megatron.wandb_save_dir={tmp / 'wandb'}",
+    )
+    return tmp, proc.stdout
+
+
+def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
+    tmp, output = uninterrupted
+    loss = losses(output)
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6]
+    assert loss[6] < loss[1] - 0.5, loss
+    lines = metrics(output)
+    assert 0.3 < float(lines[6]["attended_fraction"]) < 1.0, lines[6]  # mtraining attends a part
+    assert float(lines[6]["tokens/s"]) > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction"} <= tags, tags
+    assert [e.value for e in events.Scalars("mtraining/lm_loss")] == pytest.approx([loss[i] for i in range(1, 7)])
+    assert list((tmp / "wandb" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
+
+
+def test_context_parallel_2_striped_lowers_the_loss(tmp_path):
+    output = pretrain(tmp_path, "megatron.context_parallel_size=2", "attention.layout=striped", world=2).stdout
+    assert "context-parallel size: 2" in output
+    loss = losses(output)
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6]
+    assert loss[6] < loss[1] - 0.5, loss
+    last = metrics(output)[6]
+    assert 0.3 < float(last["attended_fraction"]) < 1.0, last
+    assert float(last["worker_imbalance"]) >= 1.0 and float(last["step_imbalance"]) >= 1.0, last
+
+
+def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = pretrain(tmp_path, f"megatron.save={ckpt}", "megatron.save_interval=3", "megatron.exit_interval=3")
+    assert (ckpt / "iter_0000003").is_dir()
+    resumed = pretrain(tmp_path, f"megatron.load={ckpt}").stdout
+    assert "attention switch" not in resumed
+    want, before, after = losses(uninterrupted[1]), losses(first.stdout), losses(resumed)
+    assert before == {i: want[i] for i in (1, 2, 3)}
+    assert after == {i: want[i] for i in (4, 5, 6)}, (after, want)
+
+
+def test_dense_checkpoint_resumes_as_msa(tmp_path):
+    ckpt = tmp_path / "dense"
+    pretrain(
+        tmp_path,
+        "attention.type=dense",
+        f"megatron.save={ckpt}",
+        "megatron.save_interval=3",
+        "megatron.exit_interval=3",
+    )
+    output = pretrain(tmp_path, "attention.type=msa", f"megatron.load={ckpt}").stdout
+    assert re.search(r"attention switch on load from .* \(iteration 3\): 'dense' -> 'msa'", output), output[-3000:]
+    assert "no_load_optim -> True" in output
+    # The index projections are requested from the checkpoint, found missing and kept fresh.
+    missing = re.search(r"Unexpected keys \(for this rank\): (\{.*\})", output)
+    assert missing and "index_branch.linear_q.weight" in missing.group(1), output[-3000:]
+    lines = metrics(output)
+    assert sorted(lines) == [4, 5, 6]
+    assert all(math.isfinite(float(m["lm_loss"])) and "msa_kl_loss" in m for m in lines.values())
+    # MSA warmup (2 steps in the config) counts from the switch: dense, dense, then sparse.
+    assert [float(lines[i]["attended_fraction"]) for i in (4, 5)] == [1.0, 1.0]
+    assert float(lines[6]["attended_fraction"]) < 0.9
+
+
+def test_indexed_dataset_trains(tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "docs"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    gen = np.random.default_rng(0)
+    for _ in range(64):
+        builder.add_document(gen.integers(0, 127, 300, dtype=np.int32), [300])
+    builder.finalize(f"{prefix}.idx")
+    # All documents in the training split: Megatron's index builder never returns for a
+    # split that gets no document.
+    output = pretrain(
+        tmp_path,
+        "megatron.mock_data=false",
+        f"megatron.data_path=[{prefix}]",
+        "megatron.split=100,0,0",
+        "megatron.train_iters=3",
+    ).stdout
+    assert "Building GPTDataset splits" in output
+    assert sorted(losses(output)) == [1, 2, 3] and all(math.isfinite(v) for v in losses(output).values())
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "message"),
+    [
+        ("megatron: {num_layerz: 2}\n", [], r"unknown Megatron argument 'megatron.num_layerz'"),
+        ("megatron: {num_layers: two}\n", [], r"bad value for 'megatron.num_layers': 'two'"),
+        ("megatron: {bf16: 3}\n", [], r"'megatron.bf16' is a flag"),
+        ("megatron: {}\nmodel: {}\n", [], r"unknown section 'model'"),
+        ("attention: {type: sparse}\n", [], r"MTrainingAttentionConfig.type='sparse'"),
+        ("attention: {mtraining: {vertical_top: 0.9}}\n", [], r"attention.mtraining.vertical_top"),
+        ("megatron: {}\n", ["megatron.lr=fast"], r"override 'megatron.lr=fast'.*bad value for 'megatron.lr'"),
+        ("megatron: {}\n", ["attention.msa.topk=0"], r"override 'attention.msa.topk=0'.*topk"),
+        ("megatron: {}\n", ["optimizer.lr=1"], r"must start with one of the sections megatron, attention"),
+    ],
+)
+def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(path, overrides)
+    if not overrides:
+        assert str(path) in str(err.value)
+
+
+def test_bad_config_fails_at_start_up(tmp_path):
+    proc = pretrain(tmp_path, "megatron.train_iterz=5", check=False)
+    assert proc.returncode != 0
+    assert "config error: override 'megatron.train_iterz=5': unknown Megatron argument" in proc.stdout
+    assert "initializing torch distributed" not in proc.stdout
