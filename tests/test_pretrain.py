@@ -71,6 +71,7 @@ def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
     assert loss[6] < loss[1] - 0.5, loss
     lines = metrics(output)
     assert 0.3 < float(lines[6]["attended_fraction"]) < 1.0, lines[6]  # mtraining attends a part
+    assert 0.0 < float(lines[6]["index_recall"]) <= 1.0, lines[6]
     assert float(lines[6]["tokens/s"]) > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -124,6 +125,9 @@ def test_dense_checkpoint_resumes_as_msa(tmp_path):
     assert all(math.isfinite(float(m["lm_loss"])) and "msa_kl_loss" in m for m in lines.values())
     # MSA warmup (2 steps in the config) counts from the switch: dense, dense, then sparse.
     assert [float(lines[i]["attended_fraction"]) for i in (4, 5)] == [1.0, 1.0]
+    # Warmup attends densely: nothing is lost. After it, the index keeps part of the mass.
+    assert [float(lines[i]["index_recall"]) for i in (4, 5)] == pytest.approx([1.0, 1.0])
+    assert 0.0 < float(lines[6]["index_recall"]) < 1.0
     assert float(lines[6]["attended_fraction"]) < 0.9
 
 

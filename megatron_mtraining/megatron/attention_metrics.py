@@ -7,6 +7,9 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
 * ``attended_fraction``: attended (query, key) pairs over the causal pairs of the whole
   sequence, averaged over batch and heads (1.0 for dense attention). Each CP rank records
   its queries' share; the tracker sums the shares over the CP group.
+* ``index_recall`` (CP 1): the share of the dense attention mass of the last 64 queries that
+  the index attends (``sparse.attention_recall``), averaged over batch and heads. Under CP the
+  rows' dense attention would need every rank's keys; it is not recorded there.
 * ``worker_imbalance`` / ``step_imbalance`` (CP > 1): the MTraining paper's imbalance
   degrees of the ring's attended area (``context_parallel.imbalance_degrees``), the same on
   every CP rank, so each rank records ``1 / cp_size`` of it.
@@ -25,14 +28,16 @@ import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_local_index
-from ..sparse import SparseIndex
+from ..sparse import SparseIndex, attention_recall
 from .core_attention import SparseCoreAttention
 from .msa_loss import get_attention_metrics_tracker
 
 FRACTION_METRIC = "attended_fraction"
 WORKER_METRIC = "worker_imbalance"
 STEP_METRIC = "step_imbalance"
-METRICS = (FRACTION_METRIC, WORKER_METRIC, STEP_METRIC)
+RECALL_METRIC = "index_recall"
+RECALL_ROWS = 64
+METRICS = (FRACTION_METRIC, RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
 
 
@@ -55,6 +60,8 @@ class MeasuredCoreAttention(SparseCoreAttention):
                 pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, self.softmax_scale)
             )
             self._record(FRACTION_METRIC, weight * float(index.attended_area().sum()) / causal, None)
+            recall = attention_recall(q, k, index, min(RECALL_ROWS, seq), self.softmax_scale)
+            self._record(RECALL_METRIC, weight * float(recall.mean()), None)
             return super()._attend(q, k, v, index, layout)
         stats = RingStats()
         out, _ = ring_attention(

@@ -59,7 +59,8 @@ class MTrainingAttentionConfig(ValidatedConfig):
 
     ``type`` selects the pattern; only its section (``mtraining``, ``msa`` or ``moba``) is
     used. ``layout`` is the token order of a context-parallel rank (``zigzag`` is Megatron's
-    own batch split; ``striped`` needs the plugin's batch-split and RoPE patches), ``stripe``
+    own batch split; ``striped`` and ``contiguous`` need the plugin's batch-split and RoPE
+    patches, ``megatron_mtraining.patches.apply_patches``), ``stripe``
     its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
     ring, or None for the flat ring; it must match Megatron's
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
