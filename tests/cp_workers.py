@@ -1,11 +1,7 @@
 """Worker bodies for the gloo context-parallel tests (spawned processes import this)."""
 
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
@@ -24,22 +20,6 @@ from megatron_mtraining.sparse import (
     msa_select_blocks,
     sparse_attention,
 )
-
-
-def _entry(rank, world, init_file, fn, args):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run(world: int, fn, *args) -> None:
-    """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any
-    rank fails the caller with that rank's traceback."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)
-
 
 PATTERNS = ("dense", "vertical_slash", "moba", "msa")
 

@@ -12,12 +12,10 @@ Context-parallel runs split the batch and RoPE with Megatron's own functions, pa
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core import utils as megatron_utils
 from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -54,23 +52,6 @@ PATTERNS = {
     "msa": {"msa": {"block_size": 16, "topk": 4, "index_head_dim": 16, "warmup_steps": 0}},
     "moba": {"moba": {"chunk_size": 32, "topk": 3}},
 }
-
-
-def _entry(rank, world, init_file, fn, args):
-    # Several processes share two cores: one thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run(world: int, fn, *args) -> None:
-    """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any rank fails
-    the caller with that rank's traceback."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)
 
 
 def init_megatron(cp_size: int = 1, hierarchical: list[int] | None = None) -> None:

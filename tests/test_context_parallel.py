@@ -4,7 +4,8 @@ import os
 
 import pytest
 import torch
-from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, check_ring_with_kernels, run
+from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, check_ring_with_kernels
+from gloo import run
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,

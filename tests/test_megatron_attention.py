@@ -14,6 +14,7 @@ import types
 import megatron_workers as workers
 import pytest
 import torch
+from gloo import run
 
 from megatron_mtraining.megatron import (
     MSASelfAttention,
@@ -304,26 +305,26 @@ def test_cpu_compat_is_a_no_op_with_cuda(monkeypatch):
 def references(tmp_path_factory):
     """cp_size-1 state, loss and gradients of every attention type."""
     path = str(tmp_path_factory.mktemp("megatron") / "references.pt")
-    workers.run(1, workers.compute_references, path)
+    run(1, workers.compute_references, path)
     return path
 
 
 def test_dense_equals_megatron_dot_product_attention():
-    workers.run(1, workers.check_dense_equals_megatron)
+    run(1, workers.check_dense_equals_megatron)
 
 
 def test_msa_kl_loss_scale_logging_warmup_recompute_and_checkpoint():
-    workers.run(1, workers.check_msa_kl_and_checkpoint)
+    run(1, workers.check_msa_kl_and_checkpoint)
 
 
 def test_cpu_compat_runs_megatron_ddp_and_optimizer():
-    workers.run(1, workers.check_cpu_compat_ddp_and_optimizer)
+    run(1, workers.check_cpu_compat_ddp_and_optimizer)
 
 
 def test_cp2_equals_cp1(references):
     # Layouts alternate so that every switch (apply, replace, remove the patches) happens in one process.
     runs = [(kind, layout, False) for kind in workers.PATTERNS for layout in ("zigzag", "striped", "contiguous")]
-    workers.run(2, workers.check_cp_parity, references, runs)
+    run(2, workers.check_cp_parity, references, runs)
 
 
 def test_cp4_equals_cp1(references):
@@ -338,4 +339,4 @@ def test_cp4_equals_cp1(references):
     # striped 2x2 only for mtraining (the layout's reason to exist) and MSA (selection and KL
     # across ranks) keeps the runtime down.
     runs += [(kind, "striped", True) for kind in ("mtraining", "msa")]
-    workers.run(4, workers.check_cp4, references, runs)
+    run(4, workers.check_cp4, references, runs)
