@@ -5,7 +5,9 @@ checkpointing, logging); the plugin contributes the model (its attention in Mega
 the forward step and the context-parallel layout. The config file's ``megatron:`` section
 holds Megatron arguments by their argparse dest, its ``attention:`` section the plugin's
 attention (see ``megatron_mtraining.megatron.yaml_config``). Under ``torchrun`` every process
-runs this module. Without CUDA it runs on the CPU over gloo.
+runs this module. Without CUDA it runs on the CPU over gloo. ``--dry-run`` validates the config
+for the recipe's world size and prints the resolved arguments, the parallel layout and the
+memory estimate, with no GPU and no training (``megatron_mtraining.megatron.dry_run``).
 """
 
 from __future__ import annotations
@@ -22,15 +24,36 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", required=True, help="YAML file with 'megatron' and 'attention' sections")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, print the resolved Megatron arguments, parallel layout and memory estimate; "
+        "no GPU, no training",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="with --dry-run: ranks to validate for (default: cluster.nodes x cluster.gpus_per_node, else TP x PP x CP)",
+    )
+    cli = parser.parse_args(argv)
+    if cli.world_size is not None and not cli.dry_run:
+        parser.error("--world-size is for --dry-run; a real run's world size is the launcher's")
+    return cli
 
 
 def main(argv: list[str] | None = None) -> None:
     cli = _parse_cli(sys.argv[1:] if argv is None else argv)
-    from .megatron.training import run
     from .megatron.yaml_config import ConfigError
 
     try:
+        if cli.dry_run:
+            from .megatron.dry_run import dry_run
+
+            print(dry_run(cli.config, cli.overrides, cli.world_size)[0])
+            return
+        from .megatron.training import run
+
         run(cli.config, cli.overrides)
     except ConfigError as err:
         sys.exit(f"config error: {err}")

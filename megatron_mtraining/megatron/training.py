@@ -72,6 +72,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
@@ -333,42 +334,71 @@ def _checkpoint_attention(args) -> tuple[dict, int, int] | None:
     return attention, getattr(saved_args, START_ATTRIBUTE, 0), iteration
 
 
-def parse_megatron_args(run_config: RunConfig, defaults: dict):
+def resolve_megatron_args(run_config: RunConfig, defaults: dict, world_size: int | None = None):
     """Megatron's arguments from the config, parsed and validated by Megatron itself (with
-    ``defaults``, dest -> value, for keys the config leaves out), set as Megatron's globals."""
+    ``defaults``, dest -> value, for keys the config leaves out), for ``world_size`` ranks
+    (the launcher's ``WORLD_SIZE`` when None); no globals are set."""
     import sys
+    from unittest import mock
 
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.global_vars import set_global_variables
 
     values = {**{k: v for k, v in defaults.items() if k not in run_config.megatron}, **run_config.megatron}
     sources = {**{f"megatron.{k}": "the entry point's defaults" for k in defaults}, **run_config.sources}
     argv = RunConfig(values, run_config.attention, run_config.path, sources).megatron_argv()
-    saved_argv = sys.argv
-    sys.argv = [saved_argv[0], *argv]
-    try:
+    env = {} if world_size is None else {"WORLD_SIZE": str(world_size), "RANK": "0"}
+    with mock.patch.object(sys, "argv", [sys.argv[0], *argv]), mock.patch.dict(os.environ, env):
         args = parse_args()
         try:
             validate_args(args, {})
         except AssertionError as err:
             raise ConfigError(f"{run_config.path}: Megatron rejected the arguments: {err}") from err
-    finally:
-        sys.argv = saved_argv
     setattr(args, ARGS_ATTRIBUTE, run_config.attention_dict())
     setattr(args, START_ATTRIBUTE, 0)
+    return args
+
+
+def parse_megatron_args(run_config: RunConfig, defaults: dict):
+    """:func:`resolve_megatron_args` for this process's launch, set as Megatron's globals."""
+    from megatron.training.global_vars import set_global_variables
+
+    args = resolve_megatron_args(run_config, defaults)
     set_global_variables(args)
     return args
+
+
+def _megatron_defaults(cpu: bool) -> dict:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    from .cpu_compat import CPU_MEGATRON_ARGUMENTS
+
+    # Without Transformer Engine only the local spec exists, its torch norms cannot persist and
+    # Megatron's fused RoPE is TE's.
+    defaults = (
+        {} if HAVE_TE else {"transformer_impl": "local", "no_persist_layer_norm": True, "apply_rope_fusion": False}
+    )
+    if cpu:
+        defaults.update(CPU_MEGATRON_ARGUMENTS)
+    return defaults
+
+
+def memory_report(args, run_config: RunConfig) -> str:
+    """The memory estimate of ``megatron_mtraining.megatron.memory`` for these arguments,
+    against the config's ``cluster.gpu`` when it names one."""
+    from .memory import GPU_MEMORY_GIB, estimate_memory
+
+    gpu = run_config.cluster.get("gpu")
+    return estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(gpu)).report()
 
 
 def run(config_path, overrides=()) -> None:
     """The whole training job of ``python -m megatron_mtraining.pretrain``."""
     from megatron.core.enums import ModelType
-    from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
     from ..patches import apply_patches
-    from .cpu_compat import CPU_MEGATRON_ARGUMENTS, apply_cpu_compat
+    from .cpu_compat import apply_cpu_compat
 
     run_config = load_config(config_path, overrides)
     # Megatron's validate_args requires 1 for TP / CP > 1 (kernel order for comm-compute
@@ -377,13 +407,11 @@ def run(config_path, overrides=()) -> None:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _single_process_rendezvous()
     _use_prebuilt_dataset_helpers()
-    # Without Transformer Engine only the local spec exists, and its torch norms cannot persist.
-    defaults = {} if HAVE_TE else {"transformer_impl": "local", "no_persist_layer_norm": True}
-    if apply_cpu_compat(training=True):
-        defaults.update(CPU_MEGATRON_ARGUMENTS)
+    defaults = _megatron_defaults(cpu=apply_cpu_compat(training=True))
     # Before the model exists, so Megatron's batch split and RoPE slice follow the layout.
     apply_patches(run_config.attention.layout, run_config.attention.stripe)
     args = parse_megatron_args(run_config, defaults)
+    print_rank_0(memory_report(args, run_config))
     check_checkpoint_attention(args)
     container = pretrain_cfg_container_from_args(args)
     pretrain(

@@ -1,6 +1,6 @@
 """The training entry point's YAML config: Megatron arguments plus the plugin's attention.
 
-A config file has two sections::
+A config file has two sections and an optional third::
 
     megatron:            # Megatron-LM arguments by their argparse dest (num_layers, lr, save, ...)
       num_layers: 2
@@ -8,6 +8,15 @@ A config file has two sections::
     attention:           # MTrainingAttentionConfig fields
       type: mtraining
       mtraining: {vertical_topp: 0.9}
+    cluster:             # optional: the machines a recipe is written for
+      nodes: 4
+      gpus_per_node: 8
+      gpu: A100-40GB
+
+A file may start with ``base: other.yaml`` (relative to it): its sections go over the base's,
+key by key (attention pattern sections one level deeper), so a model's recipes share one
+base file. The optional ``cluster:`` section names the machines a recipe is written for;
+``--dry-run`` validates for that world size and compares the memory estimate with that GPU.
 
 Command-line overrides are ``section.key=value`` (``megatron.train_iters=5``,
 ``attention.mtraining.vertical_topp=0.9``); values are parsed as YAML scalars. Every Megatron
@@ -29,7 +38,10 @@ import yaml
 
 from .config import MTrainingAttentionConfig
 
-SECTIONS = ("megatron", "attention")
+SECTIONS = ("megatron", "attention", "cluster")
+# The ``cluster:`` section: the world size of a dry run, the hierarchy check and the GPU whose
+# memory the estimate is compared with. A launcher's actual world size wins in a real run.
+CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu": str}
 
 
 class ConfigError(ValueError):
@@ -112,6 +124,7 @@ class RunConfig:
     attention: MTrainingAttentionConfig
     path: Path
     sources: dict[str, str]
+    cluster: dict = dataclasses.field(default_factory=dict)
 
     def megatron_argv(self) -> list[str]:
         argv = []
@@ -141,27 +154,12 @@ def parse_override(text: str) -> tuple[list[str], object]:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Reads, overrides and validates a config; raises :class:`ConfigError` naming the key and its source."""
+    sections, sources = _read_sections(Path(path), ())
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: cannot read the config ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(SECTIONS)}")
-    for section in data:
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section '{section}' (accepted: {', '.join(SECTIONS)})")
-    sections = {}
-    for section in SECTIONS:
-        value = data.get(section) or {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: section '{section}' must be a mapping, not {type(value).__name__}")
-        sections[section] = dict(value)
-    sources = {f"{s}.{k}": str(path) for s in SECTIONS for k in sections[s]}
     for text in overrides:
         keys, value = parse_override(text)
-        if keys[0] == "megatron" and len(keys) != 2:
-            raise ConfigError(f"override {text!r}: Megatron arguments are flat (megatron.<dest>=value)")
+        if keys[0] in ("megatron", "cluster") and len(keys) != 2:
+            raise ConfigError(f"override {text!r}: the {keys[0]} section is flat ({keys[0]}.<key>=value)")
         node = sections[keys[0]]
         for key in keys[1:-1]:
             child = node.setdefault(key, {})
@@ -172,9 +170,62 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         sources[".".join(keys[:2])] = f"override {text!r}"
     for key, value in sections["megatron"].items():
         _key_argv(str(key), value, sources[f"megatron.{key}"])
+    _check_cluster(sections["cluster"], sources)
     try:
         attention = MTrainingAttentionConfig.from_dict(sections["attention"], where="attention")
     except (ValueError, TypeError) as err:
         culprits = sorted({sources[k] for k in sources if k.startswith("attention.")} or {str(path)})
         raise ConfigError(f"{' / '.join(culprits)}: {err}") from None
-    return RunConfig(sections["megatron"], attention, path, sources)
+    return RunConfig(sections["megatron"], attention, path, sources, sections["cluster"])
+
+
+def _read_sections(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    """The sections of ``path`` over those of its ``base:`` file (a path relative to it), and
+    the file that set each top-level key. Attention sections merge one level deep, so a stage
+    file can change ``attention.msa.topk`` and keep the base's other MSA fields."""
+    if path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"{path}: 'base' includes form a cycle ({cycle})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        where = f"{chain[-1]}: base file" if chain else str(path)
+        raise ConfigError(f"{where}: cannot read the config {path} ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(SECTIONS)}")
+    for section in data:
+        if section not in (*SECTIONS, "base"):
+            raise ConfigError(f"{path}: unknown section '{section}' (accepted: base, {', '.join(SECTIONS)})")
+    sections, sources = {s: {} for s in SECTIONS}, {}
+    base = data.get("base")
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: 'base' must be a file path relative to this file, not {base!r}")
+        sections, sources = _read_sections(path.parent / base, (*chain, path.resolve()))
+    for section in SECTIONS:
+        value = data.get(section) or {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping, not {type(value).__name__}")
+        for key, item in value.items():
+            inherited = sections[section].get(key)
+            if section == "attention" and isinstance(item, dict) and isinstance(inherited, dict):
+                item = {**inherited, **item}
+            sections[section][key] = item
+            sources[f"{section}.{key}"] = str(path)
+    return sections, sources
+
+
+def _check_cluster(cluster: dict, sources: dict[str, str]) -> None:
+    from .memory import GPU_MEMORY_GIB
+
+    for key, value in cluster.items():
+        where = sources[f"cluster.{key}"]
+        kind = CLUSTER_KEYS.get(key)
+        if kind is None:
+            raise ConfigError(f"{where}: unknown key 'cluster.{key}' (accepted: {', '.join(CLUSTER_KEYS)})")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{where}: bad value for 'cluster.{key}': {value!r} (a positive integer)")
+        if key == "gpu" and value not in GPU_MEMORY_GIB:
+            raise ConfigError(
+                f"{where}: bad value for 'cluster.gpu': {value!r} (accepted: {', '.join(GPU_MEMORY_GIB)})"
+            )

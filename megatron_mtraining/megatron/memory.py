@@ -1,0 +1,224 @@
+"""Per-GPU memory estimate of a run, from its validated Megatron arguments and attention config.
+
+Printed by ``--dry-run`` and at the start of every real run; ``tests/test_configs.py`` checks
+the parameter count against a real ``GPTModel`` built from the plugin's spec (exact) and that
+every recipe in ``configs/`` fits its GPU.
+
+Sources of the formulas:
+
+* Parameters: the modules of Megatron's GPT layer spec (``megatron.core.models.gpt``): RMSNorm /
+  LayerNorm weights, ``linear_qkv`` of ``(Hq + 2 Hkv) d`` outputs (GQA), ``linear_proj``, SwiGLU's
+  doubled ``fc1``, the MSA index branch (``sparse/msa.py``: ``h -> Hkv d_idx`` and ``h -> d_idx``,
+  no bias), the embedding and the untied output layer. Column/row-parallel linears and the
+  vocabulary are split over TP; norms and the index branch are replicated.
+* Weights, gradients, optimizer: Megatron's mixed precision with Adam keeps bf16/fp16 weights,
+  gradients in the parameter dtype (fp32 with ``accumulate_allreduce_grads_in_fp32``) and
+  12 bytes per parameter of fp32 master weight + two moments; the distributed optimizer
+  shards those 12 bytes over the data-parallel group *with* context parallelism (Megatron's
+  ``intra_distributed_optimizer_instance_group`` is the DP x CP group).
+* Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models" (2022), Sec. 4: ``s b h (34 + 5 a s / h)`` bytes per layer, divided by ``t`` with
+  sequence parallelism. We redo their per-tensor count for this model family: no dropout
+  (the sparse attention has none; their masks vanish), RMSNorm, GQA and SwiGLU with
+  ``ffn_hidden_size f``, and attention kernels that keep only q, k, v, the output and an fp32
+  LSE (flash-style), so their ``5 a s^2 b`` term is absent. Per layer, in 2-byte elements:
+  two norm inputs (2 h), the QKV input (h), q/k/v ``(Hq + 2 Hkv) d``, the projection input
+  (``Hq d``), the MLP input (h), fc1's output (2 f) and SwiGLU's output (f); plus the LSE
+  (4 bytes x Hq). ``s`` is the *local* sequence, ``seq_length / cp``.
+  Full recompute keeps only each layer's input plus one layer's working set; selective
+  recompute (``core_attn``) drops the attention's own saved state (LSE, index).
+* Attention's own memory: sparse attention keeps O(S) state plus its index; the MSA / MoBA
+  top-k index rows span the whole sequence on every rank (docs/ARCHITECTURE.md, "Current
+  limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
+* Logits and loss: the last stage's ``s b V / t`` logits in the compute dtype plus Megatron's
+  fp32 vocab-parallel cross-entropy (softmax kept for its backward): 6 bytes per element.
+
+All figures are estimates of allocated tensors; allocator fragmentation, communication
+buffers and CUDA context are covered by ``OVERHEAD_GIB``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+# CUDA context, NCCL buffers, allocator fragmentation and kernel workspaces on a GPU.
+OVERHEAD_GIB = 3.0
+GPU_MEMORY_GIB = {"A100-40GB": 40 * 1e9 / GIB, "A100-80GB": 80 * 1e9 / GIB, "H100-80GB": 80 * 1e9 / GIB}
+
+
+def padded_vocab_size(args) -> int:
+    """The embedding's rows: ``padded_vocab_size`` when set (a recipe's, or the tokenizer's once
+    Megatron built it), else ``vocab_size`` padded as Megatron pads it."""
+    if args.padded_vocab_size is not None:
+        return args.padded_vocab_size
+    if args.vocab_size is None:
+        raise ValueError(
+            "the memory estimate needs megatron.padded_vocab_size (the checkpoint's embedding rows, e.g. 151936) "
+            "or megatron.vocab_size"
+        )
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return math.ceil(args.vocab_size / multiple) * multiple
+
+
+@dataclass
+class ParameterCount:
+    """Parameter counts of the whole model (``total``) and of the largest rank's shard."""
+
+    embedding: int
+    layer: int
+    final_norm: int
+    output: int
+    num_layers: int
+    per_rank: int = field(default=0)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.num_layers * self.layer + self.final_norm + self.output
+
+
+def count_parameters(args, attention) -> ParameterCount:
+    """Parameters of Megatron's GPT with the plugin's spec for these arguments (exact for the
+    local and TE specs: TE fuses the input norm into ``linear_qkv`` with the same weights)."""
+    h, t = args.hidden_size, args.tensor_model_parallel_size
+    hq, hkv, d = args.num_attention_heads, args.num_query_groups or args.num_attention_heads, args.kv_channels
+    f = args.ffn_hidden_size
+    norm = h if args.normalization == "RMSNorm" else 2 * h
+    linear_bias = args.add_bias_linear
+    qkv_out = (hq + 2 * hkv) * d
+    qkv = h * qkv_out + (qkv_out if (args.add_qkv_bias or linear_bias) else 0)
+    proj = hq * d * h + (h if linear_bias else 0)
+    fc1_out = 2 * f if args.swiglu else f
+    fc1 = h * fc1_out + (fc1_out if linear_bias else 0)
+    fc2 = f * h + (h if linear_bias else 0)
+    qk_norm = (2 * d if args.normalization == "RMSNorm" else 4 * d) if args.qk_layernorm else 0
+    index = h * hkv * attention.msa.index_head_dim + h * attention.msa.index_head_dim if attention.type == "msa" else 0
+    layer = 2 * norm + qkv + proj + fc1 + fc2 + qk_norm + index
+    vocab = padded_vocab_size(args)
+    embedding = vocab * h + (
+        args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
+    )
+    output = vocab * h if args.untie_embeddings_and_output_weights else 0
+    count = ParameterCount(embedding, layer, norm, output, args.num_layers)
+    # Largest shard: the first pipeline stage (embedding) or, with PP 1, the whole stack.
+    layers_per_stage = math.ceil(args.num_layers / args.pipeline_model_parallel_size)
+    replicated_layer = 2 * norm + qk_norm + index + (h if linear_bias else 0) * 2
+    sharded_layer = layer - replicated_layer
+    stage = layers_per_stage * (sharded_layer / t + replicated_layer) + embedding / t
+    if args.pipeline_model_parallel_size == 1:
+        stage += norm + output / t
+    count.per_rank = math.ceil(stage)
+    return count
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU memory in bytes by part; :meth:`report` prints it in GiB."""
+
+    params: ParameterCount
+    parts: dict[str, float]
+    gpu_memory_gib: float | None
+    notes: list[str]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.parts.values()) / GIB + OVERHEAD_GIB
+
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory_gib is None else self.total_gib <= self.gpu_memory_gib
+
+    def report(self) -> str:
+        lines = [
+            f"[mtraining] memory estimate per GPU (parameters: {self.params.total:,} total, "
+            f"{self.params.per_rank:,} on the largest rank)"
+        ]
+        lines += [f"  {name:<34s} {value / GIB:8.2f} GiB" for name, value in self.parts.items()]
+        lines.append(f"  {'overhead (context, NCCL, fragments)':<34s} {OVERHEAD_GIB:8.2f} GiB")
+        total = f"  {'total':<34s} {self.total_gib:8.2f} GiB"
+        if self.gpu_memory_gib is not None:
+            total += f" of {self.gpu_memory_gib:.1f} GiB: {'fits' if self.fits() else 'DOES NOT FIT'}"
+        lines.append(total)
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def layer_activation_bytes(args, local_seq: int) -> float:
+    """Saved activations of one transformer layer for one micro-batch at ``local_seq`` tokens
+    (no recompute; see the module docstring for the per-tensor count)."""
+    h, t, b = args.hidden_size, args.tensor_model_parallel_size, args.micro_batch_size
+    hq, hkv, d = args.num_attention_heads, args.num_query_groups or args.num_attention_heads, args.kv_channels
+    f = args.ffn_hidden_size
+    fc1_out = 2 * f if args.swiglu else f
+    elements = 2 * h + h + (hq + 2 * hkv) * d + hq * d + h + fc1_out + f
+    # With sequence parallelism every saved tensor is split over TP; without it only the
+    # tensor-parallel ones (q/k/v, projection input, fc1/fc2 activations) are.
+    if not args.sequence_parallel:
+        elements = 4 * h + ((hq + 2 * hkv) * d + hq * d + fc1_out + f) / t
+    else:
+        elements /= t
+    return local_seq * b * (2 * elements + 4 * hq / t)
+
+
+def attention_state_bytes(args, attention, local_seq: int) -> float:
+    """The attention's own saved state per layer beyond q/k/v/out/LSE: its index."""
+    b, hq = args.micro_batch_size, args.num_attention_heads
+    hkv = args.num_query_groups or hq
+    seq = args.seq_length
+    if attention.type == "msa":
+        index_proj = local_seq * b * (hkv + 1) * attention.msa.index_head_dim * 2
+        return index_proj + 8 * b * seq * hkv * attention.msa.topk
+    if attention.type == "moba":
+        return 8 * b * seq * hq * attention.moba.topk
+    if attention.type == "mtraining":
+        cfg = attention.mtraining
+        return 8 * b * hq * (cfg.vertical_cap + math.ceil(cfg.slash_cap / cfg.block_size))
+    return 0.0
+
+
+def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> MemoryEstimate:
+    """Per-GPU memory of a training step under ``args`` (validated Megatron arguments)."""
+    params = count_parameters(args, attention)
+    n = params.per_rank
+    cp, t = args.context_parallel_size, args.tensor_model_parallel_size
+    low_precision = args.bf16 or args.fp16
+    weight_bytes = 2 if low_precision else 4
+    grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or not low_precision) else 2
+    # fp32 master copy (mixed precision only) + Adam's two moments.
+    optimizer_bytes = (12 if low_precision else 8) if args.optimizer == "adam" else (8 if low_precision else 4)
+    shards = args.data_parallel_size * cp if args.use_distributed_optimizer else 1
+    local_seq = args.seq_length // cp
+    layers = math.ceil(args.num_layers / args.pipeline_model_parallel_size)
+    layer = layer_activation_bytes(args, local_seq)
+    attn_state = attention_state_bytes(args, attention, local_seq)
+    b, h = args.micro_batch_size, args.hidden_size
+    layer_input = local_seq * b * h * 2 / (t if args.sequence_parallel else 1)
+    notes = []
+    if args.recompute_granularity == "full":
+        recomputed = args.recompute_num_layers if args.recompute_method == "block" else layers
+        kept = layers - min(recomputed, layers)
+        # Checkpointed layers keep their input; one layer's working set is rebuilt at a time.
+        activations = kept * (layer + attn_state) + min(recomputed, layers) * layer_input + layer + attn_state
+        notes.append(f"full recompute ({args.recompute_method}, {recomputed} of {layers} layers)")
+    elif args.recompute_granularity == "selective":
+        lse = local_seq * b * 4 * args.num_attention_heads / t
+        activations = layers * (layer - lse) + attn_state
+        notes.append("selective recompute (core attention)")
+    else:
+        activations = layers * (layer + attn_state)
+    # Pipeline: the first stage holds up to PP micro-batches in flight (1F1B).
+    activations *= min(args.pipeline_model_parallel_size, _microbatches(args))
+    logits = local_seq * b * padded_vocab_size(args) / t * 6
+    parts = {
+        "weights": n * weight_bytes,
+        "gradients": n * grad_bytes,
+        f"optimizer (sharded /{shards})": n * optimizer_bytes / shards,
+        f"activations (local seq {local_seq})": activations,
+        "logits + loss": logits,
+    }
+    notes.append(f"attention index state per layer: {attn_state / GIB:.3f} GiB ({attention.type})")
+    return MemoryEstimate(params, parts, gpu_memory_gib, notes)
+
+
+def _microbatches(args) -> int:
+    return max(1, args.global_batch_size // (args.micro_batch_size * args.data_parallel_size))
