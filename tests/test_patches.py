@@ -10,14 +10,13 @@ import ast
 import importlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import megatron.core.utils as megatron_utils
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import run
 from megatron.core import package_info, parallel_state
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -41,7 +40,6 @@ from megatron_mtraining.patches._guard import fingerprint
 
 ORIGINAL_SPLIT = megatron_utils.get_batch_on_this_cp_rank
 ORIGINAL_ROPE = rope_utils.get_pos_emb_on_this_cp_rank
-FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
 
 @pytest.fixture(autouse=True)
@@ -49,26 +47,6 @@ def _unpatched():
     remove_patches()
     yield
     remove_patches()
-
-
-def _entry(rank, world, init_file, fn, args):
-    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _run(world, fn, *args):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True, start_method="fork"
-        )
-
-
-# --- version guard, fingerprints, import sites (one process) ---------------------------------
 
 
 def test_recorded_fingerprints_match_installed_megatron():
@@ -278,13 +256,12 @@ def _check_packed(kind, layout, group, r, gen):
     assert torch.equal(patched, rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group))
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
 def test_batch_split_rope_and_loss_follow_the_layout(rng):
     """Every layout, cp 2 and 4: each batch key split as ``layout.shard`` (attention_mask on
     dim 2, None and metadata untouched), RoPE rows at ``layout.positions``, rotated q equal to
     the sharded rotated sequence, loss sums over CP unchanged; zigzag equals Megatron's
     functions exactly; packed sequences refused for the other layouts."""
-    _run(4, _check_layouts, int(torch.randint(0, 2**31, (1,), generator=rng)))
+    run(4, _check_layouts, int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 # --- hierarchical ring groups (8 forked gloo processes) ------------------------------------
@@ -346,9 +323,8 @@ def _check_hierarchies(rank, world):
         new_hierarchy(2 if rank == 0 else 4)
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
 def test_hierarchical_groups_have_the_ring_order():
     """cp 8 as 4x2 and 2x4, cp 4 as 2x2 (two CP groups): explicit inner size, ranks per node
     and Megatron's hierarchical_context_parallel_sizes give the ranks ``_rings`` expects;
     bad sizes and orders are errors naming the field."""
-    _run(8, _check_hierarchies)
+    run(8, _check_hierarchies)
