@@ -44,6 +44,7 @@ from megatron_mtraining.context_parallel import (  # noqa: E402
     imbalance_degrees,
     ring_attention,
 )
+from megatron_mtraining.context_parallel.hierarchy import new_hierarchy  # noqa: E402
 from megatron_mtraining.sparse import DenseIndex, sparse_attention  # noqa: E402
 
 
@@ -64,26 +65,6 @@ def timed(fn, iters: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return slowest(sorted(times[1:])[len(times[1:]) // 2])
-
-
-def hierarchy_groups(world: int, inner: int | None):
-    """(inner_group, outer_group) of this rank with ``inner`` consecutive ranks per
-    emulated node, or None (flat). Every rank creates every group, in one order."""
-    if not inner or inner in (1, world):
-        return None
-    rank = dist.get_rank()
-    mine = {}
-    for node in range(world // inner):
-        ranks = list(range(node * inner, (node + 1) * inner))
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine["inner"] = g
-    for local in range(inner):
-        ranks = list(range(local, world, inner))
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mine["outer"] = g
-    return mine["inner"], mine["outer"]
 
 
 def qkv(seq: int, layout: ContextParallelLayout, rank: int, gen: torch.Generator):
@@ -206,7 +187,8 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     if args.inner and world % args.inner:
         raise SystemExit(f"--inner={args.inner} must divide the number of GPUs ({world})")
-    hierarchy = hierarchy_groups(world, args.inner)
+    # Emulated nodes of --inner consecutive GPUs; one inner ring of all GPUs is the flat ring.
+    hierarchy = new_hierarchy(args.inner) if args.inner and args.inner not in (1, world) else None
     gen = torch.Generator().manual_seed(0)
     errors = check(args.check_len, rank, world, hierarchy, gen)
     if rank == 0:

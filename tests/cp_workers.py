@@ -9,6 +9,7 @@ from megatron_mtraining.context_parallel import (
     build_distributed_index,
     ring_attention,
 )
+from megatron_mtraining.context_parallel.hierarchy import new_hierarchy
 from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
@@ -40,17 +41,10 @@ def _global_index(kind, q, k, gen):
     return msa_select_blocks(q_idx, k_idx, cfg, hq), MSAPattern(q_idx, k_idx, cfg)
 
 
-def hierarchy_groups(rank, world, inner_size):
-    """(inner_group, outer_group) of this rank; every rank creates every group, in order."""
-    inner = [dist.new_group(list(range(n, n + inner_size))) for n in range(0, world, inner_size)]
-    outer = [dist.new_group(list(range(g, world, inner_size))) for g in range(inner_size)]
-    return inner[rank // inner_size], outer[rank % inner_size]
-
-
 def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kinds=PATTERNS):
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 2, 4, 2, 8
-    hierarchy = hierarchy_groups(rank, world, inner_size) if inner_size else None
+    hierarchy = new_hierarchy(inner_size) if inner_size else None
     for kind in kinds:
         q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
         g_out = torch.randn(b, seq, hq, d, generator=gen, dtype=torch.float64)
@@ -109,7 +103,7 @@ def check_hierarchy_errors(rank, world):
     layout = ContextParallelLayout("striped", world, 64, stripe=4)
     q = torch.randn(1, 64 // world, 2, 8, dtype=torch.float64)
     kv = q[:, :, :1]
-    inner, outer = hierarchy_groups(rank, world, 2)
+    inner, outer = new_hierarchy(2)
     everyone = dist.new_group(list(range(world)))
     with pytest.raises(ValueError, match=r"hierarchy='inner 4 x outer 2'.*== cp_size \(4\)"):
         ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(everyone, outer))

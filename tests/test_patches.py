@@ -1,6 +1,6 @@
 """The Megatron patches: version guard and fingerprints, install/remove at every import site,
 batch split and RoPE rows per CP rank for every layout (zigzag equal to Megatron's own), and
-the inner/outer groups of the hierarchical ring, on forked gloo processes.
+the inner/outer groups of the hierarchical ring, on spawned gloo processes.
 
 Workers are forked rather than spawned: each spawned process would import megatron.core
 again (seconds each on two cores).

@@ -1,6 +1,7 @@
 """Context-parallel sparse attention over a process group, independent of Megatron."""
 
 from .distributed_index import build_distributed_index
+from .hierarchy import inner_size_from_nodes, new_hierarchy
 from .imbalance import RingStats, imbalance_degrees, simulate_ring_areas
 from .layout import ContextParallelLayout
 from .ring import ring_attention, ring_work
@@ -12,6 +13,8 @@ __all__ = [
     "StepIndex",
     "build_distributed_index",
     "imbalance_degrees",
+    "inner_size_from_nodes",
+    "new_hierarchy",
     "ring_attention",
     "ring_work",
     "simulate_ring_areas",

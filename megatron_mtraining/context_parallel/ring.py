@@ -26,6 +26,7 @@ from ..sparse.reference import (
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
 from .distributed_index import build_distributed_index, build_local_index
+from .hierarchy import hierarchy_ranks
 from .imbalance import KernelTimer, RingStats, timed
 from .layout import ContextParallelLayout
 from .step_index import StepIndex
@@ -206,31 +207,10 @@ def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale, use_ker
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
     """Global ranks of this rank's inner and outer rings. Flat: the inner ring is the
-    whole group. Hierarchical ``(inner_group, outer_group)``: group rank
-    ``node * inner_size + local``; the inner group holds the ranks of one node
-    (consecutive group ranks), the outer group one rank per node (same local)."""
+    whole group; hierarchical: see ``hierarchy_ranks``."""
     if hierarchy is None:
         return members, [members[rank]]
-    if not (isinstance(hierarchy, tuple | list) and len(hierarchy) == 2):
-        fail("hierarchy", hierarchy, "None (flat ring) or a pair (inner_group, outer_group)")
-    inner = dist.get_process_group_ranks(hierarchy[0])
-    outer = dist.get_process_group_ranks(hierarchy[1])
-    if len(inner) * len(outer) != len(members):
-        fail(
-            "hierarchy",
-            f"inner {len(inner)} x outer {len(outer)}",
-            f"inner_size x outer_size == cp_size ({len(members)})",
-        )
-    node, local = divmod(rank, len(inner))
-    want_inner = members[node * len(inner) : (node + 1) * len(inner)]
-    want_outer = members[local :: len(inner)]
-    if inner != want_inner or outer != want_outer:
-        fail(
-            "hierarchy",
-            f"inner ranks {inner}, outer ranks {outer}",
-            f"for cp group rank {rank}: inner {want_inner} (its node), outer {want_outer} (same local rank)",
-        )
-    return inner, outer
+    return hierarchy_ranks(members, rank, hierarchy)
 
 
 def ring_attention(
