@@ -55,8 +55,7 @@ class _Step:
     def backward(self, q, k, v, scale, out, lse, dout, dlse):
         with timed(self.timer, "bwd"):
             if self.layout is None:
-                dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
-                return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
+                return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse.to(lse.dtype))
             from ..sparse.kernels.attention import kernel_backward  # imports Triton
 
             return kernel_backward(q, k, v, self.layout, scale, out.to(q.dtype), lse, dout, dlse)
@@ -268,8 +267,9 @@ def ring_attention(
     use_kernels = backend_choice(q, backend) == "triton"
 
     n_steps = n_outer * n_inner
-    timers = stats.new_timers(rank, n_steps, q.device) if stats is not None else ([None] * n_steps, None, None)
-    step_timers, local_timer, comm_timer = timers
+    step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
+        rank, n_steps, q.device
+    )
 
     def step(o: int, i: int) -> _Step:
         source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
