@@ -14,7 +14,7 @@ Rows:
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
 * index building: vertical-slash statistics + top-p + kernel layout, against the
-  sparse forward;
+  sparse forward, with the statistics and the top-p selection also timed alone;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors;
 * MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through the union-of-tiles
   kernels, with the share of computed tile area that is useful.
@@ -40,7 +40,9 @@ from megatron_mtraining.sparse import (
     build_moba_index,
     build_vertical_slash_index,
     msa_select_blocks,
+    select_vertical_slash,
     sparse_attention,
+    window_statistics,
 )
 from megatron_mtraining.sparse.kernels.layout import kernel_layout
 from megatron_mtraining.synthetic import rope
@@ -258,20 +260,26 @@ def bench_seq(seq, args, gen, rows, extra):
         if "ours_speedup_fwd_bwd" in rows[-1]:
             print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
 
-    # Index building against the sparse forward.
+    # Index building against the sparse forward, and its parts.
     cfg = VerticalSlashConfig(block_size=args.block)
     with torch.no_grad():
         build_ms = timed(lambda: kernel_layout(build_vertical_slash_index(q, k, cfg)), rep)
+        statistics_ms = timed(lambda: window_statistics(q, k, cfg), rep)
+        stats = window_statistics(q, k, cfg)
+        selection_ms = timed(lambda: select_vertical_slash(stats, cfg, seq), rep)
         layout_ms = timed(lambda: kernel_layout(index), rep)
     extra.setdefault("index", []).append(
         {
             "seq": seq,
             "build_index_plus_layout_ms": build_ms,
+            "statistics_only_ms": statistics_ms,
+            "selection_only_ms": selection_ms,
             "layout_only_ms": layout_ms,
             "sparse_fwd_ms": ours_row.get("fwd_ms"),
         }  # fmt: skip
     )
-    print(f"    index build+layout {build_ms:.2f} ms (layout alone {layout_ms:.2f} ms) vs sparse fwd "
+    print(f"    index build+layout {build_ms:.2f} ms (statistics {statistics_ms:.2f}, top-p selection "
+          f"{selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse fwd "
           f"{ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     # Peak memory of one forward + backward, against the tensors themselves.

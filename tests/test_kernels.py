@@ -182,3 +182,109 @@ def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
     q, k, v = make_inputs(rng, 1, 150, 4, 2, 16, torch.float32, kdevice)
     check(q, k, v, make_index("vertical_slash", q, k, block=32), rng)
     check(q, k, v, make_index("dense", q, k, block=32), rng)
+
+
+# Vertical-slash window statistics (megatron_mtraining.sparse.kernels.window_stats).
+
+
+@pytest.fixture
+def stats_kernels(kdevice, monkeypatch):
+    """Statistics on the kernels (``MTRAINING_ATTENTION_BACKEND=triton``), with tiles small
+    enough that tiny inputs span several key tiles, chunks, row tiles and mass blocks."""
+    from megatron_mtraining.sparse.kernels import window_stats
+
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(
+        window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2, block_mass=16)
+    )
+    return kdevice
+
+
+def statistics(q_window, k, positions, seq, cfg, device):
+    """``window_statistics_from_parts`` on ``device``, results on the CPU."""
+    from megatron_mtraining.sparse.vertical_slash import window_statistics_from_parts
+
+    scale = q_window.shape[-1] ** -0.5
+    args = (q_window.to(device), k.to(device), positions.to(device))
+    stats = window_statistics_from_parts(*args, seq, cfg, scale)
+    return stats.vertical.cpu(), stats.slash.cpu()
+
+
+@pytest.mark.parametrize("keys", ["all", "striped-shard"])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 1, 64), (2, 2, 128)], ids=["gqa8-d64", "mha-d128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_window_statistics_kernels_match_fp64_reference(keys, hq, hkv, d, dtype, rng, stats_kernels, monkeypatch):
+    """Column and block-diagonal mass of the kernels against the fp64 reference on the same
+    keys: 100 tokens (not a multiple of any tile), a 24-row window (longer than a key tile),
+    and either all keys or rank 0's stripes of 8 of a 2-way split (keys out of position order
+    in their tiles, blocks half held)."""
+    if dtype == torch.bfloat16 and stats_kernels.type == "cpu":
+        pytest.skip("Triton's interpreter mishandles bf16")
+    seq, w = 100, 24
+    q = (torch.randn(1, seq, hq, d, generator=rng) * 1.5).to(dtype)
+    k = (torch.randn(1, seq, hkv, d, generator=rng) * 1.5).to(dtype)
+    positions = torch.arange(seq)
+    if keys == "striped-shard":
+        positions = torch.cat([positions[s : s + 8] for s in range(0, seq, 16)])
+    cfg = VerticalSlashConfig(last_q=w, block_size=16)
+    got = statistics(q[:, seq - w :], k[:, positions], positions, seq, cfg, stats_kernels)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    want = statistics(q[:, seq - w :], k[:, positions], positions, seq, cfg, "cpu")
+    for name, a, e in zip(("vertical", "slash"), got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
+    """Partial statistics of a striped 2-way key split (stripes of 4: every mass block half
+    held), reduced as the context-parallel builder does, equal those of all keys: no term
+    depends on the split and the sums across tiles and devices are fp64."""
+    from megatron_mtraining.context_parallel import ContextParallelLayout
+    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+
+    seq, w = 96, 20
+    q = torch.randn(1, seq, 4, 32, generator=rng).half().to(stats_kernels)
+    k = torch.randn(1, seq, 2, 32, generator=rng).half().to(stats_kernels)
+    layout = ContextParallelLayout("striped", 2, seq, stripe=4)
+    ranks = [WindowKernels(q[:, -w:], layout.shard(k, r), layout.positions(r, k.device), seq, 0.2) for r in (0, 1)]
+    whole = WindowKernels(q[:, -w:], k, torch.arange(seq, device=k.device), seq, 0.2)
+    row_max = whole.row_max()
+    assert torch.equal(torch.maximum(*(p.row_max() for p in ranks)), row_max)
+    row_sum = whole.row_sum(row_max)
+    torch.testing.assert_close(sum(p.row_sum(row_max) for p in ranks), row_sum, rtol=1e-14, atol=0)
+    split = [p.mass(row_max, row_sum) for p in ranks]
+    for i, full in enumerate(whole.mass(row_max, row_sum)):
+        torch.testing.assert_close((split[0][i] + split[1][i]).float(), full.float(), rtol=0, atol=0)
+
+
+def test_window_statistics_kernels_give_the_reference_index(rng, stats_kernels, monkeypatch):
+    """On a planted pattern (two columns, one diagonal; scores far apart) the kernels'
+    statistics select exactly the reference's index."""
+    from test_vertical_slash import planted_qk
+
+    q, k = planted_qk(300, 70, [5, 180], rng)
+    cfg = VerticalSlashConfig(last_q=40, vertical_topp=0.9, slash_topp=0.9, block_size=16, sink_tokens=2)
+    got = build_vertical_slash_index(q.half().to(stats_kernels), k.half().to(stats_kernels), cfg).to("cpu")
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    want = build_vertical_slash_index(q.half(), k.half(), cfg)
+    assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])
+def test_window_statistics_kernels_on_gpu_shapes(heads, rng, device, monkeypatch):
+    """Default tiles, bf16, head dim 128, a 64-row window over 5000 tokens: close to the
+    fp64 reference and bitwise repeatable."""
+    if device.type != "cuda":
+        pytest.skip("GPU shapes")
+    seq = 5000
+    q = torch.randn(1, seq, heads[0], 128, generator=rng).to(device, torch.bfloat16)
+    k = torch.randn(1, seq, heads[1], 128, generator=rng).to(device, torch.bfloat16)
+    positions = torch.arange(seq)
+    cfg = VerticalSlashConfig(last_q=64, block_size=64)
+    runs = [statistics(q[:, -64:], k, positions, seq, cfg, device) for _ in range(3)]
+    for again in runs[1:]:
+        assert all(torch.equal(a, e) for a, e in zip(runs[0], again, strict=True))
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    want = statistics(q[:, -64:], k, positions, seq, cfg, device)
+    for a, e in zip(runs[0], want, strict=True):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=1e-10)

@@ -120,7 +120,6 @@ def _vertical_slash(config: VerticalSlashConfig, q, k, positions, seq, group, sc
     dist.all_reduce(window, group=group)  # one holder per row, zeros elsewhere: exact
     stats = window_statistics_from_parts(
         window,
-        torch.arange(seq - w, seq, device=q.device),
         k.detach(),
         positions,
         seq,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import backend_choice
 from .index import VerticalSlashIndex, compact
 from .validation import (
     ValidatedConfig,
@@ -72,8 +73,7 @@ def window_statistics(
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     w = min(config.last_q, seq)
-    positions = torch.arange(seq, device=q.device)
-    return window_statistics_from_parts(q[:, seq - w :], positions[seq - w :], k, positions, seq, config, scale)
+    return window_statistics_from_parts(q[:, seq - w :], k, torch.arange(seq, device=q.device), seq, config, scale)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,6 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 def window_statistics_from_parts(
     q_window: torch.Tensor,
-    window_positions: torch.Tensor,
     k: torch.Tensor,
     key_positions: torch.Tensor,
     seq_len: int,
@@ -92,43 +91,73 @@ def window_statistics_from_parts(
     all_reduce_sum=_identity,
     key_chunk: int = 4096,
 ) -> WindowStatistics:
-    """Window statistics from the window queries and *some* of the keys (given with
-    their global positions); ``all_reduce_*`` combine partial results across the
-    holders of the other keys (identity on one device).
+    """Window statistics from the window queries (the sequence's last ``w`` positions)
+    and *some* of the keys (given with their global positions); ``all_reduce_*``
+    combine partial results across the holders of the other keys (identity on one device).
 
-    Everything is fp64 from the logits on (products of fp32 values are exact in
-    fp64) and rounded to fp32 once at the end, so the result does not depend on how
-    the keys are split or summed: a context-parallel build equals this one.
+    The row maxima, row normalisers and column / diagonal mass come from the Triton
+    kernels where ``backend_choice`` picks them (CUDA inputs), else from the fp64
+    reference below; both round to fp32 once, at the end, so the result does not
+    depend on how the keys are split or summed: a context-parallel build equals this one.
     """
-    bsz, w, hq, d = q_window.shape
-    hkv = k.shape[2]
-    qw = q_window.double().unflatten(2, (hkv, hq // hkv))
-    n_keys = k.shape[1]
+    w = q_window.shape[1]
+    if backend_choice(q_window) == "triton":
+        from .kernels.window_stats import WindowKernels  # imports Triton
 
-    def logits(c0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = key_positions[c0 : c0 + key_chunk]
-        chunk = torch.einsum("bwkgd,bskd->bkgws", qw, k[:, c0 : c0 + key_chunk].double()).flatten(1, 2) * scale
-        return chunk.masked_fill(pos.view(1, -1) > window_positions.view(-1, 1), float("-inf")), pos
-
-    starts = range(0, n_keys, key_chunk)
-    row_max = torch.full((bsz, hq, w), float("-inf"), dtype=torch.float64, device=k.device)
-    for c0 in starts:
-        row_max = torch.maximum(row_max, logits(c0)[0].amax(-1))
-    row_max = all_reduce_max(row_max)  # every window row sees key 0, so it is finite
-    row_sum = torch.zeros_like(row_max)
-    for c0 in starts:
-        row_sum += torch.exp(logits(c0)[0] - row_max.unsqueeze(-1)).sum(-1)
-    row_sum = all_reduce_sum(row_sum)
-    vertical = torch.zeros(bsz, hq, seq_len, dtype=torch.float64, device=k.device)
-    token_slash = torch.zeros_like(vertical)
-    for c0 in starts:
-        chunk, pos = logits(c0)
-        probs = torch.exp(chunk - row_max.unsqueeze(-1)) / row_sum.unsqueeze(-1)
-        vertical[..., pos] = probs.sum(2)
-        offset = window_positions.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
-        token_slash.index_add_(2, offset.clamp(min=0).flatten(), (probs * (offset >= 0)).flatten(2))
+        parts = WindowKernels(q_window, k, key_positions, seq_len, scale)
+    else:
+        parts = _ReferenceParts(q_window, k, key_positions, seq_len, scale, key_chunk)
+    row_max = all_reduce_max(parts.row_max())  # every window row sees key 0, so it is finite
+    row_sum = all_reduce_sum(parts.row_sum(row_max))
+    vertical, token_slash = parts.mass(row_max, row_sum)
     vertical, token_slash = all_reduce_sum(vertical), all_reduce_sum(token_slash)
     return WindowStatistics((vertical / w).float(), _pool_diagonals(token_slash / w, config.block_size).float())
+
+
+class _ReferenceParts:
+    """The window softmax in fp64 torch over key chunks: the maths of record.
+
+    Everything is fp64 from the logits on (products of fp32 values are exact in
+    fp64), so partial results add up the same however the keys are split.
+    """
+
+    def __init__(self, q_window, k, key_positions, seq_len: int, scale: float, key_chunk: int):
+        self.qw = q_window.double().unflatten(2, (k.shape[2], q_window.shape[2] // k.shape[2]))
+        self.window_positions = torch.arange(seq_len - q_window.shape[1], seq_len, device=k.device)
+        self.k, self.key_positions, self.seq_len = k, key_positions, seq_len
+        self.scale, self.key_chunk = scale, key_chunk
+        self.starts = range(0, k.shape[1], key_chunk)
+
+    def logits(self, c0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = self.key_positions[c0 : c0 + self.key_chunk]
+        keys = self.k[:, c0 : c0 + self.key_chunk].double()
+        chunk = torch.einsum("bwkgd,bskd->bkgws", self.qw, keys).flatten(1, 2) * self.scale
+        return chunk.masked_fill(pos.view(1, -1) > self.window_positions.view(-1, 1), float("-inf")), pos
+
+    def row_max(self) -> torch.Tensor:
+        bsz, w, hkv, g, _ = self.qw.shape
+        row_max = torch.full((bsz, hkv * g, w), float("-inf"), dtype=torch.float64, device=self.k.device)
+        for c0 in self.starts:
+            row_max = torch.maximum(row_max, self.logits(c0)[0].amax(-1))
+        return row_max
+
+    def row_sum(self, row_max: torch.Tensor) -> torch.Tensor:
+        row_sum = torch.zeros_like(row_max)
+        for c0 in self.starts:
+            row_sum += torch.exp(self.logits(c0)[0] - row_max.unsqueeze(-1)).sum(-1)
+        return row_sum
+
+    def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vertical, token-diagonal) window mass ``[B, Hq, seq_len]``, summed over the rows."""
+        vertical = torch.zeros(*row_max.shape[:2], self.seq_len, dtype=torch.float64, device=self.k.device)
+        token_slash = torch.zeros_like(vertical)
+        for c0 in self.starts:
+            chunk, pos = self.logits(c0)
+            probs = torch.exp(chunk - row_max.unsqueeze(-1)) / row_sum.unsqueeze(-1)
+            vertical[..., pos] = probs.sum(2)
+            offset = self.window_positions.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
+            token_slash.index_add_(2, offset.clamp(min=0).flatten(), (probs * (offset >= 0)).flatten(2))
+        return vertical, token_slash
 
 
 def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -147,28 +176,34 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
     return pooled
 
 
-def _top_p(scores: torch.Tensor, p: float, cap: int) -> torch.Tensor:
-    """Boolean ``[..., n]``: the fewest top entries whose mass reaches ``p`` of the
-    total (at most ``cap``, never a zero-mass entry)."""
-    ordered, order = scores.double().sort(dim=-1, descending=True)
-    total = ordered.sum(-1, keepdim=True)
-    before = ordered.cumsum(-1) - ordered  # mass of the strictly better entries
-    take = (before < p * total) & (ordered > 0)
-    take &= torch.arange(scores.shape[-1], device=scores.device) < cap
-    return torch.zeros_like(take).scatter(-1, order, take)
+def _top_p(scores: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fewest top entries of ``scores [..., n]`` whose mass reaches ``p`` of the
+    total (at most ``cap``, never a zero-mass entry): the indices of the best
+    ``min(cap, n)`` entries, best first, and which of them are taken (a prefix)."""
+    # Sorting the fp32 scores gives the order of their fp64 copies (the conversion is
+    # exact and monotonic, so every comparison agrees) at half the key width; sums are fp64.
+    ordered, order = scores.sort(dim=-1, descending=True)
+    total = ordered.double().sum(-1, keepdim=True)
+    top = ordered[..., :cap].double()
+    before = top.cumsum(-1) - top  # mass of the strictly better entries
+    return order[..., :cap], (before < p * total) & (top > 0)
+
+
+def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Tensor:
+    """Ascending indices (-1 padded) of the top-p entries and of the first ``forced``
+    ones; only the ``cap`` candidates are compacted, not all ``n`` entries."""
+    order, take = _top_p(scores, p, cap)
+    first = torch.arange(min(forced, scores.shape[-1]), device=scores.device).expand(*order.shape[:-1], -1)
+    values = torch.cat([first, order], -1).int()
+    keep = torch.cat([torch.ones_like(first, dtype=torch.bool), take & (order >= forced)], -1)
+    return compact(values, keep)[0]
 
 
 def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, seq_len: int) -> VerticalSlashIndex:
-    vertical = _top_p(stats.vertical, config.vertical_topp, config.vertical_cap)
-    vertical[..., : config.sink_tokens] = True
-    slash = _top_p(stats.slash, config.slash_topp, config.slash_block_cap)
-    if config.local_window:
-        slash[..., : (config.local_window - 1) // config.block_size + 2] = True
-    columns = torch.arange(seq_len, device=vertical.device, dtype=torch.int32).expand_as(vertical)
-    diagonals = torch.arange(slash.shape[-1], device=slash.device, dtype=torch.int32).expand_as(slash)
+    local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 0
     return VerticalSlashIndex(
-        vertical=compact(columns, vertical)[0],
-        slash=compact(diagonals, slash)[0],
+        vertical=_selected(stats.vertical, config.vertical_topp, config.vertical_cap, config.sink_tokens),
+        slash=_selected(stats.slash, config.slash_topp, config.slash_block_cap, local_diagonals),
         seq_len=seq_len,
         block_size=config.block_size,
     )
