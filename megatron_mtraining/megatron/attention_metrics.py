@@ -7,9 +7,10 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
 * ``attended_fraction``: attended (query, key) pairs over the causal pairs of the whole
   sequence, averaged over batch and heads (1.0 for dense attention). Each CP rank records
   its queries' share; the tracker sums the shares over the CP group.
-* ``index_recall`` (CP 1): the share of the dense attention mass of the last 64 queries that
-  the index attends (``sparse.attention_recall``), averaged over batch and heads. Under CP the
-  rows' dense attention would need every rank's keys; it is not recorded there.
+* ``index_recall``: the share of the dense attention mass of the last 64 queries that the
+  index attends (``sparse.attention_recall``; under CP ``distributed_attention_recall``,
+  which reduces the rows' softmax over the ranks' keys), averaged over batch and heads. The
+  same on every CP rank, so each rank records ``1 / cp_size`` of it.
 * ``worker_imbalance`` / ``step_imbalance`` (CP > 1): the MTraining paper's imbalance
   degrees of the ring's attended area (``context_parallel.imbalance_degrees``), the same on
   every CP rank, so each rank records ``1 / cp_size`` of it.
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
-from ..context_parallel.distributed_index import build_local_index
+from ..context_parallel.distributed_index import build_distributed_index, build_local_index
+from ..context_parallel.recall import distributed_attention_recall
 from ..sparse import SparseIndex, attention_recall
 from .core_attention import SparseCoreAttention
 from .msa_loss import get_attention_metrics_tracker
@@ -63,6 +65,9 @@ class MeasuredCoreAttention(SparseCoreAttention):
             recall = attention_recall(q, k, index, min(RECALL_ROWS, seq), self.softmax_scale)
             self._record(RECALL_METRIC, weight * float(recall.mean()), None)
             return super()._attend(q, k, v, index, layout)
+        if not isinstance(pattern, SparseIndex):
+            # Built here rather than inside the ring so that the recall scores the index the ring runs.
+            pattern = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
         stats = RingStats()
         out, _ = ring_attention(
             q,
@@ -82,6 +87,10 @@ class MeasuredCoreAttention(SparseCoreAttention):
         worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
         self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
         self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
+        recall = distributed_attention_recall(
+            q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
+        )
+        self._record(RECALL_METRIC, weight * float(recall.mean()) / layout.cp_size, self.cp_group)
         return out
 
     def _record(self, name: str, value: float, group) -> None:

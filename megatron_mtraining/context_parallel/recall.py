@@ -1,0 +1,76 @@
+"""Index recall under context parallelism: ``attention_recall`` of the whole sequence,
+computed from the ranks' shards.
+
+The window (the last ``num_rows`` queries) reaches every rank by one sum of a small
+buffer, each rank scores it against the keys it holds, and the softmax statistics and
+the attended mass are reduced: no rank gathers the keys. A top-k index built under CP
+holds only its rank's rows (``distributed_index``), so the window's rows come from
+their holders the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..sparse.index import BlockTopKIndex, SparseIndex
+from ..sparse.metrics import check_recall_rows, recall_from_parts
+from ..sparse.validation import check_qk, check_softmax_scale
+from .layout import ContextParallelLayout
+
+
+def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
+    """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
+    tokens at global ``positions``) on every rank. Each row has one holder and zeros
+    elsewhere, so the sum is exact."""
+    mine = positions >= first
+    window = torch.zeros(x.shape[0], seq - first, *x.shape[2:], dtype=x.dtype, device=x.device)
+    window[:, positions[mine] - first] = x[:, mine].detach()
+    dist.all_reduce(window, group=group)
+    return window
+
+
+def _all_reduce(op, group):
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=op, group=group)
+        return t
+
+    return reduce
+
+
+@torch.no_grad()
+def distributed_attention_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    layout: ContextParallelLayout,
+    group=None,
+    num_rows: int = 64,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """``attention_recall`` of the whole sequence from this rank's q/k shards (the same
+    ``[B, Hq]`` on every rank). ``index``: the global index ``ring_attention`` runs (for
+    top-k indices built under CP, each rank's own rows suffice)."""
+    check_qk(q, k)
+    seq = layout.seq_len
+    check_recall_rows(num_rows, seq)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    first = seq - num_rows
+    positions = layout.positions(dist.get_rank(group), q.device)
+    if isinstance(index, BlockTopKIndex):
+        # Rows other ranks hold are -1 here (or equal, for an index every rank has): the
+        # maximum takes each row from a holder.
+        window_blocks = index.blocks[:, first:].clone()
+        dist.all_reduce(window_blocks, op=dist.ReduceOp.MAX, group=group)
+        index = dataclasses.replace(index, blocks=torch.cat([index.blocks[:, :first], window_blocks], dim=1))
+    return recall_from_parts(
+        gather_window(q, positions, first, seq, group),
+        k,
+        positions,
+        index,
+        scale,
+        all_reduce_max=_all_reduce(dist.ReduceOp.MAX, group),
+        all_reduce_sum=_all_reduce(dist.ReduceOp.SUM, group),
+    )
