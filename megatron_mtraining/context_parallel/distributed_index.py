@@ -57,7 +57,18 @@ def _unknown(pattern):
     )
 
 
-def _all_reduce(op, group):
+def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
+    """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
+    tokens at global ``positions``) on every rank, detached. Each row has one holder and
+    zeros elsewhere, so the sum is exact."""
+    mine = positions >= first
+    window = torch.zeros(x.shape[0], seq - first, *x.shape[2:], dtype=x.dtype, device=x.device)
+    window[:, positions[mine] - first] = x[:, mine].detach()
+    dist.all_reduce(window, group=group)
+    return window
+
+
+def all_reduce_fn(op, group):
     def reduce(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, op=op, group=group)
@@ -79,7 +90,7 @@ def build_distributed_index(
     if isinstance(pattern, MoBAConfig):
         blocks = torch.full((bsz, seq, hq, pattern.topk), -1, dtype=torch.int32, device=q.device)
         blocks[:, positions] = moba_select_from_parts(
-            q, positions, k, positions, seq, pattern, _all_reduce(dist.ReduceOp.SUM, group)
+            q, positions, k, positions, seq, pattern, all_reduce_fn(dist.ReduceOp.SUM, group)
         )
         return BlockTopKIndex(blocks=blocks, block_size=pattern.chunk_size, num_heads=hq)
     if isinstance(pattern, MSAPattern):
@@ -112,20 +123,14 @@ def _msa(pattern: MSAPattern, num_heads: int, positions, seq, group) -> BlockTop
 
 
 def _vertical_slash(config: VerticalSlashConfig, q, k, positions, seq, group, scale) -> VerticalSlashIndex:
-    bsz, _, hq, d = q.shape
-    w = min(config.last_q, seq)
-    mine = positions >= seq - w
-    window = torch.zeros(bsz, w, hq, d, dtype=q.dtype, device=q.device)
-    window[:, positions[mine] - (seq - w)] = q[:, mine].detach()
-    dist.all_reduce(window, group=group)  # one holder per row, zeros elsewhere: exact
     stats = window_statistics_from_parts(
-        window,
+        gather_window(q, positions, seq - min(config.last_q, seq), seq, group),
         k.detach(),
         positions,
         seq,
         config,
         scale,
-        all_reduce_max=_all_reduce(dist.ReduceOp.MAX, group),
-        all_reduce_sum=_all_reduce(dist.ReduceOp.SUM, group),
+        all_reduce_max=all_reduce_fn(dist.ReduceOp.MAX, group),
+        all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
     )
     return select_vertical_slash(stats, config, seq)

@@ -18,26 +18,8 @@ import torch.distributed as dist
 from ..sparse.index import BlockTopKIndex, SparseIndex
 from ..sparse.metrics import check_recall_rows, recall_from_parts
 from ..sparse.validation import check_qk, check_softmax_scale
+from .distributed_index import all_reduce_fn, gather_window
 from .layout import ContextParallelLayout
-
-
-def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
-    """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
-    tokens at global ``positions``) on every rank. Each row has one holder and zeros
-    elsewhere, so the sum is exact."""
-    mine = positions >= first
-    window = torch.zeros(x.shape[0], seq - first, *x.shape[2:], dtype=x.dtype, device=x.device)
-    window[:, positions[mine] - first] = x[:, mine].detach()
-    dist.all_reduce(window, group=group)
-    return window
-
-
-def _all_reduce(op, group):
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, op=op, group=group)
-        return t
-
-    return reduce
 
 
 @torch.no_grad()
@@ -71,6 +53,6 @@ def distributed_attention_recall(
         positions,
         index,
         scale,
-        all_reduce_max=_all_reduce(dist.ReduceOp.MAX, group),
-        all_reduce_sum=_all_reduce(dist.ReduceOp.SUM, group),
+        all_reduce_max=all_reduce_fn(dist.ReduceOp.MAX, group),
+        all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
     )
