@@ -17,6 +17,7 @@ provider, and the plugin's per-interval metrics.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import time
 from functools import partial
@@ -377,6 +378,10 @@ def _megatron_defaults(cpu: bool) -> dict:
     defaults = (
         {} if HAVE_TE else {"transformer_impl": "local", "no_persist_layer_norm": True, "apply_rope_fusion": False}
     )
+    # Megatron defaults to fusing the weight-gradient accumulation into the GEMM, which the local
+    # spec's linears take from Apex's CUDA extension; without it they refuse to build.
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        defaults["gradient_accumulation_fusion"] = False
     if cpu:
         defaults.update(CPU_MEGATRON_ARGUMENTS)
     return defaults
