@@ -16,12 +16,14 @@ backward (median over iterations, slowest rank) of:
 * the vertical-slash ring on the zigzag layout (flat), for comparison;
 
 and reports per-GPU useful TFLOP/s at the slowest rank's time (attended area only,
-backward 2.5x forward), the exposed communication (forward: time the compute stream
-stood waiting for ring transfers, slowest rank; backward: wall minus kernel time, an
-upper bound), and worker / step imbalance degrees of
-the attended area and of the measured kernel times. The vertical-slash rows are
-compared with the single-GPU kernel on the same index (``single_*``; per-GPU work
-is 1/N of it, throughput is comparable), the "85% of single-GPU" figure.
+backward 2.5x forward), the host-device synchronisations of one forward and one
+backward (most over ranks, as ``torch.cuda.set_sync_debug_mode`` reports them), the
+exposed communication (forward: time the compute stream stood waiting for ring
+transfers, slowest rank; backward: wall minus kernel time, an upper bound), and
+worker / step imbalance degrees of the attended area and of the measured kernel times.
+The vertical-slash rows are compared with the single-GPU kernel on the same index
+(``single_*``; per-GPU work is 1/N of it, throughput is comparable), the "85% of
+single-GPU" figure.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -65,6 +68,20 @@ def timed(fn, iters: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return slowest(sorted(times[1:])[len(times[1:]) // 2])
+
+
+def synchronisations(fn) -> int:
+    """Host-device synchronisations PyTorch reports while ``fn`` runs on this rank (``item``,
+    ``nonzero``, device-to-host copies, ...), most over ranks: each one stalls the host
+    until the GPU's queue drains, exposing the host work queued behind it."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return int(slowest(sum("synchroniz" in str(w.message) for w in caught)))
 
 
 def qkv(seq: int, layout: ContextParallelLayout, rank: int, gen: torch.Generator):
@@ -104,8 +121,9 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     ring = lambda stats=None: ring_attention(q, k, v, index, layout, None, hierarchy=hierarchy, stats=stats)  # noqa: E731
     out, _ = ring()
     grad = torch.randn_like(out)
-    fwd = timed(ring, args.iters)
-    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), args.iters)
+    backward = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
+    fwd, bwd = timed(ring, args.iters), timed(backward, args.iters)
+    syncs = synchronisations(ring), synchronisations(backward)
     # One instrumented call: attended areas, kernel times and transfer waits per rank and step.
     stats = RingStats(time_kernels=True)
     out_t, _ = ring(stats)
@@ -118,6 +136,7 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
         "ring": "flat" if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
         "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd,
         "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
+        "fwd_syncs": syncs[0], "bwd_syncs": syncs[1],
     }  # fmt: skip
     r["worker_id"], r["step_id"] = imbalance_degrees(ring_area)
     if args.profile and layout_kind == "striped" and kind != "dense":
@@ -159,7 +178,8 @@ def report(r: dict) -> None:
         f"exposed comm {r['fwd_exposed_comm_ms']:6.2f})  bwd {r['bwd_ms']:8.2f} ms {r['bwd_tflops_per_gpu']:6.1f} "
         f"(kernels {r['bwd_kernel_ms_max']:7.2f}, non-kernel {r['bwd_exposed_comm_ms']:6.2f})  area ID worker "
         f"{r['worker_id']:.3f} step {r['step_id']:.3f}; kernel-time ID fwd {r['fwd_kernel_worker_id']:.3f}/"
-        f"{r['fwd_kernel_step_id']:.3f} bwd {r['bwd_kernel_worker_id']:.3f}/{r['bwd_kernel_step_id']:.3f}"
+        f"{r['fwd_kernel_step_id']:.3f} bwd {r['bwd_kernel_worker_id']:.3f}/{r['bwd_kernel_step_id']:.3f}; "
+        f"syncs fwd {r['fwd_syncs']} bwd {r['bwd_syncs']}"
         + (
             f"; single GPU fwd {r['single_fwd_tflops']:.1f} bwd {r['single_bwd_tflops']:.1f} TF/s -> ring/single "
             f"{r['ring_over_single_fwd']:.2f} / {r['ring_over_single_bwd']:.2f}"

@@ -2,6 +2,8 @@
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
@@ -121,8 +123,9 @@ def check_ring_with_kernels(rank, world, seed, seq):
     """The ring on the Triton kernels (CUDA, or the interpreter on CPU) in fp32 against
     single-device fp64 attention: every step's kernel layout, the local bar pass and the
     gradients that travel back."""
-    from megatron_mtraining.context_parallel import StepIndex, ring_work
-    from megatron_mtraining.context_parallel.step_layout import step_kernel_layout
+    from megatron_mtraining.context_parallel import ring_work
+    from megatron_mtraining.context_parallel.layout import TokenPositions
+    from megatron_mtraining.context_parallel.step_layout import StepLayouts
     from megatron_mtraining.sparse import VerticalSlashIndex
     from megatron_mtraining.sparse.index import VerticalSlashPart
 
@@ -139,14 +142,16 @@ def check_ring_with_kernels(rank, world, seed, seq):
         for layout_kind in ("striped", "zigzag"):
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
             where = f"kernels cp={world} rank={rank} {kind} {layout_kind}"
-            # Every step (and the vertical-column pass) has a kernel layout: no silent fallback.
-            mine = layout.positions(rank)
+            # Every step has a kernel layout (no silent fallback) whose tables hold every list.
+            mine = layout.token_positions(rank, "cpu")
             for src in range(world):
-                assert step_kernel_layout(StepIndex(ring_work(index), mine, layout.positions(src))) is not None, where
+                step = StepLayouts(ring_work(index), mine).of(layout.token_positions(src, "cpu"))
+                assert step is not None, where
+                assert step.tile_count.max() <= step.tiles.shape[-1], where
+                assert step.tile_t_count.max() <= step.tiles_t.shape[-1], where
             if isinstance(index, VerticalSlashIndex):
-                columns = torch.unique(index.vertical[index.vertical >= 0]).long()
-                bars = StepIndex(VerticalSlashPart(index, "bars"), mine, columns)
-                assert step_kernel_layout(bars) is not None, where
+                columns = TokenPositions(torch.unique(index.vertical[index.vertical >= 0]), "cpu")
+                assert StepLayouts(VerticalSlashPart(index, "bars"), mine).of(columns) is not None, where
             lq, lk, lv = (layout.shard(t, rank).float().to(device).requires_grad_() for t in (q, k, v))
             l_out, l_lse = ring_attention(lq, lk, lv, index.to(device), layout, None, backend="triton")
             torch.testing.assert_close(l_out.double().cpu(), layout.shard(out, rank), atol=2e-5, rtol=0)
@@ -157,3 +162,56 @@ def check_ring_with_kernels(rank, world, seed, seq):
                     got.double().cpu(), layout.shard(full, rank), atol=1e-4, rtol=0,
                     msg=lambda m, n=name, where=where: f"{where} d{n}: {m}",
                 )  # fmt: skip
+
+
+class HostReads(TorchFunctionMode):
+    """Counts, while active, the operations that read tensor data on the host: on a CUDA
+    tensor each one waits for the device's queue to drain (``.item()``, ``int`` / ``bool``,
+    boolean indexing and ``nonzero``, ``unique``, ``.tolist()`` / ``.cpu()`` / ``.numpy()``).
+    On CPU every tensor counts, host-made ones included, so this bounds a GPU's count."""
+
+    ATEN = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2"}
+    COPIES = {"tolist", "cpu", "numpy"}  # seen here, not as aten ops, when the tensor is on the CPU
+
+    def __enter__(self):
+        self.count = 0
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self.profiler.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.profiler.__exit__(*exc)
+        self.count += sum(e.name in self.ATEN for e in self.profiler.events())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.COPIES
+        return func(*args, **(kwargs or {}))
+
+
+def check_host_reads(rank, world, seq_lens):
+    """Host reads per ring_attention forward and backward on the kernels (striped), after a
+    first call has cached the layout's position facts: none for a vertical-slash or dense
+    index, the index build's own for a vertical-slash config, one (the table widths,
+    ``StepLayouts``) for a top-k index; the same at every length and ring size."""
+    gen = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seq in seq_lens:
+        layout = ContextParallelLayout("striped", world, seq, stripe=32)  # whole blocks of every pattern
+        for kind in PATTERNS:
+            q, k, v = (torch.randn(1, seq, h, 16, generator=gen) for h in (2, 1, 1))
+            index, pattern = _global_index(kind, q.double(), k.double(), gen)
+            lq, lk, lv = (layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
+            expected = [(index.to(device), int(kind in ("moba", "msa")))]
+            if kind == "vertical_slash":
+                with HostReads() as build:
+                    build_distributed_index(pattern, lq, lk, layout, None, lq.shape[-1] ** -0.5)
+                expected.append((pattern, build.count))
+            for pat, reads in expected:
+                where = f"cp={world} rank={rank} seq={seq} {kind} {type(pat).__name__}"
+                ring_attention(lq, lk, lv, pat, layout, None, backend="triton")
+                with HostReads() as fwd:
+                    out, _ = ring_attention(lq, lk, lv, pat, layout, None, backend="triton")
+                with HostReads() as bwd:
+                    torch.autograd.grad(out.sum(), (lq, lk, lv))
+                assert (fwd.count, bwd.count) == (reads, 0), (where, fwd.count, bwd.count)

@@ -4,7 +4,12 @@ import os
 
 import pytest
 import torch
-from cp_workers import check_hierarchy_errors, check_ring_equals_single_device, check_ring_with_kernels
+from cp_workers import (
+    check_hierarchy_errors,
+    check_host_reads,
+    check_ring_equals_single_device,
+    check_ring_with_kernels,
+)
 from gloo import run
 
 from megatron_mtraining.context_parallel import (
@@ -20,6 +25,11 @@ from megatron_mtraining.sparse import (
     sparse_attention,
 )
 from megatron_mtraining.synthetic import slash_heavy_index
+
+needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -37,13 +47,20 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
     run(world, check_ring_equals_single_device, seed, 256, inner, ("dense", "vertical_slash", "msa"))
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
+@needs_kernels
 def test_ring_on_kernels(rng):
     """Ring steps and the local vertical-column pass on the Triton kernels (positions)."""
     run(2, check_ring_with_kernels, int(torch.randint(0, 2**31, (1,), generator=rng)), 128)
+
+
+@needs_kernels
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_on_kernels_reads_nothing_on_host(world):
+    """Step layouts and the column gather read nothing from the device (each read would
+    stall the host until the GPU's queue drains, exposing the layout building): per
+    forward and backward at two lengths, nothing for vertical-slash and dense, one read
+    for a top-k index's table widths."""
+    run(world, check_host_reads, (128, 256))
 
 
 def test_hierarchy_and_group_errors():

@@ -10,10 +10,16 @@ the global positions.
   dense causal attention, not for vertical-slash (its work sits on the diagonal).
 * ``striped``: stripes of ``stripe`` tokens; rank r holds stripes ``r, r+W, ...``.
   Slash lines spread evenly over ranks and ring steps (MTraining).
+
+``token_positions(rank, device)`` holds a rank's positions on the host and the device
+with what is derived from them (``TokenPositions``), once per layout, rank and device:
+every layer and iteration of a run reuses it.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +72,11 @@ class ContextParallelLayout:
             pos = (stripes.view(-1, 1) * self.stripe + torch.arange(self.stripe)).flatten()
         return pos.to(device) if device is not None else pos
 
+    def token_positions(self, rank: int, device) -> TokenPositions:
+        """``positions(rank)`` as ``TokenPositions`` on ``device``: the same object for equal
+        layouts, rank and device, so the tables derived from it are built once."""
+        return _token_positions(self, rank, torch.device(device))
+
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full-sequence tensor ``x`` (sequence along ``dim``)."""
         if x.shape[dim] != self.seq_len:
@@ -80,3 +91,54 @@ class ContextParallelLayout:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(self.seq_len)
         return torch.cat(parts, dim).index_select(dim, inverse.to(parts[0].device))
+
+
+class TokenPositions:
+    """Global token positions held on the host and on one device, and facts derived from
+    the positions alone (``derived``), each computed on first use and kept.
+
+    The host copy serves bookkeeping that must not read the device; positions made on
+    the device (the gathered vertical columns) are copied to the host only if such a
+    fact is asked for. Entries of -1 are padding.
+    """
+
+    def __init__(self, positions: torch.Tensor, device):
+        self._given = positions
+        self.values = positions.to(device=device, dtype=torch.int64)
+        self._derived: dict = {}
+
+    @functools.cached_property
+    def host(self) -> torch.Tensor:
+        return self._given.cpu().long()
+
+    @functools.cached_property
+    def int32(self) -> torch.Tensor:
+        """On the device, as the kernels read them."""
+        return self.values.int()
+
+    def derived(self, key, make: Callable[[TokenPositions], object]):
+        """``make(self)``, computed once per ``key``."""
+        if key not in self._derived:
+            self._derived[key] = make(self)
+        return self._derived[key]
+
+    def index_of(self, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Index among these positions of each global position in ``positions`` (-1 where
+        it is absent or padding), by a ``[seq_len + 1]`` table built once."""
+        table = self.derived(("index table", seq_len), lambda p: _index_table(p.values, seq_len))
+        return table[torch.where(positions >= 0, positions, seq_len).long()]
+
+
+def _index_table(values: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # Padding entries write to the spare last slot, which is then reset: looking up -1 reads it.
+    table = torch.full((seq_len + 1,), -1, dtype=torch.int64, device=values.device)
+    table[torch.where(values >= 0, values, seq_len)] = torch.arange(len(values), device=values.device)
+    table[seq_len] = -1
+    return table
+
+
+# A run uses one layout (cp_size entries per rank: its own and every ring chunk's); the
+# bound only limits what sweeps over many layouts (tests, benchmarks) keep alive.
+@functools.lru_cache(maxsize=1024)
+def _token_positions(layout: ContextParallelLayout, rank: int, device: torch.device) -> TokenPositions:
+    return TokenPositions(layout.positions(rank), device)

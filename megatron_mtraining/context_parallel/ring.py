@@ -11,12 +11,15 @@ their gathered K/V rather than on the ring, which keeps the ring's work balanced
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..sparse.attention import backend_choice, sparse_attention
-from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart
+from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
+from ..sparse.kernels.layout import KernelLayout
 from ..sparse.reference import (
     backward_partial,
     combine,
@@ -28,21 +31,28 @@ from .comm import RingExchange
 from .distributed_index import build_distributed_index, build_local_index
 from .hierarchy import hierarchy_ranks
 from .imbalance import KernelTimer, RingStats, timed
-from .layout import ContextParallelLayout
+from .layout import ContextParallelLayout, TokenPositions
 from .step_index import StepIndex
-from .step_layout import step_kernel_layout
+from .step_layout import StepLayouts
 
 
 class _Step:
     """One piece of a rank's attention work (a ring step, or the local vertical-column
-    pass): its index view and, where the kernels serve it, its kernel layout (built
-    once, used by the forward and the backward); with a ``timer`` its computations are
-    timed (``RingStats``)."""
+    pass): its index view and, where the kernels serve it (``layouts`` given), its kernel
+    layout (built once, used by the forward and the backward); with a ``timer`` its
+    computations are timed (``RingStats``)."""
 
-    def __init__(self, index: StepIndex, use_kernels: bool, timer: KernelTimer | None = None):
-        self.index = index
-        self.layout = step_kernel_layout(index) if use_kernels else None
-        self.timer = timer
+    def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None = None):
+        self.index, self.layouts, self.timer = index, layouts, timer
+
+    @functools.cached_property
+    def layout(self) -> KernelLayout | None:
+        # Built when the forward reaches the step: building it reads nothing from the device,
+        # so the host does it while the previous step's kernel runs.
+        if self.layouts is None:
+            return None
+        with record_function("mtraining.ring.step_layout"):
+            return self.layouts.of(self.index.keys)
 
     def forward(self, q, k, v, scale):
         with timed(self.timer, "fwd"):
@@ -155,23 +165,21 @@ class _RingAttention(torch.autograd.Function):
 
 
 class _GatherColumns(torch.autograd.Function):
-    """K/V at global token positions ``columns`` on every rank: each owner fills in its
-    tokens and one sum assembles them (exact: one owner per column). The gradient
-    is summed over ranks and returned to the owners."""
+    """K/V at global token positions ``columns`` on every rank (zeros at -1 padding): each
+    owner fills in its tokens and one sum assembles them (exact: one owner per column).
+    The gradient is summed over ranks and returned to the owners."""
 
     @staticmethod
-    def forward(ctx, k, v, columns, local_positions, seq_len, group):
-        local_of = torch.full((seq_len,), -1, dtype=torch.long, device=k.device)
-        local_of[local_positions] = torch.arange(len(local_positions), device=k.device)
-        mine = local_of[columns] >= 0
-        ctx.mine, ctx.local, ctx.group = mine, local_of[columns[mine]], group
+    def forward(ctx, k, v, columns, queries: TokenPositions, seq_len, group):
+        # Masks rather than boolean indexing: the sizes come from shapes, not from the device.
+        local = queries.index_of(columns, seq_len)  # -1: another rank's column, or padding
+        mine = (local >= 0).view(1, -1, 1, 1)
+        ctx.local, ctx.group, ctx.shapes = local, group, (k.shape, v.shape)
         gathered = []
         for x in (k, v):
-            buf = x.new_zeros(x.shape[0], len(columns), *x.shape[2:])
-            buf[:, mine] = x[:, ctx.local]
+            buf = torch.where(mine, x.index_select(1, local.clamp(min=0)), 0)
             dist.all_reduce(buf, group=group)
             gathered.append(buf)
-        ctx.shapes = (k.shape, v.shape)
         return tuple(gathered)
 
     @staticmethod
@@ -180,9 +188,10 @@ class _GatherColumns(torch.autograd.Function):
         for g, shape in zip((dk_cols, dv_cols), ctx.shapes, strict=True):
             g = g.contiguous().clone()
             dist.all_reduce(g, group=ctx.group)
-            local = g.new_zeros(shape)
-            local[:, ctx.local] = g[:, ctx.mine]
-            grads.append(local)
+            # The other ranks' columns (and padding) land in a spare last row, dropped.
+            local = g.new_zeros(shape[0], shape[1] + 1, *shape[2:])
+            local[:, torch.where(ctx.local >= 0, ctx.local, shape[1])] = g
+            grads.append(local[:, : shape[1]])
         return grads[0], grads[1], None, None, None, None
 
 
@@ -193,14 +202,26 @@ def ring_work(index: SparseIndex) -> SparseIndex:
     return VerticalSlashPart(index, "tiles") if isinstance(index, VerticalSlashIndex) else index
 
 
-def _local_bars(q, k, v, index: VerticalSlashIndex, q_pos, group, scale, use_kernels: bool, timer):
+def _vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
+    """Every head's vertical columns, ascending, each once, -1 padded to a width that
+    shapes fix (one per list entry, at most the sequence), so that sizing the gather
+    reads nothing from the device. Where heads share columns the union is narrower
+    than that, by up to the head count; the padding gathers zero rows no bar reads."""
+    ordered = index.vertical.flatten().sort().values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return compact(ordered, first & (ordered >= 0), min(len(ordered), index.seq_len))[0]
+
+
+def _local_bars(q, k, v, index: VerticalSlashIndex, queries: TokenPositions, group, scale, use_kernels: bool, timer):
     """(step, (out, lse)) of this rank's queries over the vertical columns, or None when
     the index has none."""
-    columns = torch.unique(index.vertical[index.vertical >= 0]).long()
-    if not len(columns):
+    if not index.vertical.shape[-1]:
         return None
-    k_cols, v_cols = _GatherColumns.apply(k, v, columns, q_pos, index.seq_len, group)
-    step = _Step(StepIndex(VerticalSlashPart(index, "bars"), q_pos, columns), use_kernels, timer)
+    columns = _vertical_columns(index)
+    k_cols, v_cols = _GatherColumns.apply(k, v, columns, queries, index.seq_len, group)
+    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, columns)
+    step = _Step(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer)
     return step, _LocalPass.apply(q, k_cols, v_cols, step, scale)
 
 
@@ -258,13 +279,13 @@ def ring_attention(
     index = (
         pattern if isinstance(pattern, SparseIndex) else build_distributed_index(pattern, q, k, layout, cp_group, scale)
     )
-    host_q_pos = layout.positions(rank)
-    q_pos = host_q_pos.to(q.device)
+    queries = layout.token_positions(rank, q.device)
     # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
     # chunk of node (node - o), local (local - i).
     node, local_rank = divmod(rank, n_inner)
     work = ring_work(index)
     use_kernels = backend_choice(q, backend) == "triton"
+    layouts = StepLayouts(work, queries) if use_kernels else None
 
     n_steps = n_outer * n_inner
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
@@ -273,18 +294,19 @@ def ring_attention(
 
     def step(o: int, i: int) -> _Step:
         source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
-        return _Step(StepIndex(work, host_q_pos, layout.positions(source)), use_kernels, step_timers[o * n_inner + i])
+        keys = layout.token_positions(source, q.device)
+        return _Step(StepIndex(work, queries, keys), layouts, step_timers[o * n_inner + i])
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
-    # The local column pass goes first: its gathers synchronise with the device, which
-    # costs nothing while the queue is empty, and its kernel then runs while the host
-    # builds the ring steps' layouts.
+    # Nothing here reads the device (bar a top-k index's table widths, once), so the host
+    # runs ahead of the GPU: the local column pass goes first, and the host builds the
+    # first ring step's layout while its kernel runs, each next one during the kernel
+    # before.
     local = None
     if isinstance(index, VerticalSlashIndex):
         with record_function("mtraining.ring.local_columns"):
-            local = _local_bars(q, k, v, index, q_pos, cp_group, scale, use_kernels, local_timer)
-    with record_function("mtraining.ring.step_layouts"):
-        steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
+            local = _local_bars(q, k, v, index, queries, cp_group, scale, use_kernels, local_timer)
+    steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
     with record_function("mtraining.ring.steps"):
         out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale, comm_timer)
     if local is not None:

@@ -16,30 +16,29 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sparse.index import SparseIndex, compact
+from .layout import TokenPositions
 
 
 @dataclass
 class StepIndex(SparseIndex):
+    """Positions are tensors, or ``TokenPositions`` (the ring passes its cached ones, whose
+    host-side facts are then computed once per run rather than once per step); either
+    way the fields hold the device tensors after construction, and ``queries`` / ``keys``
+    the ``TokenPositions``."""
+
     index: SparseIndex
     query_positions: torch.Tensor  # [Lq] int64 global positions of the local query rows
-    key_positions: torch.Tensor  # [Lk] int64 global positions of the chunk's keys
+    key_positions: torch.Tensor  # [Lk] int64 global positions of the chunk's keys (-1: padding)
+    queries: TokenPositions = field(init=False, repr=False)
+    keys: TokenPositions = field(init=False, repr=False)
     _segments: dict | None = field(init=False, repr=False, default=None)  # local row range -> global row range
-    _local_key: torch.Tensor = field(init=False, repr=False)
-    _may_attend: bool = field(init=False, repr=False)
-    host_query_positions: torch.Tensor = field(init=False, repr=False)
-    host_key_positions: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        # Bookkeeping on host copies (no device syncs); the kernels and the reference engine
-        # read device copies. Positions are usually made on the host (layout.positions).
-        self.host_query_positions = qpos = self.query_positions.cpu()
-        self.host_key_positions = self.key_positions.cpu()
-        self._may_attend = bool(self.host_key_positions.min() <= qpos.max())
-        self.query_positions = self.query_positions.to(self.index.device, non_blocking=True)
-        self.key_positions = self.key_positions.to(self.index.device, non_blocking=True)
-        dev = self.key_positions.device
-        self._local_key = torch.full((self.index.seq_len + 1,), -1, dtype=torch.int64, device=dev)
-        self._local_key[self.key_positions] = torch.arange(len(self.key_positions), device=dev)
+        self.queries, self.keys = (
+            p if isinstance(p, TokenPositions) else TokenPositions(p, self.index.device)
+            for p in (self.query_positions, self.key_positions)
+        )
+        self.query_positions, self.key_positions = self.queries.values, self.keys.values
 
     @property
     def batch_size(self) -> int:
@@ -66,7 +65,7 @@ class StepIndex(SparseIndex):
         query chunks -> their global row range. Built on first use: only the reference
         path walks rows this way, and a striped rank has thousands of runs."""
         if self._segments is None:
-            qpos = self.host_query_positions
+            qpos = self.queries.host
             chunk = qpos // self.index.query_chunk
             breaks = torch.nonzero((qpos[1:] != qpos[:-1] + 1) | (chunk[1:] != chunk[:-1])).flatten() + 1
             bounds = [0, *breaks.tolist(), len(qpos)]
@@ -81,14 +80,18 @@ class StepIndex(SparseIndex):
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         g0, g1 = self.segments()[q_start, q_end]
-        global_keys = self.index.key_lists(g0, g1)
-        local = torch.where(global_keys >= 0, self.local_key(global_keys), -1)
+        local = self.local_key(self.index.key_lists(g0, g1))
         return compact(local, local >= 0)[0].long()
 
     def local_key(self, positions: torch.Tensor) -> torch.Tensor:
         """Index in this chunk of each global key position (-1 where it is not here)."""
-        return self._local_key[positions.clamp(min=0).long()]
+        return self.keys.index_of(positions, self.index.seq_len)
 
     def may_attend(self) -> bool:
         """False when every key of the chunk lies after every query (causally nothing to do)."""
-        return self._may_attend
+        return _span(self.keys)[0] <= _span(self.queries)[1]
+
+
+def _span(positions: TokenPositions) -> tuple[int, int]:
+    """(lowest, highest) position, read from the host copy once."""
+    return positions.derived("span", lambda p: (int(p.host.min()), int(p.host.max())))

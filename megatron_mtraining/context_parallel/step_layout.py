@@ -2,92 +2,134 @@
 
 Local query block ``i`` and chunk key block ``j`` are global blocks ``gq[i]`` and
 ``gk[j]`` when the layout's stripes (or zigzag chunks) are whole blocks, which
-``step_kernel_layout`` checks; tiles are then decided per global block pair and
+``StepLayouts`` checks; tiles are then decided per global block pair and
 causality inside a tile is left to the kernels, which compare global positions.
 The local vertical-column pass gets the bars of each local query block over the
 gathered columns.
+
+Building a layout reads nothing from the device, so the host can build step
+``s + 1``'s while step ``s``'s kernel runs: block alignment and global block ids are
+facts of the positions, computed once per layout, rank and device
+(``TokenPositions``), and table widths follow from shapes, except a top-k index's,
+read once per layer call (``StepLayouts``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..sparse.index import BlockTopKIndex, DenseIndex, VerticalSlashPart, compact
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashPart, compact
 from ..sparse.kernels.layout import KernelLayout, layout_from_membership, selection_union, slash_tiles, vertical_counts
-from .step_index import StepIndex
+from .layout import TokenPositions
 
 
-def _block_aligned(positions: torch.Tensor, block: int) -> bool:
-    """Runs of ``block`` consecutive positions, each starting at a multiple of ``block``."""
-    if len(positions) % block:
-        return False
-    runs = positions.view(-1, block)
-    return bool(
-        (runs[:, 0] % block == 0).all() and (runs == runs[:, :1] + torch.arange(block, device=runs.device)).all()
+def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None:
+    """Global block ids (on the device) of the runs of ``block`` positions, or None unless
+    the positions are such runs, each starting at a multiple of ``block``."""
+
+    def make(p: TokenPositions) -> torch.Tensor | None:
+        if len(p.host) % block:
+            return None
+        runs = p.host.view(-1, block)
+        aligned = (runs[:, 0] % block == 0).all() and (runs == runs[:, :1] + torch.arange(block)).all()
+        return p.values[::block] // block if aligned else None
+
+    return positions.derived(("global blocks", block), make)
+
+
+def _tiles_per_index_block(positions: TokenPositions, block: int, ratio: int) -> int:
+    """The most ``block``-token blocks of ``positions`` inside one index block of ``ratio``
+    of them."""
+    return positions.derived(
+        ("tiles per index block", block, ratio),
+        lambda p: int(torch.bincount(p.host[::block] // (block * ratio)).max()),
     )
 
 
-def _global_blocks(positions: torch.Tensor, block: int) -> torch.Tensor:
-    return positions[::block] // block
+class StepLayouts:
+    """The kernel layouts of one rank's steps under one index (one layer call), for the
+    rank's rows at ``queries``. What depends on those rows alone (a top-k index's
+    selections and its table widths) is built once and shared by the steps."""
 
+    def __init__(self, work: SparseIndex, queries: TokenPositions):
+        self.work, self.queries = work, queries
 
-def step_kernel_layout(step: StepIndex) -> KernelLayout | None:
-    """The kernel layout of one ring step, or None when the kernels cannot serve it (the
-    tokens are not whole blocks, or the index type has no kernel form)."""
-    work, qpos, kpos = step.index, step.query_positions, step.key_positions
-    host_q, host_k = step.host_query_positions, step.host_key_positions
-    if isinstance(work, VerticalSlashPart):
-        block = work.index.block_size
-        if work.part == "bars":
-            return _bars_layout(step, work, block) if _block_aligned(host_q, block) else None
-    elif isinstance(work, BlockTopKIndex):
-        block = min(work.block_size, 128)
-    elif isinstance(work, DenseIndex):
-        block = next((b for b in (128, 64, 32, 16) if _block_aligned(host_q, b) and _block_aligned(host_k, b)), None)
-    else:
-        return None
-    if block is None or not (_block_aligned(host_q, block) and _block_aligned(host_k, block)):
-        return None
-    gq, gk = _global_blocks(qpos, block), _global_blocks(kpos, block)
-    fields = {"query_positions": qpos.int(), "key_positions": kpos.int()}
-    if isinstance(work, VerticalSlashPart):
-        return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
-    diag = gq.view(-1, 1) - gk.view(1, -1)
-    if isinstance(work, DenseIndex):
-        member = (diag >= 0).view(1, 1, *diag.shape)
-    else:
+    def of(self, keys: TokenPositions) -> KernelLayout | None:
+        """The layout of the step over the chunk at ``keys``, or None when the kernels
+        cannot serve it (the tokens are not whole blocks, or the index type has no kernel
+        form)."""
+        work, queries = self.work, self.queries
+        if isinstance(work, VerticalSlashPart):
+            if work.part == "bars":
+                return self._bars(keys) if _global_blocks(queries, work.index.block_size) is not None else None
+            candidates = (work.index.block_size,)
+        elif isinstance(work, BlockTopKIndex):
+            candidates = (min(work.block_size, 128),)
+        elif isinstance(work, DenseIndex):
+            candidates = (128, 64, 32, 16)
+        else:
+            return None
+        aligned = ((b, _global_blocks(queries, b), _global_blocks(keys, b)) for b in candidates)
+        block, gq, gk = next(((b, q, k) for b, q, k in aligned if q is not None and k is not None), (None,) * 3)
+        if block is None:
+            return None
+        fields = {"query_positions": queries.int32, "key_positions": keys.int32}
+        if isinstance(work, VerticalSlashPart):
+            return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
+        causal = gq.view(-1, 1) >= gk.view(1, -1)
+        if isinstance(work, DenseIndex):
+            # One table for every head, and the latest query block reads about every key
+            # block: full widths are what trimming would give.
+            return layout_from_membership(causal.view(1, 1, *causal.shape), block, (len(gk), len(gq)), **fields)
+        rowsel, chosen, most_chosen, most_readers = self._selections
         ratio = work.block_size // block
-        rowsel = work.blocks[:, qpos].permute(0, 2, 1, 3).contiguous()  # this rank's rows, global block ids
-        chosen = selection_union(rowsel, block, -(-work.seq_len // work.block_size))
-        member = chosen[..., gk // ratio] & (diag >= 0)
-        fields.update(rowsel=rowsel, rowsel_ratio=ratio)
-    return layout_from_membership(member, block, **fields)
+        member = chosen[..., gk // ratio] & causal
+        # A query block's tiles lie in the index blocks it chose; a tile's readers chose its block.
+        widths = (min(len(gk), most_chosen * _tiles_per_index_block(keys, block, ratio)), min(len(gq), most_readers))
+        return layout_from_membership(member, block, widths, rowsel=rowsel, rowsel_ratio=ratio, **fields)
 
+    @functools.cached_property
+    def _selections(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """A top-k index over this rank's rows: (the rows' selections ``[B, Hs, Lq, k]`` in
+        global block ids, the index blocks each query block chose, the most index blocks one
+        query block chose, the most query blocks that chose one index block).
 
-def _bars_layout(step: StepIndex, work: VerticalSlashPart, block: int) -> KernelLayout:
-    """No tiles; each local query block reads a prefix of its head's vertical columns, as
-    indices into the gathered keys (see ``KernelLayout.bar_count``)."""
-    index, dev = work.index, step.device
-    n_qb = len(step.query_positions) // block
-    n_kb = -(-len(step.key_positions) // block)
-    # The gathered keys are the vertical columns in position order, so each head's list
-    # maps to ascending local indices and a prefix by position is a prefix of the list.
-    local_vertical = torch.where(index.vertical >= 0, step.local_key(index.vertical), -1)
-    vertical, _ = compact(local_vertical.int(), local_vertical >= 0)
-    last_rows = step.query_positions.view(n_qb, block).amax(-1)
-    bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block
-    none = torch.full((1, 1, n_qb, 1), -1, dtype=torch.int32, device=dev)
-    none_t = torch.full((1, 1, n_kb, 1), -1, dtype=torch.int32, device=dev)
-    return KernelLayout(
-        block=block,
-        tiles=none,
-        tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
-        tiles_t=none_t,
-        tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
-        vertical=vertical,
-        bar_count=vertical_counts(index.vertical, last_rows, right=True),
-        vertical_ptr=vertical_counts(vertical, bounds),
-        active=index.active_diagonals().to(torch.int8),
-        query_positions=step.query_positions.int(),
-        key_positions=step.key_positions.int(),
-    )
+        The two maxima are the layer call's one read from the device: they bound every
+        step's table widths, and the tables are kept for the backward, so padding them to
+        the block counts would hold tens of times the data a top-k selection has."""
+        work = self.work
+        rowsel = work.blocks[:, self.queries.values].permute(0, 2, 1, 3).contiguous()
+        chosen = selection_union(rowsel, min(work.block_size, 128), -(-work.seq_len // work.block_size))
+        most_chosen, most_readers = torch.stack([chosen.sum(-1).amax(), chosen.sum(-2).amax()]).tolist()
+        return rowsel, chosen, most_chosen, most_readers
+
+    def _bars(self, keys: TokenPositions) -> KernelLayout:
+        """No tiles; each local query block reads a prefix of its head's vertical columns,
+        as indices into the gathered keys at ``keys`` (see ``KernelLayout.bar_count``)."""
+        index = self.work.index
+        block, dev = index.block_size, keys.values.device
+        n_qb = len(self.queries.values) // block
+        n_kb = -(-len(keys.values) // block)
+        # The gathered keys are the vertical columns in position order, so each head's list
+        # maps to ascending local indices and a prefix by position is a prefix of the list.
+        local = keys.index_of(index.vertical, index.seq_len)
+        vertical, _ = compact(local.int(), local >= 0, index.vertical.shape[-1])
+        last_rows = self.queries.values.view(n_qb, block).amax(-1)
+        bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block
+        none = torch.full((1, 1, n_qb, 1), -1, dtype=torch.int32, device=dev)
+        none_t = torch.full((1, 1, n_kb, 1), -1, dtype=torch.int32, device=dev)
+        return KernelLayout(
+            block=block,
+            tiles=none,
+            tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
+            tiles_t=none_t,
+            tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
+            vertical=vertical,
+            bar_count=vertical_counts(index.vertical, last_rows, right=True),
+            vertical_ptr=vertical_counts(vertical, bounds),
+            active=index.active_diagonals().to(torch.int8),
+            query_positions=self.queries.int32,
+            key_positions=keys.int32,
+        )

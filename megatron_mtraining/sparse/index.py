@@ -172,12 +172,15 @@ def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk
     return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad else chosen
 
 
-def compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact(values: torch.Tensor, keep: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Moves the kept entries of ``values`` (ascending where ``values`` is) to the front
-    of the last dimension, pads with -1, and trims to the longest row.
+    of the last dimension, pads with -1, and trims to ``width`` entries: a bound on the
+    kept entries per row, at most ``values.shape[-1]``; by default the longest row, which
+    reads the counts on the host (a device synchronisation).
     Returns ``(compacted int32, count int32)``."""
     count = keep.sum(-1)
-    width = int(count.max()) if count.numel() else 0
+    if width is None:
+        width = int(count.max()) if count.numel() else 0
     ordered = torch.where(keep, values, _INT32_MAX).sort(dim=-1).values[..., :width]
     ordered = torch.where(ordered == _INT32_MAX, -1, ordered)
     return ordered.to(torch.int32), count.to(torch.int32)

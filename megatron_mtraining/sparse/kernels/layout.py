@@ -2,7 +2,10 @@
 per KV block, and the vertical-column ("bar") tables of the backward.
 
 Everything here is a few vectorised torch ops on index-sized tensors, done once
-per attention call and shared by the forward and backward kernels.
+per attention call and shared by the forward and backward kernels. Table widths
+given by the caller (``widths``), or fixed by shapes (``slash_tiles``), keep the
+construction from reading the device; without them a table is trimmed to its
+longest row (``compact``).
 """
 
 from __future__ import annotations
@@ -53,17 +56,20 @@ class KernelLayout:
         return self.vertical is not None and self.vertical.shape[-1] > 0
 
 
-def transpose_tiles(tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query block KV-block lists -> per KV block query-block lists (ascending)."""
-    lb, lh, nq, width = tiles.shape
-    valid = torch.arange(width, device=tiles.device) < count.unsqueeze(-1)
+def transpose_tiles(
+    tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block KV-block lists -> per KV block query-block lists (ascending),
+    ``width`` wide (see ``compact``)."""
+    lb, lh, nq, listed = tiles.shape
+    valid = torch.arange(listed, device=tiles.device) < count.unsqueeze(-1)
     # A dense [.., n_kv, n_q] membership table keeps this simple; it is n_blocks^2 bits per head.
     member = torch.zeros(lb, lh, n_kv_blocks + 1, nq, dtype=torch.bool, device=tiles.device)
     kv = torch.where(valid, tiles.long(), n_kv_blocks)
     member.scatter_(2, kv.transpose(2, 3), valid.transpose(2, 3))
     member = member[:, :, :n_kv_blocks]
     q_idx = torch.arange(nq, device=tiles.device, dtype=torch.int32).expand_as(member)
-    return compact(q_idx, member)
+    return compact(q_idx, member, width)
 
 
 def dense_layout(index: DenseIndex, block: int) -> KernelLayout:
@@ -78,6 +84,8 @@ def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Ten
     ``g`` reads key block ``g - d``, and key block ``g`` is read by query block ``g + d``,
     where present. Returns (tiles, count, tiles_t, count_t) in local block indices,
     ascending. Lookups cost ``n_q x n_diagonals`` per head, not ``n_q x n_k``."""
+    # A block meets each diagonal at most once, so a list holds at most min(diagonals,
+    # blocks on the other side) entries: the widths follow from shapes, not from the data.
     diagonals = slash.unsqueeze(2).long()
 
     def lists(blocks: torch.Tensor, sign: int, targets: torch.Tensor):
@@ -86,7 +94,7 @@ def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Ten
         wanted = blocks.long().view(1, 1, -1, 1) + sign * diagonals
         ok = (diagonals >= 0) & (wanted >= 0) & (wanted < n_blocks)
         local = local_of[torch.where(ok, wanted, n_blocks)]
-        return compact(local, local >= 0)
+        return compact(local, local >= 0, min(slash.shape[-1], len(targets)))
 
     return (*lists(q_blocks, -1, k_blocks), *lists(k_blocks, 1, q_blocks))
 
@@ -124,11 +132,15 @@ def selection_union(rowsel: torch.Tensor, block: int, n_index_blocks: int) -> to
     return chosen[..., :n_index_blocks]
 
 
-def layout_from_membership(member: torch.Tensor, block: int, **fields) -> KernelLayout:
-    """A layout from ``member [LB, LH, n_q, n_k]`` (query block i reads KV block j)."""
+def layout_from_membership(
+    member: torch.Tensor, block: int, widths: tuple[int, int] | None = None, **fields
+) -> KernelLayout:
+    """A layout from ``member [LB, LH, n_q, n_k]`` (query block i reads KV block j);
+    ``widths``: bounds on the tiles per query block and per KV block (see ``compact``)."""
     kb = torch.arange(member.shape[-1], device=member.device, dtype=torch.int32)
-    tiles, count = compact(kb.expand_as(member), member)
-    return KernelLayout(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1]), **fields)
+    width, width_t = widths if widths is not None else (None, None)
+    tiles, count = compact(kb.expand_as(member), member, width)
+    return KernelLayout(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1], width_t), **fields)
 
 
 def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
