@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sparse.index import position_lookup
 from ..sparse.validation import check_choice, check_int, fail
 
 KINDS = ("contiguous", "zigzag", "striped")
@@ -125,16 +126,8 @@ class TokenPositions:
     def index_of(self, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Index among these positions of each global position in ``positions`` (-1 where
         it is absent or padding), by a ``[seq_len + 1]`` table built once."""
-        table = self.derived(("index table", seq_len), lambda p: _index_table(p.values, seq_len))
+        table = self.derived(("index table", seq_len), lambda p: position_lookup(p.values, seq_len))
         return table[torch.where(positions >= 0, positions, seq_len).long()]
-
-
-def _index_table(values: torch.Tensor, seq_len: int) -> torch.Tensor:
-    # Padding entries write to the spare last slot, which is then reset: looking up -1 reads it.
-    table = torch.full((seq_len + 1,), -1, dtype=torch.int64, device=values.device)
-    table[torch.where(values >= 0, values, seq_len)] = torch.arange(len(values), device=values.device)
-    table[seq_len] = -1
-    return table
 
 
 # A run uses one layout (cp_size entries per rank: its own and every ring chunk's); the

@@ -186,6 +186,16 @@ def compact(values: torch.Tensor, keep: torch.Tensor, width: int | None = None) 
     return ordered.to(torch.int32), count.to(torch.int32)
 
 
+def position_lookup(positions: torch.Tensor, seq_len: int, missing: int = -1) -> torch.Tensor:
+    """Table ``[seq_len + 1]`` int64: the index in ``positions`` of each global position,
+    ``missing`` where it is not there. ``positions`` may hold -1 padding, and looking up
+    -1 as ``seq_len`` (the spare last slot) gives ``missing``."""
+    table = torch.full((seq_len + 1,), missing, dtype=torch.int64, device=positions.device)
+    table[torch.where(positions >= 0, positions, seq_len)] = torch.arange(len(positions), device=positions.device)
+    table[seq_len] = missing
+    return table
+
+
 @dataclass
 class DenseIndex(SparseIndex):
     """Full causal attention, expressed as an index so one code path serves all."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .index import SparseIndex
+from .index import SparseIndex, position_lookup
 from .validation import check_int, check_qk, check_softmax_scale, fail
 
 
@@ -61,8 +61,7 @@ def recall_from_parts(
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
 
     # Global key position -> its column here (n_keys where it is elsewhere or padding).
-    column = torch.full((seq + 1,), n_keys, dtype=torch.long, device=k.device)
-    column[key_positions] = torch.arange(n_keys, device=k.device)
+    column = position_lookup(key_positions, seq, missing=n_keys)
     attended = torch.zeros(bsz, hq, rows, n_keys + 1, dtype=torch.bool, device=k.device)
     chunk = index.query_chunk
     for q0 in range(first // chunk * chunk, seq, chunk):
