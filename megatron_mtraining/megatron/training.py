@@ -419,6 +419,7 @@ def run(config_path, overrides=()) -> None:
     print_rank_0(memory_report(args, run_config))
     check_checkpoint_attention(args)
     container = pretrain_cfg_container_from_args(args)
+    _record_memory_history(container)
     pretrain(
         container,
         train_valid_test_datasets_provider,
@@ -426,6 +427,16 @@ def run(config_path, overrides=()) -> None:
         forward_step,
         model_provider=model_provider,
     )
+
+
+def _record_memory_history(container) -> None:
+    """Honours ``record_memory_history``: Megatron starts the allocator trace only when it
+    builds the model from a config container's model section, which this argument-driven
+    path does not have, so its snapshots would hold no history (scripts/memory_snapshot_report.py)."""
+    if container.profiling is not None and container.profiling.record_memory_history and torch.cuda.is_available():
+        from megatron.training.utils import start_memory_history_recording
+
+        start_memory_history_recording(container.profiling)
 
 
 def _use_prebuilt_dataset_helpers() -> None:
