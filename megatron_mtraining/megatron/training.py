@@ -380,6 +380,9 @@ def _megatron_defaults(cpu: bool) -> dict:
     )
     # Megatron defaults to fusing the weight-gradient accumulation into the GEMM, which the local
     # spec's linears take from Apex's CUDA extension; without it they refuse to build.
+    # The plugin's attention is causal by its index and never reads a mask; Megatron's default
+    # dataset would build a dense [S, S] one per sample (1 GiB at 32K, 256 GiB at 512K).
+    defaults["create_attention_mask_in_dataloader"] = False
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
         defaults["gradient_accumulation_fusion"] = False
     if cpu:
@@ -432,11 +435,15 @@ def run(config_path, overrides=()) -> None:
 def _record_memory_history(container) -> None:
     """Honours ``record_memory_history``: Megatron starts the allocator trace only when it
     builds the model from a config container's model section, which this argument-driven
-    path does not have, so its snapshots would hold no history (scripts/memory_snapshot_report.py)."""
-    if container.profiling is not None and container.profiling.record_memory_history and torch.cuda.is_available():
-        from megatron.training.utils import start_memory_history_recording
-
-        start_memory_history_recording(container.profiling)
+    path does not have, so its snapshots would hold no history. Megatron's 100k events cover
+    less than two steps of a 12-layer model; 1M keep the whole step for
+    ``scripts/memory_snapshot_report.py`` (host memory only)."""
+    profiling = container.profiling
+    if profiling is None or not profiling.record_memory_history or not torch.cuda.is_available():
+        return
+    if profiling.profile_ranks and torch.distributed.get_rank() not in profiling.profile_ranks:
+        return
+    torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=1_000_000, trace_alloc_record_context=True)
 
 
 def _use_prebuilt_dataset_helpers() -> None:
