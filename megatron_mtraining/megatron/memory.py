@@ -13,8 +13,10 @@ Sources of the formulas:
   vocabulary are split over TP; norms and the index branch are replicated.
 * Weights, gradients, optimizer: Megatron's mixed precision with Adam keeps bf16/fp16 weights,
   gradients in the parameter dtype (fp32 with ``accumulate_allreduce_grads_in_fp32``) and
-  12 bytes per parameter of fp32 master weight + two moments; the distributed optimizer
-  shards those 12 bytes over the data-parallel group *with* context parallelism (Megatron's
+  12 bytes per parameter of fp32 master weight + two moments, plus an fp32 copy of the
+  gradients (4 bytes) when they are 16-bit (Megatron's distributed-optimizer table: 16 / d
+  for 16-bit gradients, 12 / d for fp32 ones). The distributed optimizer shards those bytes
+  over the data-parallel group *with* context parallelism (Megatron's
   ``intra_distributed_optimizer_instance_group`` is the DP x CP group).
 * Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
   Models" (2022), Sec. 4: ``s b h (34 + 5 a s / h)`` bytes per layer, divided by ``t`` with
@@ -30,11 +32,17 @@ Sources of the formulas:
 * Attention's own memory: sparse attention keeps O(S) state plus its index; the MSA / MoBA
   top-k index rows span the whole sequence on every rank (docs/ARCHITECTURE.md, "Current
   limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
-* Logits and loss: the last stage's ``s b V / t`` logits in the compute dtype plus Megatron's
-  fp32 vocab-parallel cross-entropy (softmax kept for its backward): 6 bytes per element.
+* Logits and loss: logits in the compute dtype (2 bytes per element) plus the two fp32 buffers
+  of Megatron's vocab-parallel cross-entropy, the logits less their maximum and their
+  exponentials (the softmax kept for the backward): 10 bytes per element, all live at once
+  at the loss. The training step computes the loss in chunks of rows (``chunked_loss``), so
+  one chunk's ``rows x b x V / t`` logits are alive, not the last stage's ``s b V / t``.
 
-All figures are estimates of allocated tensors; allocator fragmentation, communication
-buffers and CUDA context are covered by ``OVERHEAD_GIB``.
+Checked against a memory snapshot (``scripts/memory_snapshot_report.py``) of a 12-layer
+Qwen2.5-3B-shaped run at 32K tokens on one GPU (docs/benchmarks.md): weights, gradients and
+optimizer exact; activations + logits 5% above the measured transient, because the estimate
+adds the recomputed layer's working set to the loss's peak, which come at different times.
+All figures are allocated tensors; ``OVERHEAD_GIB`` covers the rest.
 """
 
 from __future__ import annotations
@@ -42,9 +50,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .chunked_loss import logits_elements
+
 GIB = 1024**3
-# CUDA context, NCCL buffers, allocator fragmentation and kernel workspaces on a GPU.
-OVERHEAD_GIB = 3.0
+# Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
+# turns on: 12.6 GiB without) plus the CUDA context, NCCL buffers and kernel workspaces.
+OVERHEAD_GIB = 4.0
 GPU_MEMORY_GIB = {"A100-40GB": 40 * 1e9 / GIB, "A100-80GB": 80 * 1e9 / GIB, "H100-80GB": 80 * 1e9 / GIB}
 
 
@@ -184,8 +195,9 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
     low_precision = args.bf16 or args.fp16
     weight_bytes = 2 if low_precision else 4
     grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or not low_precision) else 2
-    # fp32 master copy (mixed precision only) + Adam's two moments.
-    optimizer_bytes = (12 if low_precision else 8) if args.optimizer == "adam" else (8 if low_precision else 4)
+    # fp32 master copy and fp32 gradient copy (mixed precision only) + Adam's two moments.
+    master_bytes = (4 + (4 if grad_bytes == 2 else 0)) if low_precision else 0
+    optimizer_bytes = master_bytes + (8 if args.optimizer == "adam" else 4)
     shards = args.data_parallel_size * cp if args.use_distributed_optimizer else 1
     local_seq = args.seq_length // cp
     layers = math.ceil(args.num_layers / args.pipeline_model_parallel_size)
@@ -208,7 +220,8 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
         activations = layers * (layer + attn_state)
     # Pipeline: the first stage holds up to PP micro-batches in flight (1F1B).
     activations *= min(args.pipeline_model_parallel_size, _microbatches(args))
-    logits = local_seq * b * padded_vocab_size(args) / t * 6
+    sp = t if args.sequence_parallel else 1
+    logits = logits_elements(local_seq // sp, b, padded_vocab_size(args) // t, sp) * 10
     parts = {
         "weights": n * weight_bytes,
         "gradients": n * grad_bytes,

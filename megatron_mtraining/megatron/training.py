@@ -34,6 +34,7 @@ from megatron.training.utils.common_utils import get_blend_and_blend_per_split, 
 
 from .attention_metrics import METRICS as ATTENTION_METRICS
 from .attention_metrics import collect_attention_metrics, measured
+from .chunked_loss import chunked_lm_loss
 from .config import MTrainingAttentionConfig, attach_attention_config
 from .layer_specs import get_gpt_decoder_block_spec
 from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
@@ -135,7 +136,12 @@ def forward_step(data_iterator, model):
         set_training_iteration(config, max(0, args.curr_iteration - getattr(args, START_ATTRIBUTE)))
     batch = _get_batch(data_iterator)
     output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"], loss_mask=None
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=None,
+        output_processor=chunked_lm_loss,
     )
     return output, partial(loss_func, batch["loss_mask"], model.training)
 
@@ -413,6 +419,10 @@ def run(config_path, overrides=()) -> None:
     # overlap) and refuses 1 with FSDP; a launcher's value wins.
     if not any(run_config.megatron.get(k) for k in ("use_torch_fsdp2", "use_megatron_fsdp")):
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # The logits-sized blocks of long sequences fragment the default allocator (12.6 GiB
+    # reserved beyond the allocated peak at 32K tokens, 3.0 GiB with expandable segments:
+    # docs/benchmarks.md); read at the first CUDA allocation, so set before any.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     _single_process_rendezvous()
     _use_prebuilt_dataset_helpers()
     defaults = _megatron_defaults(cpu=apply_cpu_compat(training=True))

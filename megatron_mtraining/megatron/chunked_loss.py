@@ -1,0 +1,70 @@
+"""The language-model loss over chunks of the sequence, so that the logits never exist whole.
+
+At long context the output layer's logits dominate a GPU's memory: Megatron materialises the
+``s x V / t`` logits in the compute dtype plus two fp32 buffers of its vocab-parallel cross
+entropy, 10 bytes per element (23 GiB for Qwen2.5-3B at 16K tokens per GPU, against 40 GiB
+on an A100; docs/benchmarks.md). :func:`chunked_lm_loss` is a ``GPTModel`` output processor
+(the ``output_processor`` argument of Megatron's ``GPTModel.forward``) that runs Megatron's own
+output layer and loss on chunks of rows under activation checkpointing: the forward keeps
+each chunk's per-token loss only, and the backward recomputes one chunk's logits at a time.
+Losses and gradients are Megatron's (the same operations on the same rows); the price is one
+more output-layer GEMM per chunk in the backward, ~3% of a step for a 3B model.
+
+With sequence parallelism the output layer all-gathers its input over TP, so a chunk of each
+rank's shard becomes rows from every rank's part of the sequence: the labels are gathered in
+that order and the losses put back in sequence order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Logits elements per chunk (per GPU): 2.5 GiB at 10 bytes each.
+CHUNK_ELEMENTS = 1 << 28
+
+
+def chunk_rows(micro_batch: int, vocab_per_rank: int, tp: int) -> int:
+    """Rows of this rank's sequence shard per chunk: the output layer sees ``tp`` times as many
+    with sequence parallelism, and every row carries ``micro_batch x vocab_per_rank`` logits."""
+    return max(1, CHUNK_ELEMENTS // (micro_batch * vocab_per_rank * tp))
+
+
+def logits_elements(local_rows: int, micro_batch: int, vocab_per_rank: int, tp: int) -> int:
+    """Logits elements alive at once: one chunk's, or all of them when they fit one chunk."""
+    rows = min(local_rows, chunk_rows(micro_batch, vocab_per_rank, tp))
+    return rows * tp * micro_batch * vocab_per_rank
+
+
+def chunked_lm_loss(
+    *,
+    hidden_states,
+    output_layer,
+    output_weight,
+    labels,
+    compute_language_model_loss,
+    scale_logits,
+    runtime_gather_output=None,
+    **_,
+) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` of ``hidden_states`` ``[s_local, b, h]`` (the sequence shard
+    of this TP rank under sequence parallelism), as ``GPTModel._postprocess`` computes it."""
+    if labels is None:
+        raise ValueError("chunked_lm_loss computes the training loss: call the model with labels")
+    rows, batch = hidden_states.shape[:2]
+    tp = output_layer.tp_group.size() if output_layer.sequence_parallel else 1
+    step = chunk_rows(batch, output_layer.output_size_per_partition, tp)
+
+    def loss_of(hidden, chunk_labels):
+        logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        return compute_language_model_loss(chunk_labels, scale_logits(logits))
+
+    if step >= rows:
+        return loss_of(hidden_states, labels)
+    # The gathered rows of a chunk [r0, r1) are [r0, r1) of every rank's shard, rank-major.
+    shards = labels.view(batch, tp, rows)
+    losses = [
+        checkpoint(loss_of, hidden_states[r0 : r0 + step], shards[:, :, r0 : r0 + step].flatten(1), use_reentrant=False)
+        for r0 in range(0, rows, step)
+    ]
+    return torch.cat([loss.view(batch, tp, -1) for loss in losses], dim=2).flatten(1)
