@@ -60,10 +60,12 @@ def _unknown(pattern):
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
     tokens at global ``positions``) on every rank, detached. Each row has one holder and
-    zeros elsewhere, so the sum is exact."""
-    mine = positions >= first
-    window = torch.zeros(x.shape[0], seq - first, *x.shape[2:], dtype=x.dtype, device=x.device)
-    window[:, positions[mine] - first] = x[:, mine].detach()
+    zeros elsewhere, so the sum is exact. Rows before the window land in a spare last row
+    rather than being selected out, which would read their count from the device."""
+    rows = torch.where(positions >= first, positions - first, seq - first)
+    window = torch.zeros(x.shape[0], seq - first + 1, *x.shape[2:], dtype=x.dtype, device=x.device)
+    window[:, rows] = x.detach()
+    window = window[:, :-1].contiguous()  # collectives work on whole buffers, not views
     dist.all_reduce(window, group=group)
     return window
 

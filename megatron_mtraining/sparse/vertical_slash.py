@@ -191,12 +191,14 @@ def _top_p(scores: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torc
 
 def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Tensor:
     """Ascending indices (-1 padded) of the top-p entries and of the first ``forced``
-    ones; only the ``cap`` candidates are compacted, not all ``n`` entries."""
+    ones; only the ``cap`` candidates are compacted, not all ``n`` entries. The width is
+    the bound ``forced + cap`` rather than the longest row, which would read the counts
+    from the device; the kernels read each row's own prefix, not the padding."""
     order, take = _top_p(scores, p, cap)
     first = torch.arange(min(forced, scores.shape[-1]), device=scores.device).expand(*order.shape[:-1], -1)
     values = torch.cat([first, order], -1).int()
     keep = torch.cat([torch.ones_like(first, dtype=torch.bool), take & (order >= forced)], -1)
-    return compact(values, keep)[0]
+    return compact(values, keep, width=values.shape[-1])[0]
 
 
 def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, seq_len: int) -> VerticalSlashIndex:
