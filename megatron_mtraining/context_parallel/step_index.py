@@ -83,6 +83,9 @@ class StepIndex(SparseIndex):
         local = self.local_key(self.index.key_lists(g0, g1))
         return compact(local, local >= 0)[0].long()
 
+    def attended_area(self) -> torch.Tensor:
+        return self.index.area_between(self.query_positions, self.key_positions)
+
     def local_key(self, positions: torch.Tensor) -> torch.Tensor:
         """Index in this chunk of each global key position (-1 where it is not here)."""
         return self.keys.index_of(positions, self.index.seq_len)

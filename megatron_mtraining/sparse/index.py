@@ -15,6 +15,8 @@ always applied on top. Every type is a plain dataclass of tensors with two views
 The two views are derived independently on purpose: the attention tests compare
 the kernels, which read ``key_lists``, with dense attention under
 ``to_dense_mask``, so a conversion bug cannot hide behind a shared helper.
+``attended_area`` is a third derivation, closed forms over per-block counts (the
+metrics and the ring's accounting call it every step); its tests check it against both.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 from .validation import fail
 
 _INT32_MAX = torch.iinfo(torch.int32).max
+# Entries of a top-k index's selections that attended_area gathers per operation.
+_AREA_ENTRIES = 1 << 22
 
 
 class SparseIndex:
@@ -100,14 +104,24 @@ class SparseIndex:
             )
 
     def attended_area(self) -> torch.Tensor:
-        """Attended (query, key) pairs per (batch, query head), ``[B, Hq]`` int64,
-        counted from the key lists the kernels read (causality included)."""
-        device = self.device
-        area = torch.zeros(self.batch_size, self.selection_heads, dtype=torch.int64, device=device)
-        for q0, q1 in self.query_ranges(self.seq_len):
-            visible = self.visible(self.key_lists(q0, q1), q0, q1)
-            area += visible.flatten(2).sum(-1).to(device).expand(self.batch_size, -1)
+        """Attended (query, key) pairs per (batch, query head), ``[B, Hq]`` int64, as the
+        kernels read the key lists (causality included)."""
+        return self.area_between(None, None)
+
+    def area_between(self, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None) -> torch.Tensor:
+        """``attended_area`` restricted to the query rows at global positions
+        ``query_positions`` and the keys at ``key_positions`` (a context-parallel rank's
+        rows and one chunk's keys; ``None``: all of them; ``-1`` pads keys), ``[B, Hq]``
+        int64. Closed forms over per-block counts: a few tensor operations whatever the
+        length (a top-k index's per chunk of ~4M selected blocks), nothing read on the host."""
+        rows = _PositionSet(query_positions, self.seq_len, self.device)
+        keys = _PositionSet(key_positions, self.seq_len, self.device)
+        area = self._area(rows, keys).expand(self.batch_size, -1)
         return area.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
+
+    def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
+        """``area_between`` per selection head, ``[B or 1, Hs]`` int64."""
+        raise NotImplementedError
 
     def block_areas(self, block: int) -> torch.Tensor:
         """``[n, n]`` attended pairs between query block i and key block j (``block``
@@ -196,6 +210,47 @@ def position_lookup(positions: torch.Tensor, seq_len: int, missing: int = -1) ->
     return table
 
 
+class _PositionSet:
+    """Global positions in ``[0, seq_len)`` (``None``: all of them), counted by range."""
+
+    def __init__(self, positions: torch.Tensor | None, seq_len: int, device):
+        self.seq_len = seq_len
+        if positions is None:
+            self.values = torch.arange(seq_len, device=device)
+            self.sorted = None
+        else:
+            # Padding sorts to seq_len, which no counted range reaches.
+            self.values = positions.long()
+            self.sorted = torch.where(self.values >= 0, self.values, seq_len).sort().values
+
+    def before(self, p: torch.Tensor) -> torch.Tensor:
+        """How many members lie below each position of ``p`` (int64, ``p``'s shape)."""
+        p = p.long().clamp(0, self.seq_len)
+        return p if self.sorted is None else torch.searchsorted(self.sorted, p)
+
+    def between(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """How many members lie in each ``[start, end)``."""
+        return self.before(end) - self.before(start)
+
+    def per_block(self, block: int) -> torch.Tensor:
+        """Members in each ``block``-token block, ``[n_blocks]`` int64."""
+        bounds = self.before(torch.arange(-(-self.seq_len // block) + 1, device=self.values.device) * block)
+        return bounds[1:] - bounds[:-1]
+
+
+def _correlate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c[..., d] = sum_j a[..., j] * b[..., j - d]`` for ``d`` in ``[0, n)`` (``b`` zero
+    outside ``[0, n)``), for counts (non-negative integers), int64.
+
+    By FFT: O(n log n) where the direct sum is O(n^2) (n is 8K blocks at 512K tokens).
+    Here ``a`` holds rows and ``b`` keys (at most ``block``) or flags per block, so the
+    float64 rounding error, about 2^-53 * log2(n) * |a| * |b| <= 2^-53 * log2(n) *
+    seq_len * block, stays far below 0.5 and rounding gives the exact count."""
+    n = a.shape[-1]
+    fa, fb = (torch.fft.rfft(x.double(), 2 * n) for x in (a, b))
+    return torch.fft.irfft(fa * fb.conj(), 2 * n)[..., :n].round().long()
+
+
 @dataclass
 class DenseIndex(SparseIndex):
     """Full causal attention, expressed as an index so one code path serves all."""
@@ -215,6 +270,9 @@ class DenseIndex(SparseIndex):
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         return torch.arange(q_end, device=self.device).view(1, 1, 1, -1).expand(self.batch_size, 1, 1, q_end)
+
+    def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
+        return keys.before(rows.values + 1).sum().view(1, 1)
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
@@ -305,6 +363,32 @@ class VerticalSlashIndex(SparseIndex):
         layout = self.block_columns(qb, qb + 1)
         return _blocks_to_tokens(layout.block_idx, self.block_size, self.seq_len), layout.column_idx.long()
 
+    def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
+        return self._part_area(rows, keys, "tiles") + self._part_area(rows, keys, "bars")
+
+    def _part_area(self, rows: _PositionSet, keys: _PositionSet, part: str) -> torch.Tensor:
+        """``_area`` of the tiles or of the bars alone, ``[B, Hq]``."""
+        bs = self.block_size
+        active = self.active_diagonals()
+        row_blocks = rows.per_block(bs)
+        if part == "tiles":
+            # Diagonal d >= 1 pairs every row of block qb with every key of block qb - d;
+            # on diagonal 0 a row sees its block's keys up to itself.
+            q = rows.values
+            pairs = _correlate(row_blocks, keys.per_block(bs))
+            pairs[0] = keys.between(q // bs * bs, q + 1).sum()
+            return (active * pairs).sum(-1)
+        v = self.vertical.long()
+        vb = v.clamp(min=0) // bs
+        present = (v >= 0) & (keys.between(v, v + 1) > 0)
+        # A column is a bar for the rows of its own block at or after it unless diagonal 0
+        # is a tile, and for every row of a later block vb + d whose diagonal d is not one.
+        own = rows.between(v, (vb + 1) * bs) * ~active[..., :1]
+        not_tile = ~active
+        not_tile[..., 0] = False
+        later = _correlate(row_blocks, not_tile).gather(-1, vb)
+        return ((own + later) * present).sum(-1)
+
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
         pos = torch.arange(seq_len, device=self.device)
@@ -337,6 +421,9 @@ class VerticalSlashPart(SparseIndex):
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         tiles, bars = self.index.tile_and_bar_keys(q_start)
         return tiles if self.part == "tiles" else bars
+
+    def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
+        return self.index._part_area(rows, keys, self.part)
 
     def block_areas(self, block: int) -> torch.Tensor:
         if self.part != "tiles" or block != self.index.block_size:
@@ -387,6 +474,23 @@ class BlockTopKIndex(SparseIndex):
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         chosen = self.blocks[:, q_start:q_end].permute(0, 2, 1, 3)
         return _blocks_to_tokens(chosen, self.block_size, self.seq_len)
+
+    def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
+        bs = self.block_size
+        q = rows.values
+        per_block = keys.per_block(bs)
+        # A chosen block before the row's own one counts all its keys; its own, those up to it.
+        own = keys.between(q // bs * bs, q + 1)
+        b, _, hs, k = self.blocks.shape
+        area = torch.zeros(b, hs, dtype=torch.int64, device=self.device)
+        # Rows in chunks bound the temporaries (a [B, rows, Hs, k] gather each) to ~32 MiB.
+        chunk = max(1, _AREA_ENTRIES // (b * hs * k))
+        for r0 in range(0, len(q), chunk):
+            chosen = self.blocks.index_select(1, q[r0 : r0 + chunk]).long()
+            own_block = (q[r0 : r0 + chunk] // bs).view(1, -1, 1, 1)
+            earlier = per_block[chosen.clamp(min=0)] * ((chosen >= 0) & (chosen < own_block))
+            area += (earlier + own[r0 : r0 + chunk].view(1, -1, 1, 1) * (chosen == own_block)).sum((1, 3))
+        return area
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
