@@ -18,9 +18,12 @@ def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_n: int  # key columns per inner step (divides the index block)
+    # Keys per step (forward, dQ) or per program (dK/dV), and query rows per program
+    # (forward, dQ) or per step (dK/dV); each divides the index block (block_m is capped at it).
+    block_n: int
     num_warps: int
     num_stages: int
+    block_m: int = 128
 
 
 KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv")
@@ -29,18 +32,29 @@ OVERRIDES: dict[str, LaunchConfig] = {}
 
 
 def launch_config(kernel: str, block: int, head_dim: int) -> LaunchConfig:
-    """Default launch parameters: 64-key sub-tiles and a two-stage pipeline, which won
-    a sweep over block_n {32, 64, 128} x warps {4, 8} x stages {1, 2} on an H200 for
-    the forward, dQ and bar kernels (docs/benchmarks.md) and fit an A100's 164 KiB of
-    shared memory as well."""
+    """Default launch parameters, from per-kernel device times at 128K tokens on an H200:
+    * forward, dQ: a query block's rows against 64-key steps, three pipeline stages
+      (two stages: 13-14% slower);
+    * dK/dV: 128 keys a program against 64-row steps, three stages. Their transposed
+      scores then have 128 rows, a 64-row half for each warp group of the matrix unit;
+      64-key programs of 8 warps ran 1.7-2.1x slower.
+    All fit an A100's 164 KiB of shared memory. ``scripts/bench_kernels.py --tune`` sweeps
+    alternatives."""
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
-    return LaunchConfig(min(block, 64), 8 if block >= 128 or head_dim > 64 else 4, 2)
+    if kernel in ("fwd", "dq"):
+        return LaunchConfig(min(block, 64), 8 if block >= 128 or head_dim > 64 else 4, 3)
+    return LaunchConfig(min(block, 128), 8 if block >= 128 else 4, 3, 64)
 
 
 def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
     cfg = launch_config(kernel, layout.block, q.shape[-1])
-    return {"BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return {
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_M": min(cfg.block_m, layout.block),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
 
 
 def _row_selection(layout: KernelLayout) -> dict:
@@ -65,16 +79,32 @@ def _positions(layout: KernelLayout) -> dict:
     }
 
 
-def _bars(layout: KernelLayout) -> dict:
-    """Kernel arguments of the bar pass of the row-major kernels (placeholders without bars)."""
+def _bars(layout: KernelLayout, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """Kernel arguments of the bar pass (placeholders without bars).
+
+    Each query head's vertical K/V rows are gathered once per call into contiguous
+    ``[B, Hq, V, D]`` copies, with the columns' positions: the bar loops then load rows
+    at addresses that follow from the loop counter, which Triton pipelines, instead of
+    gathering through an index loaded in the same step. The copies hold at most
+    ``vertical_cap`` rows per head; the backward gathers them again rather than keep
+    them alive between the passes."""
     if not layout.has_bars:
         t = layout.tile_count
-        return {"VERT": t, "BAR_CNT": t, "ACTIVE": t, "V_MAX": 1, "N_ACTIVE": 1, "HAS_BARS": False}
+        return {"KBAR": k, "VBAR": v, "BAR_POS": t, "BAR_CNT": t, "ACTIVE": t, "V_MAX": 1, "N_ACTIVE": 1,
+                "HAS_BARS": False}  # fmt: skip
+    vertical = layout.vertical
+    b, h, _ = vertical.shape
+    cols = vertical.clamp(min=0).long()
+    batch = torch.arange(b, device=k.device).view(-1, 1, 1)
+    kv_head = (torch.arange(h, device=k.device) // (h // k.shape[2])).view(1, -1, 1)
+    kpos = layout.key_positions
     return {
-        "VERT": layout.vertical,
+        "KBAR": k[batch, cols, kv_head],
+        "VBAR": v[batch, cols, kv_head],
+        "BAR_POS": vertical if kpos is None else torch.where(vertical >= 0, kpos[cols], -1),
         "BAR_CNT": layout.bar_count,
         "ACTIVE": layout.active,
-        "V_MAX": layout.vertical.shape[-1],
+        "V_MAX": vertical.shape[-1],
         "N_ACTIVE": layout.active.shape[-1],
         "HAS_BARS": True,
     }
@@ -107,10 +137,10 @@ def kernel_forward(q, k, v, layout: KernelLayout, scale: float) -> tuple[torch.T
     n_qb = layout.tiles.shape[2]
     out = new_buffer(q.shape, q.dtype, q.device)
     lse = new_buffer((b, h, s), torch.float32, q.device)
-    _fwd_kernel[(n_qb, b * h)](
-        q, k, v, out, lse, layout.tiles, layout.tile_count, **_bars(layout),
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E,
-        **_common(q, k, layout), **_opts("fwd", layout, q),
+    opts = _opts("fwd", layout, q)
+    _fwd_kernel[(n_qb * (layout.block // opts["BLOCK_M"]), b * h)](
+        q, k, v, out, lse, layout.tiles, layout.tile_count, **_bars(layout, k, v),
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, **_common(q, k, layout), **opts,
     )  # fmt: skip
     return out, lse
 
@@ -126,12 +156,14 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
     common = _common(q, k, layout)
     n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
 
+    bars = _bars(layout, k, v)
     dq = new_buffer(q.shape, q.dtype, q.device)
-    _dq_kernel[(n_qb, b * h)](
+    dq_opts = _opts("dq", layout, q)
+    _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
         q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq,
-        layout.tiles, layout.tile_count, **_bars(layout),
+        layout.tiles, layout.tile_count, **bars,
         NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_DLSE=dlse is not None, **common, **_opts("dq", layout, q),
+        HAS_DLSE=dlse is not None, **common, **dq_opts,
     )  # fmt: skip
 
     if layout.has_bars:
@@ -139,11 +171,11 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
         bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
         bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
         bar_opts = _opts("bar_dkdv", layout, q)
-        _bar_dkdv_kernel[(triton.cdiv(v_max, bar_opts["BLOCK_N"]), b * h)](
-            q, k, v, dout, lse, delta, layout.vertical, layout.active, bar_dk, bar_dv,
-            S=s, SK=k.shape[1], H=h, HKV=hkv, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
-            qk_scale=scale * LOG2E, sm_scale=scale, **_positions(layout),
-            HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block, PRECISION=common["PRECISION"], **bar_opts,
+        _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
+            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], layout.active, bar_dk, bar_dv,
+            common["QPOS"], S=s, H=h, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
+            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block,
+            HAS_POS=common["HAS_POS"], PRECISION=common["PRECISION"], **bar_opts,
         )  # fmt: skip
         vert, vptr = layout.vertical, layout.vertical_ptr
     else:
@@ -154,7 +186,8 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
     _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
         q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
         NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_BARS=layout.has_bars, FOLD=32, **common, **tile_opts,
+        HAS_BARS=layout.has_bars, FOLD=32, FOLD_PRECISION="ieee" if q.dtype == torch.float32 else "tf32x3",
+        **common, **tile_opts,
     )  # fmt: skip
     return dq, dk, dv
 

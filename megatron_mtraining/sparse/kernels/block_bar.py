@@ -1,20 +1,24 @@
 """Triton kernels for tile + bar ("block + bar") sparse attention, forward and backward.
 
 A query block attends a list of whole ``BLOCK x BLOCK`` KV tiles and a list of
-single key columns (bars) gathered ``BLOCK`` at a time. One online softmax spans
-both; causal masking is applied inside. This serves the vertical-slash index
+single key columns (bars), ``BLOCK_N`` keys per step. One online softmax spans
+both; causal masking is applied inside. The bars' K/V rows come from per-head
+contiguous copies (``KBAR`` / ``VBAR``, gathered once per call by the launcher), so
+every K/V load in a loop has an address that follows from the loop counter and
+the tile list, which Triton software-pipelines. This serves the vertical-slash index
 (tiles from slash diagonals, bars from vertical columns) and dense attention
-(all tiles up to the diagonal, no bars).
+(all tiles up to the diagonal, no bars). The forward and ``_dq_kernel`` programs take
+``BLOCK_M`` rows of a query block (``BLOCK_M`` divides ``BLOCK``).
 
 Backward without atomics, so it is deterministic:
-* ``_dq_kernel``: row-major like the forward, one program per (query block, head).
+* ``_dq_kernel``: row-major like the forward.
 * ``_bar_dkdv_kernel``: one program per (head, chunk of its vertical columns)
-  walks the query blocks after the chunk and writes fp32 ``[B, Hq, V, D]``
-  partial dK/dV for those columns.
-* ``_tile_dkdv_kernel``: KV-major, one program per (KV block, KV head), walking
-  the query blocks that read the block for each query head of the GQA group,
-  then folding in that group's bar partials for columns of the block with a
-  one-hot matmul. Each dK/dV row has exactly one writer.
+  walks the query rows after the chunk, ``BLOCK_M`` a step, and writes fp32
+  ``[B, Hq, V, D]`` partial dK/dV for those columns.
+* ``_tile_dkdv_kernel``: KV-major, one program per (``BLOCK_N`` keys of a KV block,
+  KV head), walking the query blocks that read the block, ``BLOCK_M`` rows a step,
+  for each query head of the GQA group, and folding in that head's bar partials for
+  its keys with a one-hot matmul. Each dK/dV row has exactly one writer.
 All statistics are fp32; exponentials are base 2 with the scale folded in.
 
 Loads use local row and column indices; causality compares global positions,
@@ -54,17 +58,12 @@ def _load_rows(base, idx, ok, row_stride, d, d_ok):
 
 
 @triton.jit
-def _online_step(
-    acc, m_i, l_i, q, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
     s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -78,27 +77,45 @@ def _in_tile(ACTIVE, bh, N_ACTIVE, q_block, col_pos, col_ok, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _bar_chunk(VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK: tl.constexpr,
-               BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
-    """``BLOCK_N`` bar columns from entry ``c0`` of the block's visible prefix of the
-    head's vertical list: (columns, their positions, attended mask)."""
-    offs = c0 + tl.arange(0, BLOCK_N)
-    cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < n_bars, other=-1)
-    ok = cols >= 0
-    pos = _positions(KPOS, cols, ok, HAS_POS)
-    return cols, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, q_block, pos, ok, BLOCK)
+def _block_step(BLOCKS, lay, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.constexpr, HAS_POS: tl.constexpr):
+    """Step ``j`` through list ``lay`` of ``BLOCKS``, ``STEP`` indices a step (``BLOCK // STEP``
+    steps a block): (the block, the step's indices, their in-range mask, their positions).
+    Steps of part of a block keep each software-pipeline stage small, so more stages fit
+    in shared memory."""
+    blk = tl.load(BLOCKS + lay * T_MAX + j // (BLOCK // STEP))
+    idx = blk * BLOCK + (j % (BLOCK // STEP)) * STEP + tl.arange(0, STEP)
+    ok = idx < N
+    return blk, idx, ok, _positions(POS, idx, ok, HAS_POS)
 
 
 @triton.jit
-def _program_rows(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S, H, HKV):
-    """Indices shared by the row-major kernels: (b, h, kv head, rows, row mask, d, d mask)."""
-    qb = tl.program_id(0)
+def _bar_keys(KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok,
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Entries ``c0 .. c0 + BLOCK_N`` of the first ``n_bars`` of head ``bh``'s gathered
+    vertical columns: (k, v, positions, attended mask). The K/V loads are masked by the
+    count alone, so they need not wait for the position and tile lookups."""
+    offs = c0 + tl.arange(0, BLOCK_N)
+    ok = offs < n_bars
+    entries = bh * V_MAX + offs
+    k = _load_rows(KBAR, entries, ok, HEAD_DIM, d, d_ok)
+    v = _load_rows(VBAR, entries, ok, HEAD_DIM, d, d_ok)
+    pos = tl.load(BAR_POS + entries, mask=ok, other=0)
+    return k, v, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, q_block, pos, ok, BLOCK)
+
+
+@triton.jit
+def _program_rows(BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S, H, HKV):
+    """Indices shared by the row-major kernels, whose programs take ``BLOCK_M`` rows of
+    query block ``qb`` (``BLOCK_M`` divides ``BLOCK``): (qb, b, h, kv head, rows, row
+    mask, d, d mask)."""
+    # Later query blocks read more bars: launching them first shortens the tail.
+    sub = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    rows = sub * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D_PAD)
-    return qb, b, h, h // (H // HKV), rows, rows < S, d, d < HEAD_DIM
+    return sub // (BLOCK // BLOCK_M), b, h, h // (H // HKV), rows, rows < S, d, d < HEAD_DIM
 
 
 @triton.jit
@@ -122,13 +139,13 @@ def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES, TILE_CNT, VERT, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    Q, K, V, O, LSE, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_POS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
+    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
@@ -136,36 +153,31 @@ def _fwd_kernel(
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
-    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, D_PAD], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lh = h // (H // LH)
     lay = ((b % LB) * LH + lh) * NQB + qb
     sel = rows
     if HAS_ROWSEL:
         sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
-    for t in range(tl.load(TILE_CNT + lay)):
-        kb = tl.load(TILES + lay * T_MAX + t)
-        tile_rows = _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS)
-        for j in tl.static_range(BLOCK // BLOCK_N):
-            cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < SK
-            acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok, tile_rows,
-                kv_stride, d, d_ok, qk_scale, PRECISION,
-            )  # fmt: skip
+    for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
+        kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
+        k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+        v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+        acc, m_i, l_i = _online_step(
+            acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
+            qk_scale, PRECISION,
+        )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
         n_bars = tl.load(BAR_CNT + bh * NQB + qb)
         q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(0, n_bars, BLOCK_N):
-            cols, col_pos, col_ok = _bar_chunk(
-                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK, BLOCK_N, HAS_POS
+            k, v, col_pos, col_ok = _bar_keys(
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
             )
-            acc, m_i, l_i = _online_step(
-                acc, m_i, l_i, q, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
-                PRECISION,
-            )  # fmt: skip
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -186,12 +198,7 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 
 @triton.jit
-def _dq_step(
-    dq, q, do, lse, delta, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
-    v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
     p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION) - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -200,15 +207,15 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, VERT, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ, and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
-    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, HEAD_DIM, D_PAD, S, H, HKV)
+    qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
@@ -225,34 +232,29 @@ def _dq_kernel(
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
-    dq = tl.zeros([BLOCK, D_PAD], tl.float32)
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lh = h // (H // LH)
     lay = ((b % LB) * LH + lh) * NQB + qb
     sel = rows
     if HAS_ROWSEL:
         sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
-    for t in range(tl.load(TILE_CNT + lay)):
-        kb = tl.load(TILES + lay * T_MAX + t)
-        tile_rows = _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS)
-        for j in tl.static_range(BLOCK // BLOCK_N):
-            cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < SK
-            dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, _positions(KPOS, cols, col_ok, HAS_POS), col_ok,
-                tile_rows, kv_stride, d, d_ok, qk_scale, PRECISION,
-            )  # fmt: skip
+    for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
+        kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
+        k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+        v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+        dq = _dq_step(
+            dq, q, do, lse, delta, k, v, col_pos, col_ok,
+            _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, PRECISION,
+        )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
         n_bars = tl.load(BAR_CNT + bh * NQB + qb)
         q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(0, n_bars, BLOCK_N):
-            cols, col_pos, col_ok = _bar_chunk(
-                VERT, ACTIVE, KPOS, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, BLOCK, BLOCK_N, HAS_POS
+            k, v, col_pos, col_ok = _bar_keys(
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
             )
-            dq = _dq_step(
-                dq, q, do, lse, delta, K_base, V_base, cols, col_pos, col_ok, row_pos, kv_stride, d, d_ok, qk_scale,
-                PRECISION,
-            )  # fmt: skip
+            dq = _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION)
     dq_ptrs = DQ + q_off + rows[:, None] * q_stride + d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -262,70 +264,77 @@ def _kv_grads(
     dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d, d_ok,
     qk_scale, extra_mask, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Adds one query block's contribution to the dK/dV of a set of key rows."""
+    """Adds a step of query rows' contribution to the dK/dV of a set of key rows. It works
+    on transposed scores (keys x rows): P^T and dS^T then leave the matrix unit in the
+    layout that the dV and dK products take, with no round trip through shared memory."""
     row_ok = rows < S
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
     lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
-    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION)
-    p = tl.exp2(tl.where(extra_mask & row_ok[:, None], s, float("-inf")) - lse[:, None])
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
+    p = tl.exp2(tl.where(visible, s, float("-inf")) - lse[None, :])
+    dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds = p * (dp - delta[None, :])
+    dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _bar_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, VERT, ACTIVE, BAR_DK, BAR_DV, QPOS, KPOS,
-    S, SK, H, HKV, NQB, N_ACTIVE, V_MAX, qk_scale, sm_scale,
+    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QPOS,
+    S, H, N_ACTIVE, V_MAX, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
+    """``BLOCK_N`` of a head's vertical columns against ``BLOCK_M`` query rows a step
+    (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The partials
+    are left unscaled, as the tile kernel's sums are until it folds them in."""
+    bh = tl.program_id(0)
+    # The grid's second axis: every head's earliest columns, which the most rows see, start first.
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = bh // H
     h = bh % H
-    kvh = h // (H // HKV)
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.load(VERT + bh * V_MAX + offs, mask=offs < V_MAX, other=-1)
-    col_ok = cols >= 0
-    if tl.sum(col_ok.to(tl.int32), 0) > 0:
+    entries = bh * V_MAX + offs
+    col_pos = tl.load(BAR_POS + entries, mask=offs < V_MAX, other=-1)
+    col_ok = col_pos >= 0
+    if tl.max(col_pos, 0) >= 0:
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         q_stride = H * HEAD_DIM
-        kv_stride = HKV * HEAD_DIM
-        k = _load_rows(K + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
-        v = _load_rows(V + b * SK * kv_stride + kvh * HEAD_DIM, cols, col_ok, kv_stride, d, d_ok)
-        col_pos = _positions(KPOS, cols, col_ok, HAS_POS)
+        k = _load_rows(KBAR, entries, col_ok, HEAD_DIM, d, d_ok)
+        v = _load_rows(VBAR, entries, col_ok, HEAD_DIM, d, d_ok)
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
-        first = 0  # query blocks before the chunk's first column see none of it (single device)
+        first = 0  # rows before the chunk's first column see none of it (single device)
         if not HAS_POS:
-            first = tl.min(tl.where(col_ok, col_pos // BLOCK, NQB), 0)
-        for qb in range(first, NQB):
-            rows = qb * BLOCK + tl.arange(0, BLOCK)
+            first = tl.min(tl.where(col_ok, col_pos, S), 0) // BLOCK_M * BLOCK_M
+        for r0 in range(first, S, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
             row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, (~in_tile)[None, :], PRECISION,
+                d, d_ok, qk_scale, (~in_tile)[:, None], PRECISION,
             )  # fmt: skip
-        out = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
+        out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
-        tl.store(BAR_DK + out, dk * sm_scale, mask=ok)
+        tl.store(BAR_DK + out, dk, mask=ok)
         tl.store(BAR_DV + out, dv, mask=ok)
 
 
 @triton.jit
 def _fold_bars(
     dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, first, NKB, V_MAX, d,
-    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, FOLD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Adds the bar partials of the vertical columns in key rows ``first .. first + BLOCK_N``
-    (inside KV block ``kb``), ``FOLD`` columns per one-hot matmul."""
+    (inside KV block ``kb``), ``FOLD`` columns per one-hot matmul. With 16-bit inputs the
+    matmul is three-pass tf32 (fp32 accuracy) rather than exact fp32: on the matrix unit it
+    leaves ``dk`` / ``dv`` in the register layout of the tile products, where an exact fp32
+    matmul would move them to another layout and back (and spill registers doing so)."""
     start = tl.load(VPTR + bh * (NKB + 1) + kb)
     stop = tl.load(VPTR + bh * (NKB + 1) + kb + 1)
     n = tl.arange(0, BLOCK_N)
@@ -335,8 +344,8 @@ def _fold_bars(
         pos = tl.load(VERT + bh * V_MAX + offs, mask=ok, other=-1) - first
         onehot = ((n[:, None] == pos[None, :]) & ok[None, :]).to(tl.float32)
         rows = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
-        dk += tl.dot(onehot, tl.load(BAR_DK + rows, mask=ok[:, None], other=0.0), input_precision="ieee")
-        dv += tl.dot(onehot, tl.load(BAR_DV + rows, mask=ok[:, None], other=0.0), input_precision="ieee")
+        dk = tl.dot(onehot, tl.load(BAR_DK + rows, mask=ok[:, None], other=0.0), dk, input_precision=PRECISION)
+        dv = tl.dot(onehot, tl.load(BAR_DV + rows, mask=ok[:, None], other=0.0), dv, input_precision=PRECISION)
     return dk, dv
 
 
@@ -345,10 +354,12 @@ def _tile_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QPOS, KPOS,
     S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_POS: tl.constexpr,
-    PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr, FOLD_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    sub = tl.program_id(0)  # BLOCK_N key rows of KV block kb
+    """``BLOCK_N`` key rows of KV block ``kb`` against ``BLOCK_M`` rows of a reading query
+    block a step."""
+    sub = tl.program_id(0)
     kb = sub // (BLOCK // BLOCK_N)
     first = sub * BLOCK_N
     bkv = tl.program_id(1)
@@ -367,29 +378,41 @@ def _tile_dkdv_kernel(
     v = _load_rows(V + kv_off, cols, col_ok, kv_stride, d, d_ok)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    bar_dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    bar_dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
         lh = h // (H // LH)
         lay = ((b % LB) * LH + lh) * NKB + kb
-        for t in range(tl.load(TILE_T_CNT + lay)):
-            rows = tl.load(TILES_T + lay * T_MAX + t) * BLOCK + tl.arange(0, BLOCK)
-            row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
+        for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
+            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QPOS, S, BLOCK, BLOCK_M, HAS_POS)
             sel = rows
             if HAS_ROWSEL:
-                sel = _row_selection(ROWSEL, b, lh, LH, S, rows, rows < S, K_SEL, K_PAD)
+                sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
-                col_ok[None, :], PRECISION,
+                col_ok[:, None], PRECISION,
             )  # fmt: skip
         if HAS_BARS:
-            bar_dk, bar_dv = _fold_bars(
-                bar_dk, bar_dv, BAR_DK, BAR_DV, VERT, VPTR, b * H + h, kb, first, NKB, V_MAX, d, BLOCK_N, D_PAD, FOLD
+            dk, dv = _fold_bars(
+                dk,
+                dv,
+                BAR_DK,
+                BAR_DV,
+                VERT,
+                VPTR,
+                b * H + h,
+                kb,
+                first,
+                NKB,
+                V_MAX,
+                d,
+                BLOCK_N,
+                D_PAD,
+                FOLD,
+                FOLD_PRECISION,
             )
     ok = col_ok[:, None] & d_ok[None, :]
     out = kv_off + cols[:, None] * kv_stride + d[None, :]
-    tl.store(DK + out, (dk * sm_scale + bar_dk).to(DK.dtype.element_ty), mask=ok)
-    tl.store(DV + out, (dv + bar_dv).to(DV.dtype.element_ty), mask=ok)
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
