@@ -8,10 +8,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, fn, args):
+def _entry(rank, world, init_file, fn, args, backend):
     # Several processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
@@ -21,5 +23,22 @@ def _entry(rank, world, init_file, fn, args):
 def run(world: int, fn, *args) -> None:
     """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any rank fails
     the caller with that rank's traceback."""
+    _spawn(world, fn, args, "gloo")
+
+
+def _spawn(world: int, fn, args, backend: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args, backend), nprocs=world, join=True)
+
+
+def run_on_device(world: int, fn, *args) -> None:
+    """``run`` for workers that put their tensors on the GPU when there is one: NCCL with a
+    GPU per rank there (gloo cannot send CUDA tensors), gloo on CPU; skips a machine with
+    CUDA but fewer GPUs than ``world``."""
+    if not torch.cuda.is_available():
+        return run(world, fn, *args)
+    import pytest
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, one per rank (NCCL)")
+    _spawn(world, fn, args, "nccl")

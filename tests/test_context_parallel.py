@@ -10,7 +10,7 @@ from cp_workers import (
     check_ring_equals_single_device,
     check_ring_with_kernels,
 )
-from gloo import run
+from gloo import run, run_on_device
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
@@ -50,7 +50,7 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
 @needs_kernels
 def test_ring_on_kernels(rng):
     """Ring steps and the local vertical-column pass on the Triton kernels (positions)."""
-    run(2, check_ring_with_kernels, int(torch.randint(0, 2**31, (1,), generator=rng)), 128)
+    run_on_device(2, check_ring_with_kernels, int(torch.randint(0, 2**31, (1,), generator=rng)), 128)
 
 
 @needs_kernels
@@ -60,7 +60,7 @@ def test_ring_on_kernels_reads_nothing_on_host(world):
     stall the host until the GPU's queue drains, exposing the layout building): per
     forward and backward at two lengths, nothing for vertical-slash and dense, one read
     for a top-k index's table widths."""
-    run(world, check_host_reads, (128, 256))
+    run_on_device(world, check_host_reads, (128, 256))
 
 
 def test_hierarchy_and_group_errors():
