@@ -84,7 +84,7 @@ def build_distributed_index(
 ) -> SparseIndex:
     bsz, _, hq, d = q.shape
     seq = layout.seq_len
-    positions = layout.positions(dist.get_rank(group), q.device)
+    positions = layout.token_positions(dist.get_rank(group), q.device).values  # cached: no copy per call
     if isinstance(pattern, str) and pattern == "dense":
         return DenseIndex(bsz, hq, seq, device=q.device)
     if isinstance(pattern, VerticalSlashConfig):

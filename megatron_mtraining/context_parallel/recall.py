@@ -40,7 +40,7 @@ def distributed_attention_recall(
     check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     first = seq - num_rows
-    positions = layout.positions(dist.get_rank(group), q.device)
+    positions = layout.token_positions(dist.get_rank(group), q.device).values  # cached: no copy per call
     if isinstance(index, BlockTopKIndex):
         # Rows other ranks hold are -1 here (or equal, for an index every rank has): the
         # maximum takes each row from a holder.

@@ -206,7 +206,7 @@ def position_lookup(positions: torch.Tensor, seq_len: int, missing: int = -1) ->
     -1 as ``seq_len`` (the spare last slot) gives ``missing``."""
     table = torch.full((seq_len + 1,), missing, dtype=torch.int64, device=positions.device)
     table[torch.where(positions >= 0, positions, seq_len)] = torch.arange(len(positions), device=positions.device)
-    table[seq_len] = missing
+    table[seq_len:].fill_(missing)  # a Python scalar stored by index is a synchronising copy
     return table
 
 
@@ -385,7 +385,7 @@ class VerticalSlashIndex(SparseIndex):
         # is a tile, and for every row of a later block vb + d whose diagonal d is not one.
         own = rows.between(v, (vb + 1) * bs) * ~active[..., :1]
         not_tile = ~active
-        not_tile[..., 0] = False
+        not_tile[..., 0].fill_(False)
         later = _correlate(row_blocks, not_tile).gather(-1, vb)
         return ((own + later) * present).sum(-1)
 
