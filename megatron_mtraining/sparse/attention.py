@@ -98,5 +98,9 @@ def merge_attention_outputs(
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != (bsz, heads, seq):
             fail(f"{name}.shape", tuple(t.shape), f"[B, H, S] = {[bsz, heads, seq]} to match out_a")
+    if backend_choice(out_a) == "triton":
+        from .kernels.combine import FusedCombine  # imports Triton
+
+        return FusedCombine.apply(out_a, lse_a.float(), out_b, lse_b.float())
     out, lse = combine(out_a, lse_a.float(), out_b, lse_b.float())
     return out.to(out_a.dtype), lse.float()
