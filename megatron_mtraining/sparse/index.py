@@ -200,6 +200,12 @@ def compact(values: torch.Tensor, keep: torch.Tensor, width: int | None = None) 
     return ordered.to(torch.int32), count.to(torch.int32)
 
 
+def single_device(t: torch.Tensor) -> torch.Tensor:
+    """The all-reduce hook of the index builders and the recall on one device: nothing to
+    combine (context parallelism passes collectives over its group instead)."""
+    return t
+
+
 def position_lookup(positions: torch.Tensor, seq_len: int, missing: int = -1) -> torch.Tensor:
     """Table ``[seq_len + 1]`` int64: the index in ``positions`` of each global position,
     ``missing`` where it is not there. ``positions`` may hold -1 padding, and looking up

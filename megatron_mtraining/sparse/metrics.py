@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .index import SparseIndex, position_lookup
+from .index import SparseIndex, position_lookup, single_device
 from .validation import check_int, check_qk, check_softmax_scale, fail
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 @torch.no_grad()
@@ -42,8 +38,8 @@ def recall_from_parts(
     key_positions: torch.Tensor,
     index: SparseIndex,
     scale: float,
-    all_reduce_max=_identity,
-    all_reduce_sum=_identity,
+    all_reduce_max=single_device,
+    all_reduce_sum=single_device,
 ) -> torch.Tensor:
     """``attention_recall`` from the window queries (the last ``R`` of ``index.seq_len``)
     and *some* of the keys, given with their global positions; ``all_reduce_*`` combine

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import BlockTopKIndex, select_topk_blocks
+from .index import BlockTopKIndex, select_topk_blocks, single_device
 from .validation import ValidatedConfig, check_int, check_power_of_two, check_qk, setting
 
 
@@ -30,10 +30,6 @@ def build_moba_index(q: torch.Tensor, k: torch.Tensor, config: MoBAConfig) -> Bl
     return BlockTopKIndex(blocks=blocks, block_size=config.chunk_size, num_heads=q.shape[2])
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def moba_select_from_parts(
     q: torch.Tensor,
     query_positions: torch.Tensor,
@@ -41,7 +37,7 @@ def moba_select_from_parts(
     key_positions: torch.Tensor,
     seq_len: int,
     config: MoBAConfig,
-    all_reduce_sum=_identity,
+    all_reduce_sum=single_device,
 ) -> torch.Tensor:
     """MoBA chunk choices ``[B, Lq, Hq, topk]`` of some queries, from some of the keys
     (both with global positions); ``all_reduce_sum`` adds the chunk sums of the other

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import backend_choice
-from .index import VerticalSlashIndex, compact
+from .index import VerticalSlashIndex, compact, single_device
 from .validation import (
     ValidatedConfig,
     check_fraction,
@@ -76,10 +76,6 @@ def window_statistics(
     return window_statistics_from_parts(q[:, seq - w :], k, torch.arange(seq, device=q.device), seq, config, scale)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def window_statistics_from_parts(
     q_window: torch.Tensor,
     k: torch.Tensor,
@@ -87,8 +83,8 @@ def window_statistics_from_parts(
     seq_len: int,
     config: VerticalSlashConfig,
     scale: float,
-    all_reduce_max=_identity,
-    all_reduce_sum=_identity,
+    all_reduce_max=single_device,
+    all_reduce_sum=single_device,
     key_chunk: int = 4096,
 ) -> WindowStatistics:
     """Window statistics from the window queries (the sequence's last ``w`` positions)
