@@ -300,3 +300,13 @@ def test_index_on_another_device_is_rejected(rng):
     with pytest.raises(ValueError, match=r"index\.device \(DenseIndex\)='meta'.*index\.to\(device\)"):
         sparse_attention(q, k, k, index)
     assert DenseIndex(1, 2, 32).to("meta").device.type == "meta"
+
+
+def test_kernels_refuse_inputs_past_int32_offsets():
+    from megatron_mtraining.sparse.attention import backend_choice
+
+    # An expanded view: 2^31 + 2^17 elements without the memory.
+    q = torch.zeros((), dtype=torch.bfloat16).expand(1, 2**20 + 64, 16, 128)
+    with pytest.raises(ValueError, match=r"backend='triton'.*fewer than 2\^31 elements.*context parallelism"):
+        backend_choice(q, "triton")
+    assert backend_choice(q[:, : 2**20 - 64]) == ("triton" if q.is_cuda else "reference")

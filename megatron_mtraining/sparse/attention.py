@@ -56,13 +56,20 @@ def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
     choice = backend or os.environ.get(BACKEND_ENV) or "auto"
     if choice not in BACKENDS:
         fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
-    kernel_ok = triton_available() and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256
+    # The kernels address elements with int32 offsets (2^31 elements: 1M tokens x 16 heads x 128).
+    kernel_ok = (
+        triton_available()
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.shape[-1] <= 256
+        and q.numel() < 2**31
+    )
     if choice == "triton" and not kernel_ok:
         fail(
             "backend",
             "triton",
-            f"inputs the kernels serve (fp16/bf16/fp32, head dim <= 256, Triton installed), got {q.dtype}, "
-            f"head dim {q.shape[-1]}",
+            f"inputs the kernels serve (fp16/bf16/fp32, head dim <= 256, fewer than 2^31 elements, Triton "
+            f"installed), got {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements; split longer sequences "
+            "with context parallelism",
         )
     if choice == "auto":
         choice = "triton" if q.is_cuda and kernel_ok else "reference"
