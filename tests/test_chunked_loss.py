@@ -47,7 +47,9 @@ def _compare_gpt(rank, world):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        # fp32 sums over the rows in another order (per chunk): ~1e-6 apart, where a row or
+        # label out of place would be off by the gradients' own size.
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _compare_sequence_parallel(rank, world):
@@ -90,7 +92,7 @@ def _compare_sequence_parallel(rank, world):
         )
 
     for got, want in zip(loss_and_grads(chunked), loss_and_grads(whole), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -119,11 +119,22 @@ def _program_rows(BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexpr):
-    """Each row's selected index blocks ``[BLOCK, K_PAD]`` (-1 padded) for top-k layouts."""
-    kk = tl.arange(0, K_PAD)
-    ptrs = ROWSEL + ((b * LH + lh) * S + rows[:, None]) * K_SEL + kk[None, :]
-    return tl.load(ptrs, mask=row_ok[:, None] & (kk < K_SEL)[None, :], other=-1)
+def _layout_row(b, h, H, LB, LH, N_BLOCKS, block):
+    """(row of the layout tables for this batch, head and block; the head's layout head)."""
+    lh = h // (H // LH)
+    return ((b % LB) * LH + lh) * N_BLOCKS + block, lh
+
+
+@triton.jit
+def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexpr, HAS_ROWSEL: tl.constexpr):
+    """Each row's selected index blocks ``[BLOCK, K_PAD]`` (-1 padded) for top-k layouts;
+    the rows themselves otherwise (``_tile_rows`` ignores them)."""
+    sel = rows
+    if HAS_ROWSEL:
+        kk = tl.arange(0, K_PAD)
+        ptrs = ROWSEL + ((b * LH + lh) * S + rows[:, None]) * K_SEL + kk[None, :]
+        sel = tl.load(ptrs, mask=row_ok[:, None] & (kk < K_SEL)[None, :], other=-1)
+    return sel
 
 
 @triton.jit
@@ -156,11 +167,8 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    lh = h // (H // LH)
-    lay = ((b % LB) * LH + lh) * NQB + qb
-    sel = rows
-    if HAS_ROWSEL:
-        sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
+    lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
+    sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
         k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
@@ -233,11 +241,8 @@ def _dq_kernel(
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    lh = h // (H // LH)
-    lay = ((b % LB) * LH + lh) * NQB + qb
-    sel = rows
-    if HAS_ROWSEL:
-        sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
+    lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
+    sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
         k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
@@ -381,13 +386,10 @@ def _tile_dkdv_kernel(
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
-        lh = h // (H // LH)
-        lay = ((b % LB) * LH + lh) * NKB + kb
+        lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QPOS, S, BLOCK, BLOCK_M, HAS_POS)
-            sel = rows
-            if HAS_ROWSEL:
-                sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD)
+            sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
