@@ -57,15 +57,21 @@ def _unknown(pattern):
     )
 
 
+def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, n, ...]`` zeros with row ``rows[i]`` of it set to ``x[:, i]``; rows of -1 are
+    dropped. They land in a spare last row rather than being selected out, which would read
+    their count from the device. Each kept row needs one writer."""
+    out = x.new_zeros(x.shape[0], n + 1, *x.shape[2:])
+    out[:, torch.where(rows >= 0, rows, n)] = x
+    return out[:, :n]
+
+
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
     tokens at global ``positions``) on every rank, detached. Each row has one holder and
-    zeros elsewhere, so the sum is exact. Rows before the window land in a spare last row
-    rather than being selected out, which would read their count from the device."""
-    rows = torch.where(positions >= first, positions - first, seq - first)
-    window = torch.zeros(x.shape[0], seq - first + 1, *x.shape[2:], dtype=x.dtype, device=x.device)
-    window[:, rows] = x.detach()
-    window = window[:, :-1].contiguous()  # collectives work on whole buffers, not views
+    zeros elsewhere, so the sum is exact."""
+    rows = torch.where(positions >= first, positions - first, -1)
+    window = scatter_rows(x.detach(), rows, seq - first).contiguous()  # collectives take whole buffers
     dist.all_reduce(window, group=group)
     return window
 

@@ -17,18 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..sparse.attention import backend_choice, sparse_attention
+from ..sparse.attention import backend_choice, merge_partials, sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
 from ..sparse.kernels.layout import KernelLayout
 from ..sparse.reference import (
     backward_partial,
-    combine,
     compute_dtype,
     forward_partial,
 )
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
-from .distributed_index import build_distributed_index, build_local_index
+from .distributed_index import build_distributed_index, build_local_index, scatter_rows
 from .hierarchy import hierarchy_ranks
 from .imbalance import KernelTimer, RingStats, timed
 from .layout import ContextParallelLayout, TokenPositions
@@ -55,13 +54,8 @@ class _Step:
             return self.layouts.of(self.index.keys)
 
     def merge(self, out, lse, partial):
-        """The running ``(out, lse)`` merged with this step's ``partial``: one fused pass
-        where the kernels serve the step (the reference ``combine`` makes ~8)."""
-        if self.layouts is None:
-            return combine(out, lse, *partial)
-        from ..sparse.kernels.combine import FusedCombine  # imports Triton
-
-        return FusedCombine.apply(out, lse, *partial)
+        """The running ``(out, lse)`` merged with this step's ``partial``."""
+        return merge_partials(out, lse, *partial, kernels=self.layouts is not None)
 
     def forward(self, q, k, v, scale):
         with timed(self.timer, "fwd"):
@@ -197,10 +191,7 @@ class _GatherColumns(torch.autograd.Function):
         for g, shape in zip((dk_cols, dv_cols), ctx.shapes, strict=True):
             g = g.contiguous().clone()
             dist.all_reduce(g, group=ctx.group)
-            # The other ranks' columns (and padding) land in a spare last row, dropped.
-            local = g.new_zeros(shape[0], shape[1] + 1, *shape[2:])
-            local[:, torch.where(ctx.local >= 0, ctx.local, shape[1])] = g
-            grads.append(local[:, : shape[1]])
+            grads.append(scatter_rows(g, ctx.local, shape[1]))
         return grads[0], grads[1], None, None, None, None
 
 

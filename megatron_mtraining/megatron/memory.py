@@ -195,9 +195,9 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
     low_precision = args.bf16 or args.fp16
     weight_bytes = 2 if low_precision else 4
     grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or not low_precision) else 2
-    # fp32 master copy and fp32 gradient copy (mixed precision only) + Adam's two moments.
-    master_bytes = (4 + (4 if grad_bytes == 2 else 0)) if low_precision else 0
-    optimizer_bytes = master_bytes + (8 if args.optimizer == "adam" else 4)
+    # fp32 copies of the weights and of 16-bit gradients (mixed precision only) + Adam's two moments.
+    fp32_copy_bytes = (4 + (4 if grad_bytes == 2 else 0)) if low_precision else 0
+    optimizer_bytes = fp32_copy_bytes + (8 if args.optimizer == "adam" else 4)
     shards = args.data_parallel_size * cp if args.use_distributed_optimizer else 1
     local_seq = args.seq_length // cp
     layers = math.ceil(args.num_layers / args.pipeline_model_parallel_size)

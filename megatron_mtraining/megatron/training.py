@@ -384,11 +384,11 @@ def _megatron_defaults(cpu: bool) -> dict:
     defaults = (
         {} if HAVE_TE else {"transformer_impl": "local", "no_persist_layer_norm": True, "apply_rope_fusion": False}
     )
-    # Megatron defaults to fusing the weight-gradient accumulation into the GEMM, which the local
-    # spec's linears take from Apex's CUDA extension; without it they refuse to build.
     # The plugin's attention is causal by its index and never reads a mask; Megatron's default
     # dataset would build a dense [S, S] one per sample (1 GiB at 32K, 256 GiB at 512K).
     defaults["create_attention_mask_in_dataloader"] = False
+    # Megatron defaults to fusing the weight-gradient accumulation into the GEMM, which the local
+    # spec's linears take from Apex's CUDA extension; without it they refuse to build.
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
         defaults["gradient_accumulation_fusion"] = False
     if cpu:

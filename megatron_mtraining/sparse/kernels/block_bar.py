@@ -89,6 +89,17 @@ def _block_step(BLOCKS, lay, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.con
 
 
 @triton.jit
+def _tile_keys(TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok,
+               BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
+    """Step ``j`` of the row-major kernels' tile loop: (KV block, k, v, key positions, key
+    mask) for ``BLOCK_N`` keys of the ``j // (BLOCK // BLOCK_N)``-th listed tile."""
+    kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
+    k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
+    v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+    return kb, k, v, col_pos, col_ok
+
+
+@triton.jit
 def _bar_keys(KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok,
               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Entries ``c0 .. c0 + BLOCK_N`` of the first ``n_bars`` of head ``bh``'s gathered
@@ -170,9 +181,9 @@ def _fwd_kernel(
     lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
-        kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
-        k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
-        v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+        kb, k, v, col_pos, col_ok = _tile_keys(
+            TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+        )
         acc, m_i, l_i = _online_step(
             acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
             qk_scale, PRECISION,
@@ -244,9 +255,9 @@ def _dq_kernel(
     lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
-        kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
-        k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
-        v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
+        kb, k, v, col_pos, col_ok = _tile_keys(
+            TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+        )
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
             _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, PRECISION,
