@@ -8,7 +8,8 @@ on an A100; docs/benchmarks.md). :func:`chunked_lm_loss` is a ``GPTModel`` outpu
 output layer and loss on chunks of rows under activation checkpointing: the forward keeps
 each chunk's per-token loss only, and the backward recomputes one chunk's logits at a time.
 Losses and gradients are Megatron's (the same operations on the same rows); the price is one
-more output-layer GEMM per chunk in the backward, ~3% of a step for a 3B model.
+more output-layer GEMM per chunk in the backward: by FLOP count (the output layer is ~10% of
+a 3B model's step), about 3% of a step; not measured on its own.
 
 With sequence parallelism the output layer all-gathers its input over TP, so a chunk of each
 rank's shard becomes rows from every rank's part of the sequence: the labels are gathered in
