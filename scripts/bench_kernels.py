@@ -14,7 +14,9 @@ Rows:
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
 * index building: vertical-slash statistics + top-p + kernel layout, against the
-  sparse forward, with the statistics and the top-p selection also timed alone;
+  sparse forward, as the product builds it (replayed from a CUDA graph) and eagerly
+  (``MTRAINING_INDEX_GRAPHS=0``), with the statistics, the top-p selection and the
+  layout also timed alone (eager);
 * peak memory of forward + backward against the q/k/v/o and gradient tensors;
 * MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through the union-of-tiles
   kernels, with the share of computed tile area that is useful.
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,7 @@ from megatron_mtraining.sparse import (
     sparse_attention,
     window_statistics,
 )
+from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
 from megatron_mtraining.sparse.kernels.layout import kernel_layout
 from megatron_mtraining.synthetic import rope
 
@@ -260,10 +265,14 @@ def bench_seq(seq, args, gen, rows, extra):
         if "ours_speedup_fwd_bwd" in rows[-1]:
             print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
 
-    # Index building against the sparse forward, and its parts.
+    # Index building against the sparse forward, and its parts. The product path replays the
+    # build (statistics, selection, layout) from a CUDA graph; the eager build is shown beside it.
     cfg = VerticalSlashConfig(block_size=args.block)
+    build = lambda: kernel_layout(build_vertical_slash_index(q, k, cfg))  # noqa: E731
     with torch.no_grad():
-        build_ms = timed(lambda: kernel_layout(build_vertical_slash_index(q, k, cfg)), rep)
+        build_ms = timed(build, rep)
+        with mock.patch.dict(os.environ, {GRAPHS_ENV: "0"}):
+            eager_build_ms = timed(build, rep)
         statistics_ms = timed(lambda: window_statistics(q, k, cfg), rep)
         stats = window_statistics(q, k, cfg)
         selection_ms = timed(lambda: select_vertical_slash(stats, cfg, seq), rep)
@@ -272,15 +281,16 @@ def bench_seq(seq, args, gen, rows, extra):
         {
             "seq": seq,
             "build_index_plus_layout_ms": build_ms,
+            "eager_build_index_plus_layout_ms": eager_build_ms,
             "statistics_only_ms": statistics_ms,
             "selection_only_ms": selection_ms,
             "layout_only_ms": layout_ms,
             "sparse_fwd_ms": ours_row.get("fwd_ms"),
         }  # fmt: skip
     )
-    print(f"    index build+layout {build_ms:.2f} ms (statistics {statistics_ms:.2f}, top-p selection "
-          f"{selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse fwd "
-          f"{ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
+    print(f"    index build+layout {build_ms:.2f} ms (graphed; eager {eager_build_ms:.2f} ms: statistics "
+          f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse "
+          f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     # Peak memory of one forward + backward, against the tensors themselves.
     try:

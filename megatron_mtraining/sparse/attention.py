@@ -53,9 +53,7 @@ def sparse_attention(
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
     """``"triton"`` when the kernels run this call, else ``"reference"`` (``backend``, else
     ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve)."""
-    choice = backend or os.environ.get(BACKEND_ENV) or "auto"
-    if choice not in BACKENDS:
-        fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
+    choice = _backend_setting(backend)
     # The kernels address elements with int32 offsets (2^31 elements: 1M tokens x 16 heads x 128).
     kernel_ok = (
         triton_available()
@@ -74,6 +72,19 @@ def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
     if choice == "auto":
         choice = "triton" if q.is_cuda and kernel_ok else "reference"
     return choice
+
+
+def _backend_setting(backend: str | None) -> str:
+    choice = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def index_kernels(t: torch.Tensor) -> bool:
+    """Whether the index builders' Triton kernels (top-p selection) serve ``t``: CUDA, Triton
+    installed, and ``MTRAINING_ATTENTION_BACKEND`` not ``reference``."""
+    return _backend_setting(None) != "reference" and t.is_cuda and triton_available()
 
 
 def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .validation import fail
 
-_INT32_MAX = torch.iinfo(torch.int32).max
+if TYPE_CHECKING:
+    from .kernels.layout import KernelLayout
+
+INT32_MAX = torch.iinfo(torch.int32).max
 # Entries of a top-k index's selections that attended_area gathers per operation.
 _AREA_ENTRIES = 1 << 22
 
@@ -50,7 +54,7 @@ class SparseIndex:
                 return v.to(device)
             return torch.device(device) if isinstance(v, torch.device) else v
 
-        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init})
 
     @property
     def selection_heads(self) -> int:
@@ -195,9 +199,14 @@ def compact(values: torch.Tensor, keep: torch.Tensor, width: int | None = None) 
     count = keep.sum(-1)
     if width is None:
         width = int(count.max()) if count.numel() else 0
-    ordered = torch.where(keep, values, _INT32_MAX).sort(dim=-1).values[..., :width]
-    ordered = torch.where(ordered == _INT32_MAX, -1, ordered)
-    return ordered.to(torch.int32), count.to(torch.int32)
+    return sort_kept(torch.where(keep, values, INT32_MAX), width), count.to(torch.int32)
+
+
+def sort_kept(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``values`` in ascending order along the last dimension, trimmed to ``width`` entries,
+    with the dropped ones (``INT32_MAX``, sorted last) as -1 padding; int32."""
+    ordered = values.sort(dim=-1).values[..., :width]
+    return torch.where(ordered == INT32_MAX, -1, ordered).to(torch.int32)
 
 
 def single_device(t: torch.Tensor) -> torch.Tensor:
@@ -310,6 +319,10 @@ class VerticalSlashIndex(SparseIndex):
     slash: torch.Tensor  # [B, Hq, max_slash] int32
     seq_len: int
     block_size: int
+    # The kernel layout, when the builder made it with the index (``build_vertical_slash_index``
+    # in a CUDA graph); ``kernel_layout`` then returns it rather than build it again. Derived
+    # from the fields above: not compared, not moved by ``to``.
+    precomputed_layout: KernelLayout | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

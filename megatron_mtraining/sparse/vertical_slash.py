@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import backend_choice
-from .index import VerticalSlashIndex, compact, single_device
+from .attention import backend_choice, index_kernels
+from .cuda_graphs import GraphedCalls, graphs_enabled
+from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
+from .kernels.layout import kernel_layout
 from .validation import (
     ValidatedConfig,
     check_fraction,
@@ -107,7 +109,7 @@ def window_statistics_from_parts(
     row_sum = all_reduce_sum(parts.row_sum(row_max))
     vertical, token_slash = parts.mass(row_max, row_sum)
     vertical, token_slash = all_reduce_sum(vertical), all_reduce_sum(token_slash)
-    return WindowStatistics((vertical / w).float(), _pool_diagonals(token_slash / w, config.block_size).float())
+    return WindowStatistics((vertical / w).float(), (_pool_diagonals(token_slash, config.block_size) / w).float())
 
 
 class _ReferenceParts:
@@ -160,41 +162,47 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
     """Token-diagonal profile ``[..., S]`` -> block-diagonal scores ``[..., n_blocks]``."""
     seq = token_slash.shape[-1]
     n_blocks = -(-seq // block_size)
-    padded = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq)).unflatten(
-        -1, (n_blocks, block_size)
-    )
+    if n_blocks * block_size != seq:
+        token_slash = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq))
+    blocks = token_slash.unflatten(-1, (n_blocks, block_size))
     t = torch.arange(block_size, device=token_slash.device, dtype=token_slash.dtype)
-    own = (padded * (block_size - t)).sum(-1) / block_size
-    spill = (padded * t).sum(-1) / block_size  # goes to diagonal d + 1
-    pooled = own.clone()
+    # Weighted sums rather than one matrix product: cuBLAS sets up a workspace for each
+    # stream it runs on, the captured index build's warm-up and capture streams too.
+    pooled = (blocks * (block_size - t)).sum(-1)
+    spill = (blocks * t).sum(-1)  # goes to diagonal d + 1
     pooled[..., 1:] += spill[..., :-1]
     pooled[..., -1] += spill[..., -1]  # no diagonal beyond the last: keep the mass
-    return pooled
-
-
-def _top_p(scores: torch.Tensor, p: float, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fewest top entries of ``scores [..., n]`` whose mass reaches ``p`` of the
-    total (at most ``cap``, never a zero-mass entry): the indices of the best
-    ``min(cap, n)`` entries, best first, and which of them are taken (a prefix)."""
-    # Sorting the fp32 scores gives the order of their fp64 copies (the conversion is
-    # exact and monotonic, so every comparison agrees) at half the key width; sums are fp64.
-    ordered, order = scores.sort(dim=-1, descending=True)
-    total = ordered.double().sum(-1, keepdim=True)
-    top = ordered[..., :cap].double()
-    before = top.cumsum(-1) - top  # mass of the strictly better entries
-    return order[..., :cap], (before < p * total) & (top > 0)
+    return pooled / block_size
 
 
 def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Tensor:
-    """Ascending indices (-1 padded) of the top-p entries and of the first ``forced``
-    ones; only the ``cap`` candidates are compacted, not all ``n`` entries. The width is
-    the bound ``forced + cap`` rather than the longest row, which would read the counts
-    from the device; the kernels read each row's own prefix, not the padding."""
-    order, take = _top_p(scores, p, cap)
-    first = torch.arange(min(forced, scores.shape[-1]), device=scores.device).expand(*order.shape[:-1], -1)
-    values = torch.cat([first, order], -1).int()
-    keep = torch.cat([torch.ones_like(first, dtype=torch.bool), take & (order >= forced)], -1)
-    return compact(values, keep, width=values.shape[-1])[0]
+    """Ascending indices (-1 padded) of the fewest top entries of ``scores [..., n]`` whose
+    mass reaches ``p`` of the total (at most ``cap``, never a zero-mass entry) and of the
+    first ``forced`` ones. The width is the bound ``min(forced, n) + min(cap, n)`` rather
+    than the longest row, which would read the counts from the device; the kernels read
+    each row's own prefix, not the padding."""
+    # The best fp32 scores are the best of their fp64 copies (the conversion is exact and
+    # monotonic); sums are fp64.
+    top, order = scores.topk(min(cap, scores.shape[-1]), dim=-1)
+    limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
+    n_first = min(forced, scores.shape[-1])
+    if index_kernels(scores):
+        from .kernels.top_p import take_top_p  # imports Triton
+
+        values = take_top_p(top, order, limit, forced, n_first)
+    else:
+        values = _taken(top, order, limit, forced, n_first)
+    return sort_kept(values, values.shape[-1])
+
+
+def _taken(top, order, limit, forced: int, n_first: int) -> torch.Tensor:
+    """The first ``n_first`` indices, then each candidate's (best first) where the budget
+    takes it (the mass of the better candidates is below ``limit``) and it is not among
+    the first ``forced``, else ``INT32_MAX``."""
+    top = top.double()
+    take = (top.cumsum(-1) - top < limit) & (top > 0) & (order >= forced)
+    first = torch.arange(n_first, device=order.device).expand(*order.shape[:-1], -1)
+    return torch.cat([first, torch.where(take, order, INT32_MAX)], -1)
 
 
 def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, seq_len: int) -> VerticalSlashIndex:
@@ -207,9 +215,43 @@ def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, 
     )
 
 
+# Index builds replayed from CUDA graphs, one per (device, shapes, dtype, config, scale, stats
+# tiles); two cover a training run's shape and an evaluation's. Each graph holds its input
+# buffers (the window queries, and a copy of K: 64 MiB at 128K tokens for 2 KV heads of 128,
+# bf16) and a private memory pool with the build's intermediates: the [B, Hq, S] fp32 and
+# fp64 statistics, the mass kernel's fp64 runs (4 x [B, Hq, S] for a 64-query window: 64 MiB
+# at 128K with 16 heads), the top-p selection's buffers and the layout tables.
+_GRAPHS = GraphedCalls(size=2)
+
+
 @torch.no_grad()
 def build_vertical_slash_index(
     q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, softmax_scale: float | None = None
 ) -> VerticalSlashIndex:
-    """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``."""
-    return select_vertical_slash(window_statistics(q, k, config, softmax_scale), config, q.shape[1])
+    """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``.
+
+    Where the statistics run on the kernels and CUDA graphs apply (``cuda_graphs.graphs_enabled``;
+    ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the statistics, the selection and the
+    kernel layout replay one graph, equal bit for bit to the eager build, and the index
+    carries the layout (``precomputed_layout``) for ``sparse_attention``."""
+    check_qk(q, k)
+    seq = q.shape[1]
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    q_window = q[:, seq - min(config.last_q, seq) :]
+    if not (graphs_enabled(q) and backend_choice(q) == "triton"):
+        return _index(q_window, k, config, scale, seq)
+    from .kernels import window_stats  # imports Triton
+
+    def index_and_layout(q_window, k):
+        index = _index(q_window, k, config, scale, seq)
+        return index, kernel_layout(index)
+
+    key = (q.device, q.dtype, tuple(q_window.shape), tuple(k.shape), config, scale, window_stats.LAUNCH)
+    index, layout = _GRAPHS.call(key, index_and_layout, q_window, k)
+    index.precomputed_layout = layout
+    return index
+
+
+def _index(q_window, k, config: VerticalSlashConfig, scale: float, seq: int) -> VerticalSlashIndex:
+    positions = torch.arange(seq, device=k.device)
+    return select_vertical_slash(window_statistics_from_parts(q_window, k, positions, seq, config, scale), config, seq)

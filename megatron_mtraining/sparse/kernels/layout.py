@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
+from . import triton_available
 
 
 @dataclass
@@ -108,6 +109,14 @@ def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, righ
 
 
 def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
+    """The layout of a vertical-slash index on one device: in one Triton launch for CUDA
+    indices (``layout_kernel``), else composed from the context-parallel helpers below."""
+    if index.precomputed_layout is not None:
+        return index.precomputed_layout
+    if index.device.type == "cuda" and triton_available():
+        from .layout_kernel import vertical_slash_tables  # imports Triton
+
+        return KernelLayout(index.block_size, vertical=index.vertical, **vertical_slash_tables(index))
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     last_rows = torch.clamp(blocks[1:] * bs, max=index.seq_len) - 1

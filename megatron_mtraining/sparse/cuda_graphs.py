@@ -1,0 +1,113 @@
+"""Replaying a function of CUDA tensors from a captured CUDA graph, cached by key.
+
+The vertical-slash index build (``vertical_slash.build_vertical_slash_index``) launches
+dozens of kernels, most of them small torch operations whose host launch time (~5-10 us
+each) exceeds their device time; replayed from a graph they cost one launch.
+
+A graph reads fixed input buffers and writes fixed output buffers. A call copies its inputs
+into the graph's buffers, replays it, and returns a copy of the outputs (one clone of a
+packed byte buffer): the next replay overwrites the graph's own outputs, and one call's
+results (a layer's index) must live until its backward. Calls on different streams are
+ordered by an event, so one replay never overwrites the buffers another is still reading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+from .validation import fail
+
+GRAPHS_ENV = "MTRAINING_INDEX_GRAPHS"
+
+
+def graphs_enabled(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` may replay a graph: ``MTRAINING_INDEX_GRAPHS`` is not 0,
+    the tensors are on CUDA, and no graph is being captured on the current stream (Megatron's
+    own CUDA graphs then take in the eager operations) nor traced by torch.compile."""
+    value = os.environ.get(GRAPHS_ENV, "1")
+    if value not in ("0", "1"):
+        fail(GRAPHS_ENV, value, "0 (build eagerly) or 1 (replay CUDA graphs where they apply, the default)")
+    return (
+        value == "1"
+        and all(t.is_cuda for t in tensors)
+        and not torch.cuda.is_current_stream_capturing()
+        and not torch.compiler.is_compiling()
+    )
+
+
+class GraphedCalls:
+    """Graphs by key, at most ``size`` of them (the least recently used is dropped).
+
+    ``call(key, fn, *inputs)`` returns ``fn(*inputs)``: a tuple of dataclasses whose tensor
+    fields are the results. ``fn`` is captured on the key's first call; the key must fix
+    everything ``fn`` does other than read its inputs' values (shapes, dtypes, settings)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+
+    def call(self, key: Hashable, fn: Callable, *inputs: torch.Tensor) -> tuple:
+        graph = self.graphs.pop(key, None) or _Graph(fn, inputs)
+        self.graphs[key] = graph
+        if len(self.graphs) > self.size:
+            _, dropped = self.graphs.popitem(last=False)
+            dropped.done.synchronize()  # its memory goes back to the allocator: no replay may still use it
+        return graph(inputs)
+
+
+class _Graph:
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...]):
+        self.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in inputs]
+        # Warm-up on a side stream, as capture requires: Triton compiles its kernels (which
+        # cannot happen during capture) and the allocator sees the sizes.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = fn(*self.inputs)
+            self.leaves = _tensor_leaves(self.outputs)
+            self.packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in self.leaves])
+        self.done = torch.cuda.Event()
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.done)
+        for buffer, t in zip(self.inputs, inputs, strict=True):
+            buffer.copy_(t)
+        self.graph.replay()
+        packed = self.packed.clone()
+        self.done.record(stream)
+        return _rebuild(self.outputs, self.leaves, packed)
+
+
+def _tensor_fields(obj) -> dict[str, torch.Tensor]:
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    return {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
+
+
+def _tensor_leaves(outputs: tuple) -> list[torch.Tensor]:
+    """The distinct tensors of ``outputs``, widest elements first, so that packed one after
+    the other every tensor starts at a multiple of its element size."""
+    distinct = {id(t): t for obj in outputs for t in _tensor_fields(obj).values()}
+    return sorted(distinct.values(), key=lambda t: -t.element_size())
+
+
+def _rebuild(outputs: tuple, leaves: list[torch.Tensor], packed: torch.Tensor) -> tuple:
+    """``outputs`` with each tensor field replaced by its copy in ``packed`` (views; a tensor
+    that several fields share stays shared)."""
+    copies, offset = {}, 0
+    for t in leaves:
+        nbytes = t.numel() * t.element_size()
+        copies[id(t)] = packed[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        offset += nbytes
+    return tuple(
+        dataclasses.replace(obj, **{name: copies[id(t)] for name, t in _tensor_fields(obj).items()}) for obj in outputs
+    )

@@ -1,0 +1,300 @@
+"""The vertical-slash index build replayed from CUDA graphs (``sparse.cuda_graphs``), and its
+one-launch kernels: the top-p take (``sparse.kernels.top_p``) and the kernel layout
+(``sparse.kernels.layout_kernel``).
+
+On CPU: the fallback choice, the cache's bounds, the packing of the results, and the two
+kernels in Triton's interpreter. On a GPU: graphed builds equal eager ones bit for bit, call
+after call, without touching earlier calls' results, and the fallbacks build eagerly.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_mtraining.sparse import (
+    VerticalSlashConfig,
+    VerticalSlashIndex,
+    build_vertical_slash_index,
+    cuda_graphs,
+    sparse_attention,
+    vertical_slash,
+)
+from megatron_mtraining.sparse.kernels.layout import KernelLayout, kernel_layout, vertical_slash_layout
+
+CFG = VerticalSlashConfig(last_q=64, vertical_topp=0.7, slash_topp=0.8, block_size=64, sink_tokens=3, local_window=100)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """An empty graph cache for the build, so each test sees only its own graphs."""
+    cache = cuda_graphs.GraphedCalls(size=2)
+    monkeypatch.setattr(vertical_slash, "_GRAPHS", cache)
+    monkeypatch.delenv(cuda_graphs.GRAPHS_ENV, raising=False)
+    monkeypatch.delenv("MTRAINING_ATTENTION_BACKEND", raising=False)
+    return cache
+
+
+def qk(rng, seq=3000, heads=(16, 2), d=128, device="cuda", dtype=torch.bfloat16):
+    q = torch.randn(1, seq, heads[0], d, generator=rng).to(device, dtype)
+    k = torch.randn(1, seq, heads[1], d, generator=rng).to(device, dtype)
+    return q, k
+
+
+def eager(q, k, cfg=CFG):
+    """The eager build and its layout, as sparse_attention would build it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cuda_graphs.GRAPHS_ENV, "0")
+        index = build_vertical_slash_index(q, k, cfg)
+    assert index.precomputed_layout is None
+    return index, kernel_layout(index)
+
+
+def layout_tensors(layout: KernelLayout) -> dict:
+    return {name: t for name, t in vars(layout).items() if isinstance(t, torch.Tensor)}
+
+
+def assert_same(got: tuple, want: tuple):
+    (index, layout), (want_index, want_layout) = got, want
+    assert torch.equal(index.vertical, want_index.vertical) and torch.equal(index.slash, want_index.slash)
+    assert (index.seq_len, index.block_size) == (want_index.seq_len, want_index.block_size)
+    got_t, want_t = layout_tensors(layout), layout_tensors(want_layout)
+    assert got_t.keys() == want_t.keys() and layout.block == want_layout.block
+    for name, t in got_t.items():
+        assert t.dtype == want_t[name].dtype and torch.equal(t, want_t[name]), name
+
+
+def snapshot(result: tuple) -> tuple:
+    index, layout = result
+    copy = VerticalSlashIndex(index.vertical.clone(), index.slash.clone(), index.seq_len, index.block_size)
+    return copy, KernelLayout(layout.block, **{n: t.clone() for n, t in layout_tensors(layout).items()})
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_graphs_apply_only_to_cuda_inputs_and_the_switch(monkeypatch):
+    t = torch.zeros(1)
+    monkeypatch.delenv(cuda_graphs.GRAPHS_ENV, raising=False)
+    assert not cuda_graphs.graphs_enabled(t)
+    monkeypatch.setenv(cuda_graphs.GRAPHS_ENV, "off")
+    with pytest.raises(ValueError, match=r"MTRAINING_INDEX_GRAPHS='off'.*0 \(build eagerly\) or 1"):
+        cuda_graphs.graphs_enabled(t)
+
+
+def test_cpu_build_is_eager(rng, graphs):
+    q, k = qk(rng, seq=200, heads=(4, 2), d=16, device="cpu", dtype=torch.float32)
+    index = build_vertical_slash_index(q, k, CFG)
+    assert index.precomputed_layout is None and not graphs.graphs
+
+
+def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
+    """The build's graph key holds what the captured code depends on besides the input
+    values (shapes, dtype, config, softmax scale, the statistics kernels' tiles), and the
+    built index carries the layout. On CPU: the cache records keys and runs the build
+    eagerly (the statistics kernels in Triton's interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.sparse.kernels import window_stats
+
+    keys = []
+
+    class Recorder:
+        def call(self, key, fn, *inputs):
+            keys.append(key)
+            return fn(*inputs)
+
+    monkeypatch.setattr(vertical_slash, "_GRAPHS", Recorder())
+    monkeypatch.setattr(vertical_slash, "graphs_enabled", lambda *tensors: True)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2))
+    cfg = VerticalSlashConfig(last_q=16, block_size=16)
+    q, k = qk(rng, seq=100, heads=(4, 2), d=16, device="cpu", dtype=torch.float16)
+    index = build_vertical_slash_index(q, k, cfg)
+    assert index.precomputed_layout is not None
+    assert_same((index, index.precomputed_layout), (index, vertical_slash_layout(index.to("cpu"))))
+    build_vertical_slash_index(*qk(rng, seq=100, heads=(4, 2), d=16, device="cpu", dtype=torch.float16), cfg)
+    build_vertical_slash_index(q, k, cfg, softmax_scale=0.5)
+    build_vertical_slash_index(q, k, VerticalSlashConfig(last_q=16, block_size=32))
+    build_vertical_slash_index(q[:, :80], k[:, :80], cfg)
+    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=16, block_n=16, chunk_blocks=2))
+    build_vertical_slash_index(q, k, cfg)
+    assert keys[0] == keys[1] and len(set(keys)) == len(keys) - 1
+
+
+def test_cache_keeps_the_most_recently_used(monkeypatch):
+    made = []
+
+    class Done:
+        def synchronize(self):
+            pass
+
+    class FakeGraph:
+        def __init__(self, fn, inputs):
+            made.append(self)
+            self.fn, self.done = fn, Done()
+
+        def __call__(self, inputs):
+            return self.fn(*inputs)
+
+    monkeypatch.setattr(cuda_graphs, "_Graph", FakeGraph)
+    cache = cuda_graphs.GraphedCalls(size=2)
+    x = torch.ones(2)
+    for key in ("a", "b", "a", "c", "a", "b"):
+        assert cache.call(key, lambda t, key=key: (key, t), x) == (key, x)
+    # a, b, (a hit), c evicts b, (a hit), b evicts c
+    assert len(made) == 4 and list(cache.graphs) == ["a", "b"]
+
+
+def test_results_are_rebuilt_from_one_packed_buffer():
+    """The packing that returns a replay's results: every tensor field comes back equal, in
+    its dtype and shape, from one byte buffer, and a tensor shared by two fields stays shared."""
+    vertical = torch.tensor([[[1, 5, -1]]], dtype=torch.int32)
+    index = VerticalSlashIndex(vertical, torch.tensor([[[0, 2]]], dtype=torch.int32), seq_len=9, block_size=16)
+    layout = KernelLayout(
+        16,
+        tiles=torch.arange(6, dtype=torch.int32).view(1, 1, 2, 3),
+        tile_count=torch.tensor([[[3, 1]]], dtype=torch.int32),
+        tiles_t=torch.zeros(1, 1, 2, 0, dtype=torch.int32),
+        tile_t_count=torch.zeros(1, 1, 2, dtype=torch.int32),
+        vertical=vertical,
+        active=torch.tensor([[[1, 0, 1]]], dtype=torch.int8),
+        query_positions=torch.tensor([7], dtype=torch.int64),
+    )
+    leaves = cuda_graphs._tensor_leaves((index, layout))
+    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in leaves]).clone()
+    got_index, got_layout = cuda_graphs._rebuild((index, layout), leaves, packed)
+    assert_same((got_index, got_layout), (index, layout))
+    assert got_index.vertical.data_ptr() == got_layout.vertical.data_ptr()
+    assert got_layout.tiles.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+
+
+def test_index_carries_its_layout_until_moved():
+    index = VerticalSlashIndex(torch.tensor([[[3]]]).int(), torch.tensor([[[0]]]).int(), seq_len=40, block_size=16)
+    marker = KernelLayout(16, *(torch.zeros(1, 1, 1, 1, dtype=torch.int32),) * 4)
+    index.precomputed_layout = marker
+    assert kernel_layout(index) is marker
+    assert index.to("cpu").precomputed_layout is None and kernel_layout(index.to("cpu")) is not marker
+
+
+@pytest.mark.parametrize("seq,block,heads", [(1000, 64, (4, 2)), (300, 16, (3, 1)), (130, 16, (2, 2))])
+def test_layout_kernel_equals_the_composed_layout(seq, block, heads, rng, device):
+    """The one-launch layout against the torch composition (context parallelism's helpers),
+    entry for entry: tiles both ways, counts, bar prefixes, vertical pointers, diagonals."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+
+    q, k = qk(rng, seq=seq, heads=heads, d=16, device="cpu", dtype=torch.float32)
+    cfg = VerticalSlashConfig(
+        last_q=32, vertical_topp=0.5, slash_topp=0.7, block_size=block, sink_tokens=3, local_window=40,
+        vertical_cap=50, slash_cap=8 * block,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+        index = build_vertical_slash_index(q, k, cfg)
+    # Duplicated, unsorted diagonals too: slots are ranks, not positions in the list.
+    shuffled = VerticalSlashIndex(index.vertical, index.slash.flip(-1).repeat(1, 1, 2), seq, block)
+    for idx in (index, shuffled):
+        want = vertical_slash_layout(idx)
+        got = vertical_slash_tables(idx.to(device))
+        for name, t in got.items():
+            assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("n,cap,forced", [(3000, 1500, 5), (50, 64, 0), (40, 8, 60)])
+def test_top_p_kernel_equals_the_torch_take(n, cap, forced, rng, device):
+    """The one-launch top-p take against the torch one on random scores with zero-mass
+    entries: the same candidate lists, forced entries first (more of them than scores too)."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.sparse.kernels.top_p import take_top_p
+
+    scores = torch.rand(2, 3, n, generator=rng) + 0.01
+    scores[..., ::7] = 0
+    scores = scores.to(device)
+    top, order = scores.topk(min(cap, n), dim=-1)
+    for p in (0.3, 0.9):
+        limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
+        n_first = min(forced, n)
+        want = vertical_slash._taken(top, order, limit, forced, n_first)
+        got = take_top_p(top, order, limit, forced, n_first)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])
+def test_graphed_build_equals_eager_call_after_call(heads, rng, graphs):
+    """Fresh random inputs each call, two shapes interleaved: each graphed build (index and
+    layout) equals the eager one bit for bit, and earlier calls' results stay intact."""
+    kept = []
+    for seq in (3000, 4096, 3000, 4096, 3000):
+        q, k = qk(rng, seq=seq, heads=heads)
+        got = build_vertical_slash_index(q, k, CFG)
+        result = (got, kernel_layout(got))
+        assert result[1] is got.precomputed_layout
+        assert_same(result, eager(q, k))
+        kept.append((result, snapshot(result)))
+    for result, copy in kept:
+        assert_same(result, copy)
+    assert len(graphs.graphs) == 2
+
+
+@pytest.mark.gpu
+@gpu
+def test_graphed_build_on_another_stream(rng, graphs):
+    q, k = qk(rng)
+    first = build_vertical_slash_index(q, k, CFG)
+    q2, k2 = qk(rng)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        second = build_vertical_slash_index(q2, k2, CFG)
+        second = (second, kernel_layout(second))
+    torch.cuda.current_stream().wait_stream(side)
+    assert_same(second, eager(q2, k2))
+    assert_same((first, kernel_layout(first)), eager(q, k))
+
+
+@pytest.mark.gpu
+@gpu
+def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
+    from megatron_mtraining.sparse.kernels import layout_kernel
+
+    q, k = qk(rng)
+    v = torch.randn(k.shape, generator=rng).to(k)
+    index = build_vertical_slash_index(q, k, CFG)
+    monkeypatch.setattr(layout_kernel, "vertical_slash_tables", lambda index: pytest.fail("layout built again"))
+    out, lse = sparse_attention(q, k, v, index)
+    monkeypatch.undo()
+    want_out, want_lse = sparse_attention(q, k, v, eager(q, k)[0])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.gpu
+@gpu
+def test_fallbacks_build_eagerly(rng, graphs, monkeypatch):
+    """The switch, the reference backend and a capture under way (Megatron's CUDA graphs)
+    build eagerly: no graph is made and the index carries no layout."""
+    q, k = qk(rng)
+    want = eager(q, k)
+    monkeypatch.setenv(cuda_graphs.GRAPHS_ENV, "0")
+    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    monkeypatch.delenv(cuda_graphs.GRAPHS_ENV)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    monkeypatch.delenv("MTRAINING_ATTENTION_BACKEND")
+    assert not graphs.graphs
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        captured = build_vertical_slash_index(q, k, CFG)
+    assert captured.precomputed_layout is None and not graphs.graphs
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.vertical, want[0].vertical) and torch.equal(captured.slash, want[0].slash)
