@@ -48,9 +48,17 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
 
 
 @needs_kernels
-def test_ring_on_kernels(rng):
-    """Ring steps and the local vertical-column pass on the Triton kernels (positions)."""
-    run_on_device(2, check_ring_with_kernels, int(torch.randint(0, 2**31, (1,), generator=rng)), 128)
+@pytest.mark.parametrize(
+    "world,inner,dtype",
+    [(2, None, torch.float32), (2, None, torch.float16), (4, 2, torch.float32)],
+    ids=["flat-fp32", "flat-fp16", "2x2-fp32"],
+)
+def test_ring_on_kernels(world, inner, dtype, rng):
+    """Ring steps and the local vertical-column pass on the Triton kernels (positions),
+    accumulating in the kernels: flat, and the hierarchical ring; in fp16 the last piece
+    writes the output and dQ in the inputs' dtype."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(world, check_ring_with_kernels, seed, 128, inner, dtype)
 
 
 @needs_kernels

@@ -2,11 +2,13 @@
 
 Q and O stay on their rank; K/V chunks travel around the ring (inside a node, and
 from node to node for the hierarchical ring), each rank attending its queries to
-every chunk under the per-step view of one global sparse index (``StepIndex``),
-merging partial (out, lse). Transfers are posted before the compute they overlap.
-In the backward, dK/dV accumulators travel with their chunk back to its owner.
-A vertical-slash index's vertical columns are attended in one local pass against
-their gathered K/V rather than on the ring, which keeps the ring's work balanced.
+every chunk under the per-step view of one global sparse index (``StepIndex``) and
+adding each chunk's part into one running (out, lse), inside the attention kernel
+where the kernels run. Transfers are posted before the compute they overlap. In the
+backward, dK/dV accumulators travel with their chunk back to its owner. A
+vertical-slash index's vertical columns are attended in one local piece, before the
+ring's, against their gathered K/V rather than on the ring, which keeps the ring's
+work balanced.
 """
 
 from __future__ import annotations
@@ -17,14 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..sparse.attention import backend_choice, merge_partials, sparse_attention
+from ..sparse.attention import backend_choice, sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
 from ..sparse.kernels.layout import KernelLayout
-from ..sparse.reference import (
-    backward_partial,
-    compute_dtype,
-    forward_partial,
-)
+from ..sparse.reference import backward_partial, combine, compute_dtype, forward_partial
 from ..sparse.validation import check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
 from .distributed_index import build_distributed_index, build_local_index, scatter_rows
@@ -37,12 +35,19 @@ from .step_layout import StepLayouts
 
 class _Step:
     """One piece of a rank's attention work (a ring step, or the local vertical-column
-    pass): its index view and, where the kernels serve it (``layouts`` given), its kernel
-    layout (built once, used by the forward and the backward); with a ``timer`` its
-    computations are timed (``RingStats``)."""
+    pass): its index view, whether it has anything to compute (``attends``) and, where the
+    kernels serve it (``layouts`` given), its kernel layout (built once, used by the
+    forward and the backward); with a ``timer`` its computations are timed (``RingStats``).
 
-    def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None = None):
-        self.index, self.layouts, self.timer = index, layouts, timer
+    Each piece adds its part into the running result of the pieces before it: the
+    forward into ``(out, lse)``, the backward into ``dq``. On the kernels the sum is fp32
+    and added inside the kernel (no merge or accumulation pass of its own over the
+    rows), and the ``last`` piece writes it in q's dtype (no cast pass). The reference
+    path merges with ``combine`` and keeps the compute dtype, as single-device
+    ``sparse_attention`` does."""
+
+    def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None, attends: bool):
+        self.index, self.layouts, self.timer, self.attends = index, layouts, timer, attends
 
     @functools.cached_property
     def layout(self) -> KernelLayout | None:
@@ -53,61 +58,56 @@ class _Step:
         with record_function("mtraining.ring.step_layout"):
             return self.layouts.of(self.index.keys)
 
-    def merge(self, out, lse, partial):
-        """The running ``(out, lse)`` merged with this step's ``partial``."""
-        return merge_partials(out, lse, *partial, kernels=self.layouts is not None)
-
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, running, last: bool):
+        """``running`` (out, lse) with this piece's keys added (this piece's alone when
+        ``running`` is None)."""
+        if not self.attends:
+            return running
         with timed(self.timer, "fwd"):
             if self.layout is None:
-                return forward_partial(q, k, v, self.index, scale)
+                partial = forward_partial(q, k, v, self.index, scale)
+                return partial if running is None else combine(*running, *partial)
             from ..sparse.kernels.attention import kernel_forward  # imports Triton
 
-            return kernel_forward(q, k, v, self.layout, scale)
+            return kernel_forward(q, k, v, self.layout, scale, running, q.dtype if last else torch.float32)
 
-    def backward(self, q, k, v, scale, out, lse, dout, dlse):
+    def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool):
+        """(``dq`` with this piece's added (its own when ``dq`` is None), dk, dv), given the
+        final ``out`` / ``lse``, which is all a piece's gradient needs."""
+        if not self.attends:
+            return dq, torch.zeros_like(k), torch.zeros_like(v)
         with timed(self.timer, "bwd"):
             if self.layout is None:
-                return backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse.to(lse.dtype))
+                dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
+                dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
+                return (dq_s if dq is None else dq.add_(dq_s)), dk, dv
             from ..sparse.kernels.attention import kernel_backward  # imports Triton
 
-            return kernel_backward(q, k, v, self.layout, scale, out.to(q.dtype), lse, dout, dlse)
-
-
-class _LocalPass(torch.autograd.Function):
-    """A ``_Step`` on this rank's own inputs, differentiable (its (out, lse) is a partial
-    in the compute dtype, merged with the ring's)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, step: _Step, scale: float):
-        out, lse = step.forward(q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.step, ctx.scale = step, scale
-        return out.to(compute_dtype(q.dtype)), lse.to(compute_dtype(q.dtype))
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.step.backward(q, k, v, ctx.scale, out, lse, dout, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            dq_dtype = q.dtype if last else torch.float32
+            return kernel_backward(q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Two-level ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``,
-    inner step ``i``. Each outer step posts the inter-node transfer of the chunk it
-    started with, then runs the whole inner ring, so that transfer overlaps the inner
-    compute. A flat ring is the case of one outer step (one node).
+    """All of a rank's attention as one result. First the local vertical-column piece
+    (``local``, against the gathered column K/V ``k_cols`` / ``v_cols``; None when the
+    index has no columns), then the two-level ring: ``steps[o][i]`` is the view of the
+    chunk held at outer step ``o``, inner step ``i``. Each outer step posts the
+    inter-node transfer of the chunk it started with, then runs the whole inner ring, so
+    that transfer overlaps the inner compute. A flat ring is the case of one outer step
+    (one node). Every piece adds into one running result (``_Step``).
 
-    Backward: dK/dV accumulators travel the inner ring back to the rank that brought
-    the chunk into the node, then the outer ring back to the owning node.
+    Backward: each piece is recomputed from the final out / lse, so no piece keeps its
+    own result. The column gradients go back to ``_GatherColumns``; dK/dV accumulators
+    travel the inner ring back to the rank that brought the chunk into the node, then
+    the outer ring back to the owning node.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, steps: list[list[_Step]], inner: list[int], outer: list[int], scale: float, comm_timer):
-        dt = compute_dtype(q.dtype)
-        b, s, h, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=dt, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device)
+    def forward(ctx, q, k, v, k_cols, v_cols, local, steps, inner, outer, scale: float, comm_timer):
+        last = _last_attending(local, steps)
+        result = None
+        if local is not None:
+            result = local.forward(q, k_cols, v_cols, scale, result, local is last)
         inner_x, outer_x = RingExchange(inner, comm_timer, "fwd"), RingExchange(outer, comm_timer, "fwd")
         outer_kv = (k, v)
         for o, inner_steps in enumerate(steps):
@@ -117,30 +117,42 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                if step.index.may_attend():
-                    out, lse = step.merge(out, lse, step.forward(q, *kv, scale))
+                result = step.forward(q, *kv, scale, result, step is last)
                 if i + 1 < len(inner_steps):
                     kv = tuple(inner_x.wait())
             if o + 1 < len(steps):
                 outer_kv = tuple(outer_x.wait())
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps, ctx.rings, ctx.scale, ctx.comm_timer = steps, (inner, outer), scale, comm_timer
-        return out, lse  # compute dtype: merged with the local bars before the cast
+        if result is None:  # no piece attends: every row sees nothing
+            b, s, h, _ = q.shape
+            result = (
+                torch.zeros_like(q),
+                torch.full((b, h, s), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device),
+            )
+        out, lse = result
+        ctx.save_for_backward(q, k, v, k_cols, v_cols, out, lse)
+        ctx.local, ctx.steps, ctx.last = local, steps, last
+        ctx.rings, ctx.scale, ctx.comm_timer = (inner, outer), scale, comm_timer
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dt = out.dtype
+        q, k, v, k_cols, v_cols, out, lse = ctx.saved_tensors
+        dt = compute_dtype(q.dtype)
         inner, outer = ctx.rings
         inner_x, outer_x, inner_g, outer_g = (
             RingExchange(r, ctx.comm_timer, "bwd") for r in (inner, outer, inner, outer)
         )
-        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(dt)
 
         def zeros():
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
 
+        def piece(step, kv, dq):
+            return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last)
+
+        dq, col_grads = None, (None, None)
+        if ctx.local is not None:
+            dq, dk_cols, dv_cols = piece(ctx.local, (k_cols, v_cols), dq)
+            col_grads = dk_cols.to(k_cols.dtype), dv_cols.to(v_cols.dtype)
         outer_kv = (k, v)
         for o, inner_steps in enumerate(ctx.steps):
             if o + 1 < len(ctx.steps):
@@ -149,10 +161,7 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                grads = zeros()
-                if step.index.may_attend():
-                    dq_s, *grads = step.backward(q, *kv, ctx.scale, out, lse, dout, dlse)
-                    dq += dq_s
+                dq, *grads = piece(step, kv, dq)
                 # The accumulator of the chunk held now arrived from the inner predecessor.
                 acc = inner_g.wait() if i else zeros()
                 inner_g.start([a + g for a, g in zip(acc, grads, strict=True)])
@@ -164,7 +173,14 @@ class _RingAttention(torch.autograd.Function):
             if o + 1 < len(ctx.steps):
                 outer_kv = tuple(outer_x.wait())
         dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), *col_grads, None, None, None, None, None, None
+
+
+def _last_attending(local: _Step | None, steps: list[list[_Step]]) -> _Step | None:
+    """The piece that completes the result (the forward's and backward's order), if any attends."""
+    attending = [p for p in (local, *(s for row in steps for s in row)) if p is not None and p.attends]
+    return attending[-1] if attending else None
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -213,16 +229,13 @@ def _vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
     return compact(ordered, first & (ordered >= 0), min(len(ordered), index.seq_len))[0]
 
 
-def _local_bars(q, k, v, index: VerticalSlashIndex, queries: TokenPositions, group, scale, use_kernels: bool, timer):
-    """(step, (out, lse)) of this rank's queries over the vertical columns, or None when
-    the index has none."""
-    if not index.vertical.shape[-1]:
-        return None
+def _local_columns(k, v, index: VerticalSlashIndex, queries: TokenPositions, group, use_kernels: bool, timer):
+    """(the local piece: this rank's queries over the vertical columns, the columns' K, V)."""
     columns = _vertical_columns(index)
     k_cols, v_cols = _GatherColumns.apply(k, v, columns, queries, index.seq_len, group)
     bars = StepIndex(VerticalSlashPart(index, "bars"), queries, columns)
-    step = _Step(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer)
-    return step, _LocalPass.apply(q, k_cols, v_cols, step, scale)
+    # Taken as attending: asking (``may_attend``) would read the gathered positions from the device.
+    return _Step(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer, True), k_cols, v_cols
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -294,24 +307,22 @@ def ring_attention(
 
     def step(o: int, i: int) -> _Step:
         source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
-        keys = layout.token_positions(source, q.device)
-        return _Step(StepIndex(work, queries, keys), layouts, step_timers[o * n_inner + i])
+        view = StepIndex(work, queries, layout.token_positions(source, q.device))
+        return _Step(view, layouts, step_timers[o * n_inner + i], view.may_attend())
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
     # Nothing here reads the device (bar a top-k index's table widths, once), so the host
-    # runs ahead of the GPU: the local column pass goes first, and the host builds the
+    # runs ahead of the GPU: the local column piece goes first, and the host builds the
     # first ring step's layout while its kernel runs, each next one during the kernel
     # before.
-    local = None
-    if isinstance(index, VerticalSlashIndex):
+    local, k_cols, v_cols = None, None, None
+    if isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]:
         with record_function("mtraining.ring.local_columns"):
-            local = _local_bars(q, k, v, index, queries, cp_group, scale, use_kernels, local_timer)
+            local, k_cols, v_cols = _local_columns(k, v, index, queries, cp_group, use_kernels, local_timer)
     steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
     with record_function("mtraining.ring.steps"):
-        out, lse = _RingAttention.apply(q, k, v, steps, inner, outer, scale, comm_timer)
-    if local is not None:
-        out, lse = local[0].merge(out, lse, local[1])
+        out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
     if stats is not None:
-        per_step = [int(s.index.attended_area().sum()) if s.index.may_attend() else 0 for row in steps for s in row]
-        stats.record(rank, per_step, int(local[0].index.attended_area().sum()) if local is not None else 0)
-    return out.to(q.dtype), lse.float()
+        per_step = [int(s.index.attended_area().sum()) if s.attends else 0 for row in steps for s in row]
+        stats.record(rank, per_step, int(local.index.attended_area().sum()) if local is not None else 0)
+    return out, lse.float()

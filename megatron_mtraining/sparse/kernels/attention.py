@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..validation import fail
 from .block_bar import LOG2E, _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
 from .layout import KernelLayout
 
@@ -129,25 +130,52 @@ def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     }
 
 
-def kernel_forward(q, k, v, layout: KernelLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse fp32) of q over k/v under ``layout``; k/v may be another
-    length (a context-parallel chunk, gathered columns)."""
+def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype, device) -> tuple:
+    """(the buffer a kernel stores to, the running buffer it reads, whether it reads one).
+    Without ``running``: a new buffer in ``dtype``, passed for both (the running one then
+    unread). With it: ``running`` itself where ``dtype`` is fp32, else a new buffer."""
+    if running is None:
+        out = new_buffer(shape, dtype, device)
+        return out, out, False
+    if running.dtype != torch.float32 or tuple(running.shape) != tuple(shape) or not running.is_contiguous():
+        fail(
+            name,
+            f"{running.dtype} {tuple(running.shape)}",
+            f"a contiguous torch.float32 tensor of shape {tuple(shape)}",
+        )
+    return (running if dtype == torch.float32 else new_buffer(shape, dtype, device)), running, True
+
+
+def kernel_forward(
+    q, k, v, layout: KernelLayout, scale: float, running=None, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse fp32) of q over k/v under ``layout``; k/v may be another length (a
+    context-parallel chunk, gathered columns). ``out_dtype``: q's unless given.
+
+    ``running``: an fp32 (out, lse) of the same rows over other keys. The result is then
+    attention over both key sets, merged in the kernel (each row's running values are
+    read where its result is stored), and is written over ``running`` (the out too when
+    ``out_dtype`` is fp32)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
     n_qb = layout.tiles.shape[2]
-    out = new_buffer(q.shape, q.dtype, q.device)
-    lse = new_buffer((b, h, s), torch.float32, q.device)
+    run_out, run_lse = (None, None) if running is None else running
+    out, run_out, accumulate = _outputs("running[0]", run_out, q.shape, out_dtype or q.dtype, q.device)
+    lse, run_lse, _ = _outputs("running[1]", run_lse, (b, h, s), torch.float32, q.device)
     opts = _opts("fwd", layout, q)
     _fwd_kernel[(n_qb * (layout.block // opts["BLOCK_M"]), b * h)](
-        q, k, v, out, lse, layout.tiles, layout.tile_count, **_bars(layout, k, v),
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, **_common(q, k, layout), **opts,
+        q, k, v, out, lse, run_out, run_lse, layout.tiles, layout.tile_count, **_bars(layout, k, v),
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, ACCUMULATE=accumulate,
+        **_common(q, k, layout), **opts,
     )  # fmt: skip
     return out, lse
 
 
-def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse):
-    """(dq, dk, dv) in the inputs' dtypes, given each row's *final* out and lse (so the
-    partials of several K/V chunks add up); ``dlse`` may be None."""
+def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None):
+    """(dq, dk, dv), dk / dv in k / v's dtype, given each row's *final* out and lse (so the
+    partials of several K/V chunks add up); ``dlse`` may be None. ``dq_running``: an fp32
+    sum of the rows' dQ over other keys, to which this dQ is added in the kernel (written
+    over it when ``dq_dtype`` is fp32); ``dq_dtype``: q's unless given."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -157,13 +185,13 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
     n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
 
     bars = _bars(layout, k, v)
-    dq = new_buffer(q.shape, q.dtype, q.device)
+    dq, dq_run, accumulate = _outputs("dq_running", dq_running, q.shape, dq_dtype or q.dtype, q.device)
     dq_opts = _opts("dq", layout, q)
     _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
-        q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq,
+        q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq, dq_run,
         layout.tiles, layout.tile_count, **bars,
         NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_DLSE=dlse is not None, **common, **dq_opts,
+        HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, **common, **dq_opts,
     )  # fmt: skip
 
     if layout.has_bars:

@@ -10,6 +10,12 @@ the tile list, which Triton software-pipelines. This serves the vertical-slash i
 (all tiles up to the diagonal, no bars). The forward and ``_dq_kernel`` programs take
 ``BLOCK_M`` rows of a query block (``BLOCK_M`` divides ``BLOCK``).
 
+Partial results over several key sets (context-parallel ring steps, the local column
+pass) add up inside the kernels, with no pass of their own over the outputs: with
+``ACCUMULATE`` the forward's epilogue merges its result with a running fp32 (out,
+lse) of its rows and stores the merged one, and ``_dq_kernel`` adds its dQ to a running
+fp32 sum. Each row has one writer, so this needs no atomics.
+
 Backward without atomics, so it is deterministic:
 * ``_dq_kernel``: row-major like the forward.
 * ``_bar_dkdv_kernel``: one program per (head, chunk of its vertical columns)
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .combine import merge_weights
 
 LOG2E = 1.4426950408889634
 
@@ -55,6 +63,13 @@ def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
 @triton.jit
 def _load_rows(base, idx, ok, row_stride, d, d_ok):
     return tl.load(base + idx[:, None] * row_stride + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, idx, ok, row_stride, d, d_ok, x):
+    """``x`` stored in the buffer's dtype at the rows ``_load_rows`` reads."""
+    ptrs = base + idx[:, None] * row_stride + d[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -161,19 +176,25 @@ def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
+    """Output and LSE of the rows over their listed keys; with ``ACCUMULATE``, over those
+    keys and the keys of the running fp32 result ``O_RUN`` / ``LSE_RUN`` of the same rows
+    (``O`` / ``LSE`` may be those very buffers: each row is read and written by its own
+    program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
-    q = _load_rows(Q + b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
+    q_off = b * S * q_stride + h * HEAD_DIM
+    q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
+    stat_off = (b * H + h) * S + rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -201,10 +222,14 @@ def _fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    out_ptrs = O + b * S * q_stride + h * HEAD_DIM + rows[:, None] * q_stride + d[None, :]
-    tl.store(out_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
-    tl.store(LSE + (b * H + h) * S + rows, lse, mask=row_ok)
+    if ACCUMULATE:  # merged after the loop, so the loop compiles as for a fresh result
+        run_lse = tl.load(LSE_RUN + stat_off, mask=row_ok, other=float("-inf"))
+        w_new, w_run, lse = merge_weights(lse, run_lse)
+        run_out = _load_rows(O_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
+        out = out * w_new[:, None] + run_out * w_run[:, None]
+    _store_rows(O + q_off, rows, row_ok, q_stride, d, d_ok, out)
+    tl.store(LSE + stat_off, lse, mask=row_ok)
 
 
 @triton.jit
@@ -226,13 +251,14 @@ def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PR
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
-    S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL,
+    QPOS, KPOS, S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """dQ, and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
+    """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
+    be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
@@ -271,8 +297,10 @@ def _dq_kernel(
                 KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
             )
             dq = _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION)
-    dq_ptrs = DQ + q_off + rows[:, None] * q_stride + d[None, :]
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    dq *= sm_scale
+    if ACCUMULATE:  # read after the loop, so the running sum takes no registers during it
+        dq += _load_rows(DQ_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
+    _store_rows(DQ + q_off, rows, row_ok, q_stride, d, d_ok, dq)
 
 
 @triton.jit
@@ -425,7 +453,5 @@ def _tile_dkdv_kernel(
                 FOLD,
                 FOLD_PRECISION,
             )
-    ok = col_ok[:, None] & d_ok[None, :]
-    out = kv_off + cols[:, None] * kv_stride + d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
+    _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
+    _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)

@@ -1,11 +1,11 @@
 """Merging two partial attention results in one pass over the outputs, forward and backward.
 
-A context-parallel rank merges each ring step's output into its running result, then the
-local vertical-column pass into that (``context_parallel.ring``). The reference ``combine``
+``merge_attention_outputs`` merges two results computed apart. The reference ``combine``
 (``sparse/reference.py``) does it in about eight elementwise passes over fp32 ``[B, S, H, D]``
-tensors and keeps their autograd graph: on 2 H200s at 512K tokens those passes took ~25 ms of
-the ring forward's 121 ms, more than the ring's step layouts and transfers together. Here
-each row's weights come from its two LSEs and the row is read and written once. The backward
+tensors and keeps their autograd graph (on 2 H200s at 512K tokens, as the ring's per-step
+merge, those passes took ~25 ms of the ring forward's 121 ms). Here each row's weights come
+from its two LSEs (``merge_weights``, which the forward kernel's accumulate mode shares: the
+ring now merges inside the attention kernel) and the row is read and written once. The backward
 needs only the inputs: ``d out_i = w_i dout`` and ``d lse_i = w_i (dlse + dout . (out_i - out))``,
 with ``dout . out = w_a dout . out_a + w_b dout . out_b``.
 """
@@ -20,11 +20,10 @@ ROWS = 16  # (position, head) rows per program
 
 
 @triton.jit
-def _weights(LSE_A, LSE_B, b, s, h, H, S, ok):
-    """Per row: ``w_a``, ``w_b``, the merged LSE (natural log), and the LSE offsets."""
-    offs = (b * H + h) * S + s
-    la = tl.load(LSE_A + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    lb = tl.load(LSE_B + offs, mask=ok, other=float("-inf")).to(tl.float32)
+def merge_weights(la, lb):
+    """Per row of two results over disjoint keys, from their LSEs (natural log, fp32): the
+    weights ``w_a``, ``w_b`` of each in the merged result, and its LSE. A row empty on
+    both sides (both -inf) gets 0, 0 and -inf, with no NaN on the way."""
     peak = tl.maximum(la, lb)
     peak = tl.where(peak == float("-inf"), 0.0, peak)
     ea = tl.exp(la - peak)
@@ -32,8 +31,17 @@ def _weights(LSE_A, LSE_B, b, s, h, H, S, ok):
     total = ea + eb
     some = total > 0
     total = tl.where(some, total, 1.0)
-    lse = tl.where(some, peak + tl.log(total), float("-inf"))
-    return ea / total, eb / total, lse, offs
+    return ea / total, eb / total, tl.where(some, peak + tl.log(total), float("-inf"))
+
+
+@triton.jit
+def _weights(LSE_A, LSE_B, b, s, h, H, S, ok):
+    """Per row: ``w_a``, ``w_b``, the merged LSE (natural log), and the LSE offsets."""
+    offs = (b * H + h) * S + s
+    la = tl.load(LSE_A + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    lb = tl.load(LSE_B + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    wa, wb, lse = merge_weights(la, lb)
+    return wa, wb, lse, offs
 
 
 @triton.jit
