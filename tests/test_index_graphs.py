@@ -177,10 +177,15 @@ def test_index_carries_its_layout_until_moved():
     assert index.to("cpu").precomputed_layout is None and kernel_layout(index.to("cpu")) is not marker
 
 
-@pytest.mark.parametrize("seq,block,heads", [(1000, 64, (4, 2)), (300, 16, (3, 1)), (130, 16, (2, 2))])
-def test_layout_kernel_equals_the_composed_layout(seq, block, heads, rng, device):
+@pytest.mark.parametrize(
+    "seq,block,heads,slash_cap",
+    [(1000, 64, (4, 2), 8), (300, 16, (3, 1), 8), (130, 16, (2, 2), 8), (1600, 16, (2, 1), 100)],
+)
+def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, rng, device):
     """The one-launch layout against the torch composition (context parallelism's helpers),
-    entry for entry: tiles both ways, counts, bar prefixes, vertical pointers, diagonals."""
+    entry for entry: tiles both ways, counts, bar prefixes, vertical pointers, diagonals.
+    The last case lists more diagonals than the kernel's chunk of them (64), duplicated
+    more than twice that."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
@@ -188,13 +193,15 @@ def test_layout_kernel_equals_the_composed_layout(seq, block, heads, rng, device
     q, k = qk(rng, seq=seq, heads=heads, d=16, device="cpu", dtype=torch.float32)
     cfg = VerticalSlashConfig(
         last_q=32, vertical_topp=0.5, slash_topp=0.7, block_size=block, sink_tokens=3, local_window=40,
-        vertical_cap=50, slash_cap=8 * block,
+        vertical_cap=50, slash_cap=slash_cap * block,
     )  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
         index = build_vertical_slash_index(q, k, cfg)
     # Duplicated, unsorted diagonals too: slots are ranks, not positions in the list.
     shuffled = VerticalSlashIndex(index.vertical, index.slash.flip(-1).repeat(1, 1, 2), seq, block)
+    if slash_cap > 64:
+        assert (index.slash >= 0).sum(-1).max() > 64
     for idx in (index, shuffled):
         want = vertical_slash_layout(idx)
         got = vertical_slash_tables(idx.to(device))

@@ -50,41 +50,63 @@ def _counts_below(VERT, row, n_vert, bound_a, bound_b, STEPS: tl.constexpr):
 
 
 @triton.jit
+def _diagonals(SLASH, row, n_slash, j0, g, n_blocks, SDC: tl.constexpr):
+    """Entries ``j0 .. j0 + SDC`` of the row's slash list: (their indices, diagonals,
+    listed, ``[G, SDC]`` query block g reads key block g - d, key block g is read by g + d)."""
+    j = j0 + tl.arange(0, SDC)
+    d = tl.load(SLASH + row * n_slash + j, mask=j < n_slash, other=-1)
+    listed = d >= 0
+    into = listed[None, :] & (d[None, :] <= g[:, None])
+    out_of = listed[None, :] & (d[None, :] + g[:, None] < n_blocks)
+    return j, d, listed, into, out_of
+
+
+@triton.jit
 def _layout_kernel(
     SLASH, VERT, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
     n_slash, n_vert, n_blocks, seq_len, width,
-    BLOCK: tl.constexpr, G: tl.constexpr, SD: tl.constexpr, WP: tl.constexpr, STEPS: tl.constexpr,
+    BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(1)  # batch x head
     g = tl.program_id(0) * G + tl.arange(0, G)
-    j = tl.arange(0, SD)
-    d = tl.load(SLASH + row * n_slash + j, mask=j < n_slash, other=-1)
-    listed = d >= 0
-    into = listed[None, :] & (d[None, :] <= g[:, None])  # query block g reads key block g - d
-    out_of = listed[None, :] & (d[None, :] + g[:, None] < n_blocks)  # key block g is read by g + d
-    # Slots: an entry's rank among its block's entries, by d descending for the tiles (key
-    # blocks ascending) and ascending for their transpose, ties in list order. As matrix
-    # products of 0/1 values (exact): slot[g, j] = sum over j' of in_g(j') * before(j', j).
-    d_a, d_b = d[:, None], d[None, :]
-    tie = (d_a == d_b) & (j[:, None] < j[None, :])
-    before = (listed[:, None] & ((d_a > d_b) | tie)).to(tl.float16)
-    before_t = (listed[:, None] & ((d_a < d_b) | tie)).to(tl.float16)
-    slot = tl.dot(into.to(tl.float16), before).to(tl.int32)
-    slot_t = tl.dot(out_of.to(tl.float16), before_t).to(tl.int32)
     in_range = g < n_blocks
     base = (row * n_blocks + g)[:, None] * width
-    # A slot past the width only with repeated diagonals: dropped, as compact trims.
-    tl.store(TILES + base + slot, g[:, None] - d[None, :], mask=into & in_range[:, None] & (slot < width))
-    tl.store(TILES_T + base + slot_t, g[:, None] + d[None, :], mask=out_of & in_range[:, None] & (slot_t < width))
-    count = tl.sum(into.to(tl.int32), 1)
-    count_t = tl.sum(out_of.to(tl.int32), 1)
+    count = tl.zeros([G], tl.int32)
+    count_t = tl.zeros([G], tl.int32)
+    active = tl.zeros([G], tl.int8)
+    # The slash list in chunks of SDC entries, so that the pairwise tables below stay
+    # SDC x SDC whatever the list's length (a 256 x 256 table does not fit in registers).
+    for b0 in range(0, n_slash, SDC):
+        jb, db, listed_b, into_b, out_of_b = _diagonals(SLASH, row, n_slash, b0, g, n_blocks, SDC)
+        # Slots: an entry's rank among its block's entries, by d descending for the tiles
+        # (key blocks ascending) and ascending for their transpose, ties in list order. As
+        # matrix products of 0/1 values (exact in the fp32 sums):
+        # slot[g, j] = sum over j' of in_g(j') * before(j', j).
+        slot = tl.zeros([G, SDC], tl.float32)
+        slot_t = tl.zeros([G, SDC], tl.float32)
+        for a0 in range(0, n_slash, SDC):
+            ja, da, listed_a, into_a, out_of_a = _diagonals(SLASH, row, n_slash, a0, g, n_blocks, SDC)
+            tie = (da[:, None] == db[None, :]) & (ja[:, None] < jb[None, :])
+            before = (listed_a[:, None] & ((da[:, None] > db[None, :]) | tie)).to(tl.float16)
+            before_t = (listed_a[:, None] & ((da[:, None] < db[None, :]) | tie)).to(tl.float16)
+            slot = tl.dot(into_a.to(tl.float16), before, slot)
+            slot_t = tl.dot(out_of_a.to(tl.float16), before_t, slot_t)
+        slot = slot.to(tl.int32)
+        slot_t = slot_t.to(tl.int32)
+        # A slot past the width only with repeated diagonals: dropped, as compact trims.
+        tl.store(TILES + base + slot, g[:, None] - db[None, :], mask=into_b & in_range[:, None] & (slot < width))
+        tl.store(
+            TILES_T + base + slot_t, g[:, None] + db[None, :], mask=out_of_b & in_range[:, None] & (slot_t < width)
+        )
+        count += tl.sum(into_b.to(tl.int32), 1)
+        count_t += tl.sum(out_of_b.to(tl.int32), 1)
+        active = tl.maximum(active, tl.max(((db[None, :] == g[:, None]) & listed_b[None, :]).to(tl.int8), 1))
     s = tl.arange(0, WP)[None, :]
     pad_ok = in_range[:, None] & (s < width)
     tl.store(TILES + base + s, -1, mask=pad_ok & (s >= count[:, None]))
     tl.store(TILES_T + base + s, -1, mask=pad_ok & (s >= count_t[:, None]))
     tl.store(COUNT + row * n_blocks + g, count, mask=in_range)
     tl.store(COUNT_T + row * n_blocks + g, count_t, mask=in_range)
-    active = tl.max(((d[None, :] == g[:, None]) & listed[None, :]).to(tl.int8), 1)
     tl.store(ACTIVE + row * n_blocks + g, active, mask=in_range)
     # Bars up to the block's last row (a column <= last row: below last row + 1); columns
     # before KV block g.
@@ -116,14 +138,13 @@ def vertical_slash_tables(index: VerticalSlashIndex) -> dict[str, torch.Tensor]:
         "vertical_ptr": table(n + 1),
         "active": table(n, dtype=torch.int8),
     }
-    sd = _pow2(n_slash)
-    # Block ids per program: the slot products hold SD x SD and G x SD tiles; 32 ids with
-    # 128 diagonals would spill registers (sm90).
-    g = 32 if sd <= 64 else 16
+    # Block ids per program and diagonals per chunk: the slot products hold G x SDC and
+    # SDC x SDC tables, which fit in registers at these sizes (sm90).
+    g, sdc = 32, min(_pow2(n_slash), 64)
     _layout_kernel[(triton.cdiv(n + 1, g), b * h)](
         index.slash.contiguous(), index.vertical.contiguous(), out["tiles"], out["tile_count"], out["tiles_t"],
         out["tile_t_count"], out["bar_count"], out["vertical_ptr"], out["active"],
         n_slash, index.vertical.shape[-1], n, index.seq_len, width,
-        BLOCK=index.block_size, G=g, SD=sd, WP=_pow2(width), STEPS=index.vertical.shape[-1].bit_length(),
+        BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), STEPS=index.vertical.shape[-1].bit_length(),
     )  # fmt: skip
     return out
