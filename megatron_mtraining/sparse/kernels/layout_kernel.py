@@ -73,7 +73,7 @@ def _layout_kernel(
     base = (row * n_blocks + g)[:, None] * width
     count = tl.zeros([G], tl.int32)
     count_t = tl.zeros([G], tl.int32)
-    active = tl.zeros([G], tl.int8)
+    active = tl.zeros([G], tl.int32)
     # The slash list in chunks of SDC entries, so that the pairwise tables below stay
     # SDC x SDC whatever the list's length (a 256 x 256 table does not fit in registers).
     for b0 in range(0, n_slash, SDC):
@@ -100,14 +100,14 @@ def _layout_kernel(
         )
         count += tl.sum(into_b.to(tl.int32), 1)
         count_t += tl.sum(out_of_b.to(tl.int32), 1)
-        active = tl.maximum(active, tl.max(((db[None, :] == g[:, None]) & listed_b[None, :]).to(tl.int8), 1))
+        active = tl.maximum(active, tl.max(((db[None, :] == g[:, None]) & listed_b[None, :]).to(tl.int32), 1))
     s = tl.arange(0, WP)[None, :]
     pad_ok = in_range[:, None] & (s < width)
     tl.store(TILES + base + s, -1, mask=pad_ok & (s >= count[:, None]))
     tl.store(TILES_T + base + s, -1, mask=pad_ok & (s >= count_t[:, None]))
     tl.store(COUNT + row * n_blocks + g, count, mask=in_range)
     tl.store(COUNT_T + row * n_blocks + g, count_t, mask=in_range)
-    tl.store(ACTIVE + row * n_blocks + g, active, mask=in_range)
+    tl.store(ACTIVE + row * n_blocks + g, active.to(tl.int8), mask=in_range)
     # Bars up to the block's last row (a column <= last row: below last row + 1); columns
     # before KV block g.
     bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), g * BLOCK, STEPS)
