@@ -225,3 +225,22 @@ def check_host_reads(rank, world, seq_lens):
                 with HostReads() as bwd:
                     torch.autograd.grad(out.sum(), (lq, lk, lv))
                 assert (fwd.count, bwd.count) == (reads, 0), (where, fwd.count, bwd.count)
+
+
+def check_ring_with_nothing_attended(rank, world, backend):
+    """An index that attends nothing (no diagonal, no column): no piece of the ring runs,
+    and every row gets what a row with no visible key gets on one device, out 0 and lse
+    -inf, with zero gradients, never NaN."""
+    from megatron_mtraining.sparse import VerticalSlashIndex
+
+    seq, hq, hkv, d = 64, 4, 2, 16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    index = VerticalSlashIndex(
+        torch.empty(1, hq, 0, dtype=torch.int32), torch.full((1, hq, 2), -1, dtype=torch.int32), seq, 16
+    ).to(device)
+    layout = ContextParallelLayout("striped", world, seq, stripe=16)
+    q, k, v = (torch.randn(1, layout.local_len, h, d, device=device).requires_grad_() for h in (hq, hkv, hkv))
+    out, lse = ring_attention(q, k, v, index, layout, None, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all()), rank
+    for g in torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v)):
+        assert torch.equal(g, torch.zeros_like(g)), rank

@@ -9,6 +9,7 @@ from cp_workers import (
     check_host_reads,
     check_ring_equals_single_device,
     check_ring_with_kernels,
+    check_ring_with_nothing_attended,
 )
 from gloo import run, run_on_device
 
@@ -59,6 +60,13 @@ def test_ring_on_kernels(world, inner, dtype, rng):
     writes the output and dQ in the inputs' dtype."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run_on_device(world, check_ring_with_kernels, seed, 128, inner, dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ring_with_nothing_attended(backend):
+    """No piece attends: zeros and -inf, zero gradients, on the reference path and where
+    the kernels would run (none launches)."""
+    run_on_device(2, check_ring_with_nothing_attended, backend)
 
 
 @needs_kernels
