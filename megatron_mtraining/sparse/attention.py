@@ -116,15 +116,11 @@ def merge_attention_outputs(
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != (bsz, heads, seq):
             fail(f"{name}.shape", tuple(t.shape), f"[B, H, S] = {[bsz, heads, seq]} to match out_a")
-    out, lse = merge_partials(out_a, lse_a.float(), out_b, lse_b.float(), backend_choice(out_a) == "triton")
+    if backend_choice(out_a) == "triton":
+        # One fused pass instead of ``combine``'s ~8 elementwise passes and their autograd graph.
+        from .kernels.combine import FusedCombine  # imports Triton
+
+        out, lse = FusedCombine.apply(out_a, lse_a.float(), out_b, lse_b.float())
+    else:
+        out, lse = combine(out_a, lse_a.float(), out_b, lse_b.float())
     return out.to(out_a.dtype), lse.float()
-
-
-def merge_partials(out_a, lse_a, out_b, lse_b, kernels: bool):
-    """``combine`` (the reference maths), as one fused Triton pass where the kernels serve
-    the call (``kernels``) instead of ~8 elementwise passes and their autograd graph."""
-    if not kernels:
-        return combine(out_a, lse_a, out_b, lse_b)
-    from .kernels.combine import FusedCombine  # imports Triton
-
-    return FusedCombine.apply(out_a, lse_a, out_b, lse_b)
