@@ -16,15 +16,25 @@ pass) add up inside the kernels, with no pass of their own over the outputs: wit
 lse) of its rows and stores the merged one, and ``_dq_kernel`` adds its dQ to a running
 fp32 sum. Each row has one writer, so this needs no atomics.
 
-Backward without atomics, so it is deterministic:
-* ``_dq_kernel``: row-major like the forward.
+The backward has two modes. Deterministic (no atomics, bitwise reproducible):
+* ``_dq_kernel``: row-major like the forward; it also stores ``delta``.
 * ``_bar_dkdv_kernel``: one program per (head, chunk of its vertical columns)
   walks the query rows after the chunk, ``BLOCK_M`` a step, and writes fp32
   ``[B, Hq, V, D]`` partial dK/dV for those columns.
 * ``_tile_dkdv_kernel``: KV-major, one program per (``BLOCK_N`` keys of a KV block,
-  KV head), walking the query blocks that read the block, ``BLOCK_M`` rows a step,
-  for each query head of the GQA group, and folding in that head's bar partials for
-  its keys with a one-hot matmul. Each dK/dV row has exactly one writer.
+  KV head), which first gathers the GQA group's bar partials for its keys, then walks
+  the query blocks that read the block, ``BLOCK_M`` rows a step, for each query head of
+  the group. Each dK/dV row has exactly one writer.
+That is 7 matmuls per attended (row, key) pair: the dQ kernel recomputes QK^T and dP.
+Fast (``FUSED_DQ``, 5 matmuls a pair): ``_delta_kernel`` stores ``delta``, then the two
+dK/dV kernels also form dQ = dS K from the dS they hold and add it to an fp32 dQ
+accumulator with atomics. The bar kernel's programs then take a segment of the rows
+each (adding their partials with atomics too): a launch covers few heads (below), and
+programs of whole columns would leave most of the device idle.
+The dK/dV kernels serve a subset of the heads per launch (``KV0`` / ``NKV`` KV heads x
+group members ``G0 .. G0 + NG``), so the launcher can bound the dQ accumulator; with
+``KV_RUN_IN`` / ``KV_RUN_OUT`` the tile kernel adds its dK/dV to / stores them in fp32
+running sums over the launches that share a KV head.
 All statistics are fp32; exponentials are base 2 with the scale folded in.
 
 Loads use local row and column indices; causality compares global positions,
@@ -242,6 +252,32 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 
 @triton.jit
+def _row_delta(O, DO, DLSE, DELTA, b, h, H, S, q_off, rows, row_ok, q_stride, d, d_ok, HAS_DLSE: tl.constexpr):
+    """Stores ``delta = rowsum(dO * O) - dLSE`` of the rows, computed from one read of dO and
+    O (instead of in fp32 copies of them); returns (dO, delta)."""
+    do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
+    o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + (b * H + h) * S + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
+    return do, delta
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DLSE, DELTA, S, H,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):  # fmt: skip
+    """``delta`` for the fast backward, which has no row-major pass to compute it in."""
+    _, b, h, _, rows, row_ok, d, d_ok = _program_rows(BLOCK_M, BLOCK_M, HEAD_DIM, D_PAD, S, H, H)
+    q_stride = H * HEAD_DIM
+    _row_delta(
+        O, DO, DLSE, DELTA, b, h, H, S, b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok, HAS_DLSE
+    )
+
+
+@triton.jit
 def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
     p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION) - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -258,20 +294,15 @@ def _dq_kernel(
     K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
-    be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
-    here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
+    be), and ``delta`` stored for the dK/dV kernels (computed here, where dO is loaded
+    anyway)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
     q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
-    do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
-    o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + (b * H + h) * S + rows, mask=row_ok, other=0.0)
-    tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
+    do, delta = _row_delta(O, DO, DLSE, DELTA, b, h, H, S, q_off, rows, row_ok, q_stride, d, d_ok, HAS_DLSE)
     lse = tl.load(LSE + (b * H + h) * S + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
@@ -304,13 +335,22 @@ def _dq_kernel(
 
 
 @triton.jit
+def _dq_rows(DQ, b, S, slot, HEADS, HEAD_DIM: tl.constexpr):
+    """(base, row stride) of head ``slot``'s rows in a ``[B, S, HEADS, D]`` fp32 dQ accumulator."""
+    stride = HEADS * HEAD_DIM
+    return DQ + b * S * stride + slot * HEAD_DIM, stride
+
+
+@triton.jit
 def _kv_grads(
-    dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d, d_ok,
-    qk_scale, extra_mask, PRECISION: tl.constexpr,
+    dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, DQ_base, dq_stride, LSE, DELTA, b, h, H, S, rows, row_pos,
+    q_stride, d, d_ok, qk_scale, sm_scale, extra_mask, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
     """Adds a step of query rows' contribution to the dK/dV of a set of key rows. It works
     on transposed scores (keys x rows): P^T and dS^T then leave the matrix unit in the
-    layout that the dV and dK products take, with no round trip through shared memory."""
+    layout that the dV and dK products take, with no round trip through shared memory.
+    With ``FUSED_DQ`` it also adds the rows' dQ over these keys to ``DQ_base`` atomically,
+    from the dS^T it already holds."""
     row_ok = rows < S
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
@@ -320,30 +360,43 @@ def _kv_grads(
     p = tl.exp2(tl.where(visible, s, float("-inf")) - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = p * (dp - delta[None, :])
-    dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+    ds = (p * (dp - delta[None, :])).to(q.dtype)
+    dk += tl.dot(ds, q, input_precision=PRECISION)
+    if FUSED_DQ:
+        dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
+        ptrs = DQ_base + rows[:, None] * dq_stride + d[None, :]
+        tl.atomic_add(ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KV0", "G0"])
 def _bar_dkdv_kernel(
-    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QPOS,
-    S, H, N_ACTIVE, V_MAX, qk_scale,
+    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, DQ, QPOS,
+    S, H, HKV, KV0, NKV, G0, NG, N_ACTIVE, V_MAX, SEG, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_N`` of a head's vertical columns against ``BLOCK_M`` query rows a step
-    (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The partials
-    are left unscaled, as the tile kernel's sums are until it folds them in."""
-    bh = tl.program_id(0)
+    """``BLOCK_N`` of a head's vertical columns against the query rows of segment
+    ``program_id(2)`` (``SEG`` rows, a multiple of ``BLOCK_M``), ``BLOCK_M`` rows a step
+    (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The heads are
+    those of the launch (``_tile_dkdv_kernel``'s head subset), ``program_id(0)`` slot
+    ``(KV head - KV0) * NG + (group member - G0)``, which is also the slot of ``DQ``. The
+    partials are left unscaled, as the tile kernel's sums are until it folds them in; with
+    ``FUSED_DQ`` they are added to the buffers with atomics (several segments per column)."""
+    slot = tl.program_id(0) % (NKV * NG)
+    b = tl.program_id(0) // (NKV * NG)
+    h = (KV0 + slot // NG) * (H // HKV) + G0 + slot % NG
+    bh = b * H + h
     # The grid's second axis: every head's earliest columns, which the most rows see, start first.
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b = bh // H
-    h = bh % H
     entries = bh * V_MAX + offs
     col_pos = tl.load(BAR_POS + entries, mask=offs < V_MAX, other=-1)
     col_ok = col_pos >= 0
-    if tl.max(col_pos, 0) >= 0:
+    lo = tl.program_id(2) * SEG
+    hi = tl.minimum(lo + SEG, S)
+    if not HAS_POS:  # rows before the chunk's first column see none of it (single device)
+        lo = tl.maximum(lo, tl.min(tl.where(col_ok, col_pos, S), 0) // BLOCK_M * BLOCK_M)
+    if (tl.max(col_pos, 0) >= 0) & (lo < hi):
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         q_stride = H * HEAD_DIM
@@ -352,63 +405,67 @@ def _bar_dkdv_kernel(
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
-        first = 0  # rows before the chunk's first column see none of it (single device)
-        if not HAS_POS:
-            first = tl.min(tl.where(col_ok, col_pos, S), 0) // BLOCK_M * BLOCK_M
-        for r0 in range(first, S, BLOCK_M):
+        DQ_base, dq_stride = _dq_rows(DQ, b, S, slot, NKV * NG, HEAD_DIM)
+        for r0 in range(lo, hi, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, (~in_tile)[:, None], PRECISION,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, DQ_base, dq_stride, LSE, DELTA, b, h, H, S,
+                rows, row_pos, q_stride, d, d_ok, qk_scale, sm_scale, (~in_tile)[:, None], PRECISION, FUSED_DQ,
             )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
-        tl.store(BAR_DK + out, dk, mask=ok)
-        tl.store(BAR_DV + out, dv, mask=ok)
+        if FUSED_DQ:
+            tl.atomic_add(BAR_DK + out, dk, mask=ok, sem="relaxed")
+            tl.atomic_add(BAR_DV + out, dv, mask=ok, sem="relaxed")
+        else:
+            tl.store(BAR_DK + out, dk, mask=ok)
+            tl.store(BAR_DV + out, dv, mask=ok)
 
 
 @triton.jit
 def _fold_bars(
-    dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, first, NKB, V_MAX, d,
-    BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, FOLD: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Adds the bar partials of the vertical columns in key rows ``first .. first + BLOCK_N``
-    (inside KV block ``kb``), ``FOLD`` columns per one-hot matmul. With 16-bit inputs the
-    matmul is three-pass tf32 (fp32 accuracy) rather than exact fp32: on the matrix unit it
-    leaves ``dk`` / ``dv`` in the register layout of the tile products, where an exact fp32
-    matmul would move them to another layout and back (and spill registers doing so)."""
+    dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD: tl.constexpr, FOLD: tl.constexpr
+):
+    """Adds head ``bh``'s bar partials of the vertical columns among key rows ``cols``
+    (inside KV block ``kb``), ``FOLD`` listed columns at a time: each key row gathers
+    its column's row, if it is one, with a masked load, an exact fp32 sum. The tile kernel
+    does this before its products: on sm90, instructions that write the accumulators
+    between the asynchronous matrix products (as a one-hot matmul folding them in
+    after the products did) make ptxas serialise every product of the kernel."""
     start = tl.load(VPTR + bh * (NKB + 1) + kb)
     stop = tl.load(VPTR + bh * (NKB + 1) + kb + 1)
-    n = tl.arange(0, BLOCK_N)
     for c0 in range(start, stop, FOLD):
         offs = c0 + tl.arange(0, FOLD)
-        ok = offs < stop
-        pos = tl.load(VERT + bh * V_MAX + offs, mask=ok, other=-1) - first
-        onehot = ((n[:, None] == pos[None, :]) & ok[None, :]).to(tl.float32)
-        rows = (bh * V_MAX + offs)[:, None] * D_PAD + d[None, :]
-        dk = tl.dot(onehot, tl.load(BAR_DK + rows, mask=ok[:, None], other=0.0), dk, input_precision=PRECISION)
-        dv = tl.dot(onehot, tl.load(BAR_DV + rows, mask=ok[:, None], other=0.0), dv, input_precision=PRECISION)
+        pos = tl.load(VERT + bh * V_MAX + offs, mask=offs < stop, other=-1)
+        entry = tl.max(tl.where(cols[:, None] == pos[None, :], offs[None, :], -1), 1)
+        rows = (bh * V_MAX + entry)[:, None] * D_PAD + d[None, :]
+        dk += tl.load(BAR_DK + rows, mask=(entry >= 0)[:, None], other=0.0)
+        dv += tl.load(BAR_DV + rows, mask=(entry >= 0)[:, None], other=0.0)
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KV0", "G0"])
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QPOS, KPOS,
-    S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DK_RUN, DV_RUN, DQ, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL,
+    QPOS, KPOS, S, SK, H, HKV, KV0, NKV, G0, NG, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr, FOLD_PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    FUSED_DQ: tl.constexpr, KV_RUN_IN: tl.constexpr, KV_RUN_OUT: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_N`` key rows of KV block ``kb`` against ``BLOCK_M`` rows of a reading query
-    block a step."""
+    """``BLOCK_N`` key rows of KV block ``kb`` of KV head ``KV0 + program_id(1) % NKV``
+    against ``BLOCK_M`` rows of a reading query block a step, for group members
+    ``G0 .. G0 + NG``. ``DK_RUN`` / ``DV_RUN``: fp32 ``[B, SK, NKV, D]`` sums over the
+    launches that split a group, added in with ``KV_RUN_IN``; ``KV_RUN_OUT`` stores the
+    sum there instead of in ``DK`` / ``DV``."""
     sub = tl.program_id(0)
     kb = sub // (BLOCK // BLOCK_N)
     first = sub * BLOCK_N
-    bkv = tl.program_id(1)
-    b = bkv // HKV
-    kvh = bkv % HKV
+    b = tl.program_id(1) // NKV
+    kv_slot = tl.program_id(1) % NKV
+    kvh = KV0 + kv_slot
     group = H // HKV
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < SK
@@ -422,36 +479,32 @@ def _tile_dkdv_kernel(
     v = _load_rows(V + kv_off, cols, col_ok, kv_stride, d, d_ok)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for g in range(group):
+    if HAS_BARS:
+        for g in range(G0, G0 + NG):
+            bh = b * H + kvh * group + g
+            dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
+    for g in range(G0, G0 + NG):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
+        DQ_base, dq_stride = _dq_rows(DQ, b, S, kv_slot * NG + g - G0, NKV * NG, HEAD_DIM)
         lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QPOS, S, BLOCK, BLOCK_M, HAS_POS)
             sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
-                _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
-                col_ok[:, None], PRECISION,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, DQ_base, dq_stride, LSE, DELTA, b, h, H, S,
+                rows, _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok,
+                qk_scale, sm_scale, col_ok[:, None], PRECISION, FUSED_DQ,
             )  # fmt: skip
-        if HAS_BARS:
-            dk, dv = _fold_bars(
-                dk,
-                dv,
-                BAR_DK,
-                BAR_DV,
-                VERT,
-                VPTR,
-                b * H + h,
-                kb,
-                first,
-                NKB,
-                V_MAX,
-                d,
-                BLOCK_N,
-                D_PAD,
-                FOLD,
-                FOLD_PRECISION,
-            )
-    _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
-    _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)
+    dk *= sm_scale
+    run_stride = NKV * HEAD_DIM
+    run_off = b * SK * run_stride + kv_slot * HEAD_DIM
+    if KV_RUN_IN:  # read after the loop, so the running sums take no registers during it
+        dk += _load_rows(DK_RUN + run_off, cols, col_ok, run_stride, d, d_ok)
+        dv += _load_rows(DV_RUN + run_off, cols, col_ok, run_stride, d, d_ok)
+    if KV_RUN_OUT:
+        _store_rows(DK_RUN + run_off, cols, col_ok, run_stride, d, d_ok, dk)
+        _store_rows(DV_RUN + run_off, cols, col_ok, run_stride, d, d_ok, dv)
+    else:
+        _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk)
+        _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)
