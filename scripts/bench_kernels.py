@@ -9,8 +9,7 @@ forward ``4 * area * d`` summed over query heads, backward 2.5x that.
 
 Rows:
 * dense: SDPA flash and cuDNN backends, and our kernel on a DenseIndex;
-* vertical-slash at the requested density: our tile + bar kernel, with the default fast
-  backward (dQ by atomics in the dK/dV kernels) and with the deterministic one; FlexAttention
+* vertical-slash at the requested density: our tile + bar kernel; FlexAttention
   on exactly the same mask (same tiles as full blocks, the diagonal and every
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
@@ -18,8 +17,9 @@ Rows:
   sparse forward, as the product builds it (replayed from a CUDA graph) and eagerly
   (``MTRAINING_INDEX_GRAPHS=0``), with the statistics, the top-p selection and the
   layout also timed alone (eager);
-* peak memory of forward + backward against the q/k/v/o and gradient tensors (both
-  backward modes), and the shared memory, registers and spills of each compiled kernel;
+* peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
+  time of each backward kernel, and the shared memory, registers and spills of each
+  compiled kernel;
 * MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through the union-of-tiles
   kernels, with the share of computed tile area that is useful.
 """
@@ -238,15 +238,10 @@ def bench_seq(seq, args, gen, rows, extra):
         return
     index = natural_index(seq, args.block, args.density, gen, dev)
     area = float(index.attended_area().sum())
-    ours_rows = []
-    for deterministic, name in ((False, "ours vertical-slash (triton)"), (True, "ours vertical-slash (determ. bwd)")):
-
-        def ours(a, b, c, deterministic=deterministic):
-            return sparse_attention(a, b, c, index, backend="triton", deterministic=deterministic)[0]
-
-        measure(name, lambda name=name, ours=ours: row(name, seq, area, *fwd_bwd_ms(ours, q, k, v, rep), cudnn), rows)
-        ours_rows.append(rows[-1])
-    ours_row = ours_rows[0]  # the default (fast) backward
+    ours = lambda a, b, c: sparse_attention(a, b, c, index, backend="triton")[0]  # noqa: E731
+    measure("ours vertical-slash (triton)", lambda: row("ours vertical-slash (triton)", seq, area,
+            *fwd_bwd_ms(ours, q, k, v, rep), cudnn), rows)  # fmt: skip
+    ours_row = rows[-1]
 
     flex = torch.compile(flex_attention, dynamic=False)
     flex_rows = () if args.no_flex else ((True, "flex, same mask"), (False, "flex, tiles only (bars dropped)"))
@@ -301,23 +296,18 @@ def bench_seq(seq, args, gen, rows, extra):
           f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     # Peak memory of one forward + backward, against the tensors themselves.
-    for deterministic in (False, True):
+    for what in (memory, kernel_times, kernel_resources):
         try:
-            memory(q, k, v, index, seq, extra, deterministic)
-        except Exception as e:
-            print(f"    memory measurement FAILED: {type(e).__name__}: {e}")
-    for what in (kernel_times, kernel_resources):
-        try:
-            what(q, k, v, index, extra)
+            what(q, k, v, index, seq, extra)
         except Exception as e:
             print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
 
 
-def memory(q, k, v, index, seq, extra, deterministic):
+def memory(q, k, v, index, seq, extra):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)[0]
+    out = sparse_attention(q, k, v, index, backend="triton")[0]
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
@@ -325,67 +315,59 @@ def memory(q, k, v, index, seq, extra, deterministic):
     inputs = nbytes((q, k, v))
     tensors = inputs + nbytes((out, out, *grads))  # q, k, v, o, do, dq, dk, dv
     ratio = (inputs + peak) / tensors
-    mode = "deterministic" if deterministic else "fast"
-    extra.setdefault("memory", []).append(
-        {"seq": seq, "backward": mode, "peak_bytes": inputs + peak, "tensor_bytes": tensors}
-    )
-    print(f"    peak fwd+bwd memory ({mode} bwd) {(inputs + peak) / 2**30:.2f} GiB vs q/k/v/o/do/dq/dk/dv "
+    extra.setdefault("memory", []).append({"seq": seq, "peak_bytes": inputs + peak, "tensor_bytes": tensors})
+    print(f"    peak fwd+bwd memory {(inputs + peak) / 2**30:.2f} GiB vs q/k/v/o/do/dq/dk/dv "
           f"{tensors / 2**30:.2f} GiB: ratio {ratio:.2f}")  # fmt: skip
     del out, grads
 
 
-def kernel_times(q, k, v, index, extra):
-    """Device time of each kernel (summed over its launches) in one backward of each mode."""
+def kernel_times(q, k, v, index, seq, extra):
+    """Device time of each kernel (summed over its launches) in one backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    for deterministic in (False, True):
-        out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)[0]
-        grad = torch.ones_like(out)
-        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    out = sparse_attention(q, k, v, index, backend="triton")[0]
+    grad = torch.ones_like(out)
+    torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, (q, k, v), grad)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(out, (q, k, v), grad)
-            torch.cuda.synchronize()
-        mode = "deterministic" if deterministic else "fast"
-        times = sorted(
-            ((e.device_time_total / 1e3, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0),
-            reverse=True,
-        )
-        extra.setdefault("bwd_kernel_ms", {})[mode] = {key: ms for ms, _, key in times}
-        print(f"    {mode} bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:8]))
+    times = sorted(
+        ((e.device_time_total / 1e3, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0),
+        reverse=True,
+    )
+    extra.setdefault("bwd_kernel_ms", {})[seq] = {key: ms for ms, _, key in times}
+    print("    bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:8]))
 
 
 class _Recorded:
-    """A Triton kernel whose compiled variants are kept, by the label of the launching mode."""
+    """A Triton kernel whose compiled variant is kept."""
 
     def __init__(self, kernel, seen: dict, name: str):
-        self.kernel, self.seen, self.name, self.mode = kernel, seen, name, ""
+        self.kernel, self.seen, self.name = kernel, seen, name
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
             compiled = launch(*args, **kwargs)
-            self.seen[f"{self.name}{self.mode}"] = compiled
+            self.seen[self.name] = compiled
             return compiled
 
         return run
 
 
-def kernel_resources(q, k, v, index, extra):
-    """Shared memory, registers and spills of the kernels of a forward and both backwards
-    (an A100 gives a block at most 163 KiB of shared memory)."""
+def kernel_resources(q, k, v, index, seq, extra):
+    """Shared memory, registers and spills of the kernels of a forward and a backward (an
+    A100 gives a block at most 163 KiB of shared memory)."""
     from megatron_mtraining.sparse.kernels import attention as kernels
 
     seen = {}
-    names = ("_fwd_kernel", "_dq_kernel", "_delta_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")
+    names = ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")
     recorded = {name: _Recorded(getattr(kernels, name), seen, name.strip("_")) for name in names}
     with mock.patch.multiple(kernels, **recorded):
-        for deterministic in (False, True):
-            for r in recorded.values():
-                r.mode = " (deterministic)" if deterministic else ""
-            out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)[0]
-            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        out = sparse_attention(q, k, v, index, backend="triton")[0]
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     torch.cuda.synchronize()
     for name, compiled in seen.items():
         r = {"shared_bytes": compiled.metadata.shared, "registers": compiled.n_regs, "spills": compiled.n_spills}
@@ -394,8 +376,7 @@ def kernel_resources(q, k, v, index, extra):
               f"spills {r['spills']}")  # fmt: skip
 
 
-# (block_n, num_warps, num_stages, block_m) tried per kernel by --tune, the defaults first
-# (``*_fast``: the dK/dV kernels of the fast backward, which also hold dQ = dS K).
+# (block_n, num_warps, num_stages, block_m) tried per kernel by --tune, the defaults first.
 # The 128-key four-stage tile dK/dV shapes exceed an A100's shared memory. The 4-warp
 # shapes use few enough registers and shared memory for two programs to share an H100 /
 # H200 multiprocessor, where one's softmax can overlap the other's matrix products.
@@ -404,17 +385,14 @@ TUNE_CANDIDATES = {
     "dq": [(64, 8, 3, 128), (64, 4, 3, 64), (32, 4, 3, 64), (64, 4, 2, 64)],
     "bar_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32)],
     "tile_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32)],
-    "bar_dkdv_fast": [(128, 8, 3, 64), (128, 8, 2, 64), (128, 8, 3, 32), (64, 4, 3, 64)],
-    "tile_dkdv_fast": [(128, 8, 3, 64), (128, 8, 2, 64), (128, 8, 3, 32), (64, 4, 3, 64)],
 }
-DETERMINISTIC_ONLY = ("dq", "bar_dkdv", "tile_dkdv")
 
 
 def tune(args) -> dict:
     """Coordinate sweep of the launch configs on the vertical-slash pattern at the first
-    length: each kernel in turn (those named, else all), the others at their current best,
-    timing the backward that runs it. Its index comes from a generator of its own, so that
-    the timed rows see the same index as untuned runs."""
+    length: each kernel in turn (those named, else all), the others at their current best.
+    Its index comes from a generator of its own, so that the timed rows see the same index
+    as untuned runs."""
     from megatron_mtraining.sparse.kernels import attention as kernels
 
     seq = args.seq_lens[0]
@@ -424,7 +402,6 @@ def tune(args) -> dict:
     index = natural_index(seq, args.block, args.density, torch.Generator().manual_seed(args.seed + 1), "cuda")
     best = {}
     for name in args.tune or kernels.KERNELS:
-        det = name in DETERMINISTIC_ONLY
         results = []
         for bn, warps, stages, bm in TUNE_CANDIDATES[name]:
             if bn > args.block:
@@ -432,7 +409,7 @@ def tune(args) -> dict:
             cfg = kernels.LaunchConfig(bn, warps, stages, bm)
             kernels.OVERRIDES[name] = cfg
             try:
-                out = sparse_attention(q, k, v, index, backend="triton", deterministic=det)[0]
+                out = sparse_attention(q, k, v, index, backend="triton")[0]
                 if name == "fwd":
                     ms = timed(lambda: sparse_attention(q, k, v, index, backend="triton"), args.rep_ms // 2)
                 else:

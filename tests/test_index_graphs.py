@@ -159,7 +159,7 @@ def test_results_are_rebuilt_from_one_packed_buffer():
         tile_t_count=torch.zeros(1, 1, 2, dtype=torch.int32),
         vertical=vertical,
         active=torch.tensor([[[1, 0, 1]]], dtype=torch.int8),
-        query_positions=torch.tensor([7], dtype=torch.int64),
+        query_blocks=torch.tensor([7], dtype=torch.int64),  # any dtype packs
     )
     leaves = cuda_graphs._tensor_leaves((index, layout))
     packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in leaves]).clone()

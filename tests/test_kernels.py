@@ -80,8 +80,8 @@ def assert_close_rel(got, want, tol, what):
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
 
 
-def check(q, k, v, index, rng, deterministic=None):
-    out, lse = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)
+def check(q, k, v, index, rng):
+    out, lse = sparse_attention(q, k, v, index, backend="triton")
     ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]))
     tol = TOLERANCE[q.dtype]
     assert not out.isnan().any() and not lse.isnan().any()
@@ -100,22 +100,16 @@ def check(q, k, v, index, rng, deterministic=None):
     return out, lse, got
 
 
-# (dtype, deterministic backward): both backward modes in fp32; fp16 (whose fast backward
-# accumulates dQ in scratch one head at a time) in the default fast mode only.
-DTYPE_MODES = [(torch.float32, False), (torch.float32, True), (torch.float16, False)]
-DTYPE_MODE_IDS = ["fp32-fast", "fp32-deterministic", "fp16-fast"]
-
-
 @pytest.mark.parametrize("kind", ["dense", "vertical_slash", "msa", "moba"])
 @pytest.mark.parametrize(
     "b,s,hq,hkv,d",
     [(1, 100, 4, 1, 32), (2, 83, 6, 2, 24), (1, 70, 3, 3, 16)],
     ids=["gqa4-d32-ragged", "gqa3-d24-b2", "mha-d16"],
 )
-@pytest.mark.parametrize("dtype,deterministic", DTYPE_MODES, ids=DTYPE_MODE_IDS)
-def test_kernels_match_dense(kind, b, s, hq, hkv, d, dtype, deterministic, rng, kdevice):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernels_match_dense(kind, b, s, hq, hkv, d, dtype, rng, kdevice):
     q, k, v = make_inputs(rng, b, s, hq, hkv, d, dtype, kdevice)
-    check(q, k, v, make_index(kind, q, k, block=16), rng, deterministic)
+    check(q, k, v, make_index(kind, q, k, block=16), rng)
 
 
 def planted_empty_rows_index(device):
@@ -141,16 +135,16 @@ def test_empty_rows_and_unused_bars(rng, kdevice):
 def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
     """A vertical-slash index's kernel layout split into two over disjoint key sets: its
     tiles alone, and its bars alone (columns inside attended tiles still skipped). With
-    ``positions``, the layouts carry the rows' and keys' positions (the indices themselves),
-    as context-parallel steps do."""
+    ``positions``, the layouts carry the global block ids of the query and key blocks (the
+    block indices themselves) and the bars' positions, as context-parallel steps do."""
     import dataclasses
 
     from megatron_mtraining.sparse.kernels.layout import kernel_layout
 
     whole = kernel_layout(index)
     if positions:
-        pos = torch.arange(index.seq_len, dtype=torch.int32, device=index.device)
-        whole = dataclasses.replace(whole, query_positions=pos, key_positions=pos)
+        blocks = torch.arange(whole.tiles.shape[2], dtype=torch.int32, device=index.device)
+        whole = dataclasses.replace(whole, query_blocks=blocks, key_blocks=blocks, bar_positions=index.vertical)
     tiles = dataclasses.replace(whole, vertical=None, bar_count=None, vertical_ptr=None, active=None)
     bars = dataclasses.replace(
         whole, tile_count=torch.zeros_like(whole.tile_count), tile_t_count=torch.zeros_like(whole.tile_t_count)
@@ -161,19 +155,14 @@ def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
 @pytest.mark.parametrize("shape", ["planted-empty-rows", "gqa3-d24-b2", "gqa3-d24-b2-positions"])
 @pytest.mark.parametrize("first", ["tiles", "bars"])
 @pytest.mark.parametrize("final", ["inputs-dtype", "fp32-in-place"])
-@pytest.mark.parametrize(
-    "dtype,deterministic",
-    [*DTYPE_MODES, (torch.bfloat16, False), (torch.bfloat16, True)],
-    ids=[*DTYPE_MODE_IDS, "bf16-fast", "bf16-deterministic"],
-)
-def test_accumulation_over_a_key_split(shape, first, final, dtype, deterministic, rng, kdevice):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice):
     """The accumulate modes: a key set split in two kernel calls (a vertical-slash index's
     tiles and its bars), the first writing an fp32 (out, lse) and the second merging its
-    own into it in the kernel, and the dQ of the second added to the first's fp32 dQ (in
-    the fast backward, by the dK/dV kernels' atomics straight into it). The second call
-    writes in the inputs' dtype or over the fp32 running buffers. Equal to fp64 dense
-    attention over the union (gradients through out and lse), rows that see no key in
-    either part included; ``-positions``: with the rows' and keys' positions given, as
+    own into it in the kernel, and the dQ of the second added to the first's fp32 dQ. The
+    second call writes in the inputs' dtype or over the fp32 running buffers. Equal to
+    fp64 dense attention over the union (gradients through out and lse), rows that see
+    no key in either part included; ``-positions``: with global block ids given, as
     context-parallel steps give them."""
     from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward
 
@@ -206,10 +195,8 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, deterministic
     g_lse = torch.randn(lse.shape, generator=rng).to(kdevice)
     want = torch.autograd.grad((ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), leaves)
     dlse = torch.where(torch.isinf(lse), 0.0, g_lse)
-    args = (q, k, v, part_a, scale, out, lse, g_out, dlse)
-    dq_a, dk_a, dv_a = kernel_backward(*args, dq_dtype=torch.float32, deterministic=deterministic)
-    args = (q, k, v, part_b, scale, out, lse, g_out, dlse)
-    dq, dk_b, dv_b = kernel_backward(*args, dq_running=dq_a, dq_dtype=out_dtype, deterministic=deterministic)
+    dq_a, dk_a, dv_a = kernel_backward(q, k, v, part_a, scale, out, lse, g_out, dlse, dq_dtype=torch.float32)
+    dq, dk_b, dv_b = kernel_backward(q, k, v, part_b, scale, out, lse, g_out, dlse, dq_running=dq_a, dq_dtype=out_dtype)
     assert dq.dtype == out_dtype
     got = (dq, dk_a.double() + dk_b.double(), dv_a.double() + dv_b.double())
     for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
@@ -247,114 +234,15 @@ def test_kernels_on_gpu_shapes(kind, d, block, heads, dtype, rng, device):
 
 @pytest.mark.gpu
 def test_backward_is_deterministic(rng, device):
-    """The deterministic backward repeats bitwise; the fast one agrees with it to rounding."""
     if device.type != "cuda":
         pytest.skip("GPU only")
     q, k, v = make_inputs(rng, 1, 4096, 16, 2, 128, torch.bfloat16, device)
     index = make_index("vertical_slash", q, k, 64)
     g = torch.randn(q.shape, generator=rng).to(device, torch.bfloat16)
-
-    def grads(deterministic):
-        out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)[0]
-        return torch.autograd.grad(out, (q, k, v), g)
-
-    runs = [grads(True) for _ in range(3)]
+    runs = [torch.autograd.grad(sparse_attention(q, k, v, index, backend="triton")[0], (q, k, v), g) for _ in range(3)]
     for again in runs[1:]:
         for a, e in zip(runs[0], again, strict=True):
             assert torch.equal(a, e)
-    for name, a, e in zip(("dq", "dk", "dv"), grads(False), runs[0], strict=True):
-        assert_close_rel(a, e, TOLERANCE[torch.bfloat16], name)
-
-
-class CountedLaunches:
-    """A Triton kernel whose launches (their grids) are recorded."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-def counted(monkeypatch, *names):
-    from megatron_mtraining.sparse.kernels import attention as kernels
-
-    launches = {name: CountedLaunches(getattr(kernels, name)) for name in names}
-    for name, wrapped in launches.items():
-        monkeypatch.setattr(kernels, name, wrapped)
-    return launches
-
-
-def test_deterministic_none_follows_torch(rng, kdevice, monkeypatch):
-    """``deterministic=None`` takes the deterministic backward (a dQ pass) exactly when
-    ``torch.use_deterministic_algorithms(True)`` is set, the fast one (dQ in the dK/dV
-    kernels) otherwise; an explicit choice overrides the setting."""
-    launches = counted(monkeypatch, "_dq_kernel", "_delta_kernel")
-    q, k, v = make_inputs(rng, 1, 40, 2, 1, 16, torch.float32, kdevice)
-    index = make_index("vertical_slash", q, k, block=16)
-
-    def backward_kind(deterministic=None):
-        for counts in launches.values():
-            counts.grids.clear()
-        out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)[0]
-        torch.autograd.grad(out.sum(), (q, k, v))
-        used = {name for name, counts in launches.items() if counts.grids}
-        assert len(used) == 1, used
-        return {"_dq_kernel": "deterministic", "_delta_kernel": "fast"}[used.pop()]
-
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(False)
-        assert backward_kind() == "fast"
-        assert backward_kind(True) == "deterministic"
-        torch.use_deterministic_algorithms(True)
-        assert backward_kind() == "deterministic"
-        assert backward_kind(False) == "fast"
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
-@pytest.mark.parametrize(
-    "hq,hkv,per_launch,chunks",
-    [
-        (6, 2, 2, [(0, 1, 0, 2), (0, 1, 2, 1), (1, 1, 0, 2), (1, 1, 2, 1)]),
-        (4, 1, 1, [(0, 1, 0, 1), (0, 1, 1, 1), (0, 1, 2, 1), (0, 1, 3, 1)]),
-        (6, 3, 4, [(0, 2, 0, 2), (2, 1, 0, 2)]),
-    ],
-    ids=["gqa3-two-heads", "gqa4-one-head", "gqa2-two-groups"],
-)
-def test_fast_backward_in_head_chunks(hq, hkv, per_launch, chunks, rng, kdevice, monkeypatch):
-    """The fast backward without a running dQ, whose fp32 dQ scratch is bounded, over
-    several launches of a few query heads: parts of a GQA group (dK/dV summed over the
-    group's launches in fp32, with a launch in the middle of a group where the group has
-    four heads), and whole groups of several KV heads with a shorter last launch. The bar
-    kernel's rows are split in segments of one step. Results as in one launch."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
-
-    assert kernels.head_chunks(hq, hkv, per_launch) == chunks
-    monkeypatch.setattr(kernels, "dq_scratch_heads", lambda heads, dtype: per_launch)
-    monkeypatch.setattr(kernels, "BAR_SEGMENT_STEPS", 1)
-    launches = counted(monkeypatch, "_tile_dkdv_kernel", "_bar_dkdv_kernel")
-    q, k, v = make_inputs(rng, 2, 83, hq, hkv, 24, torch.float16, kdevice)
-    index = make_index("vertical_slash", q, k, block=16)
-    check(q, k, v, index, rng, deterministic=False)
-    assert len(launches["_tile_dkdv_kernel"].grids) == len(chunks)
-    bar_grids = launches["_bar_dkdv_kernel"].grids
-    assert len(bar_grids) == len(chunks) and all(grid[2] == 6 for grid in bar_grids)  # 83 rows, 16 a segment
-
-
-def test_fast_backward_scratch_budget():
-    """An eighth of dQ's bytes in fp32 heads, at least one: the Qwen2.5-3B shape (16 bf16
-    heads) one head a launch, 64 fp16 heads four, fp32 dQ (accumulated in place) any."""
-    from megatron_mtraining.sparse.kernels.attention import dq_scratch_heads, head_chunks
-
-    assert dq_scratch_heads(16, torch.bfloat16) == 1
-    assert dq_scratch_heads(64, torch.float16) == 4
-    assert dq_scratch_heads(4, torch.float16) == 1
-    assert head_chunks(16, 2, 1) == [(kv, 1, g, 1) for kv in range(2) for g in range(8)]
-    assert head_chunks(64, 8, 4) == [(kv, 1, g, 4) for kv in range(8) for g in (0, 4)]
-    assert head_chunks(32, 32, 4) == [(kv, 4, 0, 1) for kv in range(0, 32, 4)]
 
 
 def test_auto_backend_uses_kernels_only_on_cuda(rng, device, monkeypatch):

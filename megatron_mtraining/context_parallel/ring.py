@@ -218,7 +218,7 @@ def ring_work(index: SparseIndex) -> SparseIndex:
     return VerticalSlashPart(index, "tiles") if isinstance(index, VerticalSlashIndex) else index
 
 
-def _vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
+def vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
     """Every head's vertical columns, ascending, each once, -1 padded to a width that
     shapes fix (one per list entry, at most the sequence), so that sizing the gather
     reads nothing from the device. Where heads share columns the union is narrower
@@ -231,7 +231,7 @@ def _vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
 
 def _local_columns(k, v, index: VerticalSlashIndex, queries: TokenPositions, group, use_kernels: bool, timer):
     """(the local piece: this rank's queries over the vertical columns, the columns' K, V)."""
-    columns = _vertical_columns(index)
+    columns = vertical_columns(index)
     k_cols, v_cols = _GatherColumns.apply(k, v, columns, queries, index.seq_len, group)
     bars = StepIndex(VerticalSlashPart(index, "bars"), queries, columns)
     # Taken as attending: asking (``may_attend``) would read the gathered positions from the device.

@@ -26,15 +26,19 @@ from .layout import TokenPositions
 
 
 def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None:
-    """Global block ids (on the device) of the runs of ``block`` positions, or None unless
-    the positions are such runs, each starting at a multiple of ``block``."""
+    """Global block ids (int32, on the device) of the runs of ``block`` positions, or None
+    unless the positions are such runs, each starting at a multiple of ``block``, in
+    ascending order. Every context-parallel layout's are. The kernels then derive a
+    position from its block's id with one scalar load per block, and the bar dK/dV
+    kernel finds the first rows that can see a column by binary search."""
 
     def make(p: TokenPositions) -> torch.Tensor | None:
         if len(p.host) % block:
             return None
         runs = p.host.view(-1, block)
         aligned = (runs[:, 0] % block == 0).all() and (runs == runs[:, :1] + torch.arange(block)).all()
-        return p.values[::block] // block if aligned else None
+        ascending = (runs[1:, 0] > runs[:-1, 0]).all()
+        return (p.values[::block] // block).int() if aligned and ascending else None
 
     return positions.derived(("global blocks", block), make)
 
@@ -75,7 +79,7 @@ class StepLayouts:
         block, gq, gk = next(((b, q, k) for b, q, k in aligned if q is not None and k is not None), (None,) * 3)
         if block is None:
             return None
-        fields = {"query_positions": queries.int32, "key_positions": keys.int32}
+        fields = {"query_blocks": gq, "key_blocks": gk}
         if isinstance(work, VerticalSlashPart):
             return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
         causal = gq.view(-1, 1) >= gk.view(1, -1)
@@ -130,6 +134,6 @@ class StepLayouts:
             bar_count=vertical_counts(index.vertical, last_rows, right=True),
             vertical_ptr=vertical_counts(vertical, bounds),
             active=index.active_diagonals().to(torch.int8),
-            query_positions=self.queries.int32,
-            key_positions=keys.int32,
+            query_blocks=_global_blocks(self.queries, block),
+            bar_positions=torch.where(vertical >= 0, keys.int32[vertical.clamp(min=0)], -1),
         )

@@ -23,7 +23,6 @@ def sparse_attention(
     index: SparseIndex,
     softmax_scale: float | None = None,
     backend: str | None = None,
-    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal softmax attention restricted to ``index``.
 
@@ -36,16 +35,6 @@ def sparse_attention(
     or fp32 with head dim <= 256, else the PyTorch reference), ``"reference"``
     or ``"triton"``. The environment variable ``MTRAINING_ATTENTION_BACKEND``
     sets the default, e.g. ``reference`` to rule the kernels out while debugging.
-
-    ``deterministic``: on the kernels, whether the backward is bitwise reproducible. The
-    fast backward (``False``) computes dQ inside the dK/dV kernels (5 matrix products per
-    attended pair instead of 7) and adds it with fp32 atomics, so the order of its
-    additions, and the last bits of dQ, vary from run to run; it also holds an fp32 dQ
-    scratch of up to an eighth of dQ's bytes. The deterministic one (``True``) runs a
-    separate dQ pass instead. ``None`` (default) follows
-    ``torch.are_deterministic_algorithms_enabled()``, which
-    ``torch.use_deterministic_algorithms(True)`` (set by Megatron's deterministic mode)
-    turns on. The reference backend is deterministic either way.
     """
     check_qkv(q, k, v)
     if not isinstance(index, SparseIndex):
@@ -58,9 +47,7 @@ def sparse_attention(
         return ReferenceSparseAttention.apply(q, k, v, index, scale)
     from .kernels.attention import TritonBlockBarAttention  # imports Triton
 
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    return TritonBlockBarAttention.apply(q, k, v, layout, scale, deterministic)
+    return TritonBlockBarAttention.apply(q, k, v, layout, scale)
 
 
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:

@@ -8,7 +8,7 @@ import torch
 import triton
 
 from ..validation import fail
-from .block_bar import LOG2E, _bar_dkdv_kernel, _delta_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
+from .block_bar import LOG2E, _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
 from .layout import KernelLayout
 
 
@@ -27,8 +27,7 @@ class LaunchConfig:
     block_m: int = 128
 
 
-# ``*_fast``: the dK/dV kernels of the fast backward (``FUSED_DQ``), compiled and tuned apart.
-KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv", "bar_dkdv_fast", "tile_dkdv_fast")
+KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv")
 # Per-kernel overrides, e.g. from a benchmark sweep; empty means the defaults below.
 OVERRIDES: dict[str, LaunchConfig] = {}
 
@@ -39,11 +38,8 @@ def launch_config(kernel: str, block: int, head_dim: int) -> LaunchConfig:
       (two stages: 13-14% slower);
     * dK/dV: 128 keys a program against 64-row steps, three stages. Their transposed
       scores then have 128 rows, a 64-row half for each warp group of the matrix unit;
-      64-key programs of 8 warps ran 1.7-2.1x slower. The fast backward's dK/dV kernels
-      (``*_fast``) take the same shapes: at 128K on an H100, two stages instead of three
-      were within 3%, 32-row steps 8-13% and 64-key programs of 4 warps 20-54% slower.
-    All fit an A100's 164 KiB of shared memory (compiled for sm80, the fast dK/dV kernels
-    take 145 KiB; for sm90, 193 KiB). ``scripts/bench_kernels.py --tune`` sweeps
+      64-key programs of 8 warps ran 1.7-2.1x slower.
+    All fit an A100's 164 KiB of shared memory. ``scripts/bench_kernels.py --tune`` sweeps
     alternatives."""
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
@@ -75,11 +71,13 @@ def _row_selection(layout: KernelLayout) -> dict:
 
 
 def _positions(layout: KernelLayout) -> dict:
-    """Global positions of the query rows and key columns, for context-parallel steps."""
-    has = layout.query_positions is not None
+    """Global block ids of the query and key blocks, for context-parallel steps. A bars-only
+    layout has no key blocks: its tile count table (``n_kvblocks`` entries or more) stands
+    in, read at the start of a dK/dV program and never used, since no tile follows."""
+    has = layout.query_blocks is not None
     return {
-        "QPOS": layout.query_positions if has else layout.tile_count,
-        "KPOS": layout.key_positions if has else layout.tile_count,
+        "QPOS": layout.query_blocks if has else layout.tile_count,
+        "KPOS": layout.key_blocks if layout.key_blocks is not None else layout.tile_t_count,
         "HAS_POS": has,
     }
 
@@ -102,11 +100,10 @@ def _bars(layout: KernelLayout, k: torch.Tensor, v: torch.Tensor) -> dict:
     cols = vertical.clamp(min=0).long()
     batch = torch.arange(b, device=k.device).view(-1, 1, 1)
     kv_head = (torch.arange(h, device=k.device) // (h // k.shape[2])).view(1, -1, 1)
-    kpos = layout.key_positions
     return {
         "KBAR": k[batch, cols, kv_head],
         "VBAR": v[batch, cols, kv_head],
-        "BAR_POS": vertical if kpos is None else torch.where(vertical >= 0, kpos[cols], -1),
+        "BAR_POS": vertical if layout.bar_positions is None else layout.bar_positions,
         "BAR_CNT": layout.bar_count,
         "ACTIVE": layout.active,
         "V_MAX": vertical.shape[-1],
@@ -175,141 +172,64 @@ def kernel_forward(
     return out, lse
 
 
-def dq_scratch_heads(heads: int, dq_dtype: torch.dtype) -> int:
-    """Query heads per launch of the fast backward without a running dQ: whole heads whose
-    fp32 dQ accumulator takes at most an eighth of dQ's bytes, at least one. (The issue's
-    memory target is fwd+bwd within 1.2x of q/k/v/o/dO/dQ/dK/dV; an fp32 dQ for all heads
-    alone would put a GQA 8:1 model at 1.44x.)"""
-    return max(1, heads * dq_dtype.itemsize // (8 * 4))
-
-
-def head_chunks(heads: int, kv_heads: int, per_launch: int) -> list[tuple[int, int, int, int]]:
-    """The launches of the fast backward as (first KV head, KV heads, first group member,
-    group members), at most ``per_launch`` query heads each: whole GQA groups of
-    consecutive KV heads, or, where a group is larger than that, consecutive members of
-    one group. Either way a launch's query heads are consecutive."""
-    group = heads // kv_heads
-    if per_launch >= group:
-        n = min(kv_heads, per_launch // group)
-        return [(kv0, min(n, kv_heads - kv0), 0, group) for kv0 in range(0, kv_heads, n)]
-    return [(kv, 1, g0, min(per_launch, group - g0)) for kv in range(kv_heads) for g0 in range(0, group, per_launch)]
-
-
-# Rows per program of the fast bar kernel, in BLOCK_M steps. The deterministic kernel walks
-# all rows after a column chunk in one program; with the dQ fused in, launches cover few
-# heads, so the rows are split for enough programs to fill the device.
-BAR_SEGMENT_STEPS = 32
-
-
-def kernel_backward(
-    q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None,
-    deterministic: bool | None = None,
-):  # fmt: skip
+def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None):
     """(dq, dk, dv), dk / dv in k / v's dtype, given each row's *final* out and lse (so the
     partials of several K/V chunks add up); ``dlse`` may be None. ``dq_running``: an fp32
-    sum of the rows' dQ over other keys, to which this dQ is added in the kernels (written
-    over it when ``dq_dtype`` is fp32); ``dq_dtype``: q's unless given.
-
-    ``deterministic`` (None: ``torch.are_deterministic_algorithms_enabled()``): the
-    bitwise-reproducible backward (a dQ pass, then the dK/dV passes; no atomics). Otherwise
-    the fast one: the dK/dV kernels also compute dQ and add it into an fp32 accumulator with
-    atomics (5 matmuls per attended pair instead of 7). The accumulator is ``dq_running``
-    where given, or the fp32 dQ output itself; otherwise a scratch buffer bounded by
-    ``dq_scratch_heads``, one launch per ``head_chunks`` entry, each cast into dQ's heads."""
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
+    sum of the rows' dQ over other keys, to which this dQ is added in the kernel (written
+    over it when ``dq_dtype`` is fp32); ``dq_dtype``: q's unless given."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
-    hkv, group = k.shape[2], h // k.shape[2]
+    hkv = k.shape[2]
     out, dout, lse = out.contiguous(), dout.to(q.dtype).contiguous(), lse.float().contiguous()
-    dlse_t = lse if dlse is None else dlse.float().contiguous()
-    delta = new_buffer(lse.shape, torch.float32, q.device)
+    delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
     common = _common(q, k, layout)
     n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
-    scales = {"qk_scale": scale * LOG2E, "sm_scale": scale}
 
     bars = _bars(layout, k, v)
     dq, dq_run, accumulate = _outputs("dq_running", dq_running, q.shape, dq_dtype or q.dtype, q.device)
-    if deterministic:
-        dq_opts = _opts("dq", layout, q)
-        _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
-            q, k, v, out, dout, lse, dlse_t, delta, dq, dq_run, layout.tiles, layout.tile_count, **bars,
-            NQB=n_qb, T_MAX=layout.tiles.shape[3], HAS_DLSE=dlse is not None, ACCUMULATE=accumulate,
-            **scales, **common, **dq_opts,
-        )  # fmt: skip
-    else:
-        _delta_kernel[(triton.cdiv(s, 64), b * h)](
-            out, dout, dlse_t, delta, S=s, H=h, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK_M=64,
-            HAS_DLSE=dlse is not None, num_warps=4,
-        )  # fmt: skip
+    dq_opts = _opts("dq", layout, q)
+    _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
+        q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq, dq_run,
+        layout.tiles, layout.tile_count, **bars,
+        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
+        HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, **common, **dq_opts,
+    )  # fmt: skip
 
-    fast = "" if deterministic else "_fast"
-    bar_opts, tile_opts = _opts("bar_dkdv" + fast, layout, q), _opts("tile_dkdv" + fast, layout, q)
     if layout.has_bars:
         v_max = layout.vertical.shape[-1]
         bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
         bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
-        if not deterministic:  # the row segments add their partials
-            bar_dk.zero_()
-            bar_dv.zero_()
+        bar_opts = _opts("bar_dkdv", layout, q)
+        _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
+            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], layout.active, bar_dk, bar_dv,
+            common["QPOS"], S=s, H=h, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
+            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block,
+            HAS_POS=common["HAS_POS"], PRECISION=common["PRECISION"], **bar_opts,
+        )  # fmt: skip
         vert, vptr = layout.vertical, layout.vertical_ptr
-        seg = s if deterministic else BAR_SEGMENT_STEPS * bar_opts["BLOCK_M"]
     else:
         v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
+
     dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
-
-    def dkdv(kv0, n_kv, g0, n_g, dq_acc, kv_run=(dk, dv)):
-        """The dK/dV kernels over KV heads ``kv0 ..`` x group members ``g0 ..``; the tile
-        kernel adds to / stores in the fp32 ``kv_run`` where other launches share its KV heads."""
-        heads = {"KV0": kv0, "NKV": n_kv, "G0": g0, "NG": n_g}
-        if layout.has_bars:
-            _bar_dkdv_kernel[(b * n_kv * n_g, triton.cdiv(v_max, bar_opts["BLOCK_N"]), triton.cdiv(s, seg))](
-                q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], layout.active, bar_dk, bar_dv,
-                dq_acc, common["QPOS"], S=s, H=h, HKV=hkv, **heads, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
-                SEG=seg, **scales, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block,
-                HAS_POS=common["HAS_POS"], PRECISION=common["PRECISION"], FUSED_DQ=not deterministic, **bar_opts,
-            )  # fmt: skip
-        _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * n_kv)](
-            q, k, v, dout, lse, delta, dk, dv, *kv_run, dq_acc, layout.tiles_t, layout.tile_t_count,
-            bar_dk, bar_dv, vert, vptr, **heads, NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, **scales,
-            HAS_BARS=layout.has_bars, FOLD=32,
-            FUSED_DQ=not deterministic, KV_RUN_IN=g0 > 0, KV_RUN_OUT=g0 + n_g < group, **common, **tile_opts,
-        )  # fmt: skip
-
-    if deterministic:
-        dkdv(0, hkv, 0, group, delta)
-    elif accumulate or dq.dtype == torch.float32:
-        # An fp32 accumulator over all heads is there already: one launch adds into it.
-        if not accumulate:
-            dq_run = dq.zero_()
-        dkdv(0, hkv, 0, group, dq_run)
-        if dq is not dq_run:
-            dq.copy_(dq_run)
-    else:
-        chunks = head_chunks(h, hkv, dq_scratch_heads(h, dq.dtype))
-        scratch = new_buffer((b * s * max(n_kv * n_g for _, n_kv, _, n_g in chunks) * d,), torch.float32, q.device)
-        # Partial groups: one KV head per launch, its dK/dV summed in fp32 over the group's launches.
-        kv_run = (dk, dv)
-        if chunks[0][3] < group:
-            kv_run = tuple(new_buffer((b, k.shape[1], 1, d), torch.float32, k.device) for _ in range(2))
-        for kv0, n_kv, g0, n_g in chunks:
-            acc = scratch[: b * s * n_kv * n_g * d].view(b, s, n_kv * n_g, d).zero_()
-            dkdv(kv0, n_kv, g0, n_g, acc, kv_run)
-            first = kv0 * group + g0
-            dq[:, :, first : first + n_kv * n_g].copy_(acc)
+    tile_opts = _opts("tile_dkdv", layout, q)
+    _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
+        NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
+        HAS_BARS=layout.has_bars, FOLD=32,
+        **common, **tile_opts,
+    )  # fmt: skip
     return dq, dk, dv
 
 
 class TritonBlockBarAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: KernelLayout, scale: float, deterministic: bool):
+    def forward(ctx, q, k, v, layout: KernelLayout, scale: float):
         out, lse = kernel_forward(q, k, v, layout, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.deterministic = layout, scale, deterministic
+        ctx.layout, ctx.scale = layout, scale
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = kernel_backward(q, k, v, ctx.layout, ctx.scale, out, lse, dout, dlse, deterministic=ctx.deterministic)
-        return (*grads, None, None, None)
+        return (*kernel_backward(q, k, v, ctx.layout, ctx.scale, out, lse, dout, dlse), None, None)

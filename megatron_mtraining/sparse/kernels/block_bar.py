@@ -16,8 +16,8 @@ pass) add up inside the kernels, with no pass of their own over the outputs: wit
 lse) of its rows and stores the merged one, and ``_dq_kernel`` adds its dQ to a running
 fp32 sum. Each row has one writer, so this needs no atomics.
 
-The backward has two modes. Deterministic (no atomics, bitwise reproducible):
-* ``_dq_kernel``: row-major like the forward; it also stores ``delta``.
+Backward without atomics, so it is deterministic:
+* ``_dq_kernel``: row-major like the forward.
 * ``_bar_dkdv_kernel``: one program per (head, chunk of its vertical columns)
   walks the query rows after the chunk, ``BLOCK_M`` a step, and writes fp32
   ``[B, Hq, V, D]`` partial dK/dV for those columns.
@@ -25,22 +25,18 @@ The backward has two modes. Deterministic (no atomics, bitwise reproducible):
   KV head), which first gathers the GQA group's bar partials for its keys, then walks
   the query blocks that read the block, ``BLOCK_M`` rows a step, for each query head of
   the group. Each dK/dV row has exactly one writer.
-That is 7 matmuls per attended (row, key) pair: the dQ kernel recomputes QK^T and dP.
-Fast (``FUSED_DQ``, 5 matmuls a pair): ``_delta_kernel`` stores ``delta``, then the two
-dK/dV kernels also form dQ = dS K from the dS they hold and add it to an fp32 dQ
-accumulator with atomics. The bar kernel's programs then take a segment of the rows
-each (adding their partials with atomics too): a launch covers few heads (below), and
-programs of whole columns would leave most of the device idle.
-The dK/dV kernels serve a subset of the heads per launch (``KV0`` / ``NKV`` KV heads x
-group members ``G0 .. G0 + NG``), so the launcher can bound the dQ accumulator; with
-``KV_RUN_IN`` / ``KV_RUN_OUT`` the tile kernel adds its dK/dV to / stores them in fp32
-running sums over the launches that share a KV head.
+That is 7 matmuls per attended (row, key) pair, the dQ kernel recomputing QK^T and dP.
+A fused backward adding dQ with atomics from the dK/dV kernels (5 matmuls) ran slower
+at 128K on an H100 (31.3 against 29.5 ms; commit 8197a4c): the atomic adds cost three
+times the matmul they save.
 All statistics are fp32; exponentials are base 2 with the scale folded in.
 
 Loads use local row and column indices; causality compares global positions,
-which are the indices themselves on one device and are read from ``QPOS`` /
-``KPOS`` (``HAS_POS``) when the rows are a context-parallel rank's tokens and the
-keys another rank's chunk (or gathered columns, ``SK`` of them).
+which are the indices themselves on one device. When the rows are a
+context-parallel rank's tokens and the keys another rank's chunk (``HAS_POS``),
+both are whole global blocks: ``QBLK`` / ``KBLK`` hold the global block id of each
+local block (ascending for the rows), so a step's positions cost one scalar load.
+Gathered vertical columns carry their positions in ``BAR_POS``.
 """
 
 from __future__ import annotations
@@ -54,12 +50,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _positions(POS, idx, ok, HAS_POS: tl.constexpr):
-    """Global positions of local indices ``idx`` (the indices themselves without ``POS``)."""
+def _positions(BLK, blk, idx, HAS_POS: tl.constexpr, BLOCK: tl.constexpr):
+    """Global positions of local indices ``idx``, all in local block ``blk``: the indices
+    themselves on one device, else offsets in the block's global block (``BLK[blk]``)."""
     pos = idx
     if HAS_POS:
-        pos = tl.load(POS + idx, mask=ok, other=0)
+        pos = tl.load(BLK + blk) * BLOCK + (idx - blk * BLOCK)
     return pos
+
+
+@triton.jit
+def _first_reader(QBLK, n_qb, col_pos, BLOCK: tl.constexpr):
+    """The first of ``n_qb`` ascending global blocks ``QBLK`` holding a row at or after
+    position ``col_pos`` (``n_qb`` if none), by binary search: the rows before it see
+    none of a column there."""
+    lo = tl.zeros([], tl.int32)
+    hi = lo + n_qb
+    target = col_pos // BLOCK
+    while lo < hi:
+        mid = (lo + hi) // 2
+        before = tl.load(QBLK + mid) < target
+        lo = tl.where(before, mid + 1, lo)
+        hi = tl.where(before, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -109,8 +122,7 @@ def _block_step(BLOCKS, lay, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.con
     in shared memory."""
     blk = tl.load(BLOCKS + lay * T_MAX + j // (BLOCK // STEP))
     idx = blk * BLOCK + (j % (BLOCK // STEP)) * STEP + tl.arange(0, STEP)
-    ok = idx < N
-    return blk, idx, ok, _positions(POS, idx, ok, HAS_POS)
+    return blk, idx, idx < N, _positions(POS, blk, idx, HAS_POS, BLOCK)
 
 
 @triton.jit
@@ -179,7 +191,7 @@ def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
     index block (top-k layouts). Selections hold global block ids."""
     out = row_pos
     if HAS_ROWSEL:
-        global_tile = _positions(KPOS, kb * BLOCK, True, HAS_POS) // BLOCK
+        global_tile = _positions(KPOS, kb, kb * BLOCK, HAS_POS, BLOCK) // BLOCK
         out = tl.where(tl.max((sel == global_tile // RATIO).to(tl.int32), 1) > 0, row_pos, -1)
     return out
 
@@ -197,7 +209,7 @@ def _fwd_kernel(
     (``O`` / ``LSE`` may be those very buffers: each row is read and written by its own
     program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
+    row_pos = _positions(QPOS, qb, rows, HAS_POS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -252,32 +264,6 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 
 @triton.jit
-def _row_delta(O, DO, DLSE, DELTA, b, h, H, S, q_off, rows, row_ok, q_stride, d, d_ok, HAS_DLSE: tl.constexpr):
-    """Stores ``delta = rowsum(dO * O) - dLSE`` of the rows, computed from one read of dO and
-    O (instead of in fp32 copies of them); returns (dO, delta)."""
-    do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
-    o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + (b * H + h) * S + rows, mask=row_ok, other=0.0)
-    tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
-    return do, delta
-
-
-@triton.jit
-def _delta_kernel(
-    O, DO, DLSE, DELTA, S, H,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-):  # fmt: skip
-    """``delta`` for the fast backward, which has no row-major pass to compute it in."""
-    _, b, h, _, rows, row_ok, d, d_ok = _program_rows(BLOCK_M, BLOCK_M, HEAD_DIM, D_PAD, S, H, H)
-    q_stride = H * HEAD_DIM
-    _row_delta(
-        O, DO, DLSE, DELTA, b, h, H, S, b * S * q_stride + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok, HAS_DLSE
-    )
-
-
-@triton.jit
 def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
     p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION) - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -294,15 +280,20 @@ def _dq_kernel(
     K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
-    be), and ``delta`` stored for the dK/dV kernels (computed here, where dO is loaded
-    anyway)."""
+    be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
+    here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QPOS, rows, row_ok, HAS_POS)
+    row_pos = _positions(QPOS, qb, rows, HAS_POS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
     q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
-    do, delta = _row_delta(O, DO, DLSE, DELTA, b, h, H, S, q_off, rows, row_ok, q_stride, d, d_ok, HAS_DLSE)
+    do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
+    o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + (b * H + h) * S + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + (b * H + h) * S + rows, delta, mask=row_ok)
     lse = tl.load(LSE + (b * H + h) * S + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
@@ -335,22 +326,13 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dq_rows(DQ, b, S, slot, HEADS, HEAD_DIM: tl.constexpr):
-    """(base, row stride) of head ``slot``'s rows in a ``[B, S, HEADS, D]`` fp32 dQ accumulator."""
-    stride = HEADS * HEAD_DIM
-    return DQ + b * S * stride + slot * HEAD_DIM, stride
-
-
-@triton.jit
 def _kv_grads(
-    dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, DQ_base, dq_stride, LSE, DELTA, b, h, H, S, rows, row_pos,
-    q_stride, d, d_ok, qk_scale, sm_scale, extra_mask, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
+    dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d, d_ok,
+    qk_scale, extra_mask, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Adds a step of query rows' contribution to the dK/dV of a set of key rows. It works
     on transposed scores (keys x rows): P^T and dS^T then leave the matrix unit in the
-    layout that the dV and dK products take, with no round trip through shared memory.
-    With ``FUSED_DQ`` it also adds the rows' dQ over these keys to ``DQ_base`` atomically,
-    from the dS^T it already holds."""
+    layout that the dV and dK products take, with no round trip through shared memory."""
     row_ok = rows < S
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
@@ -360,43 +342,30 @@ def _kv_grads(
     p = tl.exp2(tl.where(visible, s, float("-inf")) - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = (p * (dp - delta[None, :])).to(q.dtype)
-    dk += tl.dot(ds, q, input_precision=PRECISION)
-    if FUSED_DQ:
-        dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
-        ptrs = DQ_base + rows[:, None] * dq_stride + d[None, :]
-        tl.atomic_add(ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    ds = p * (dp - delta[None, :])
+    dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["KV0", "G0"])
+@triton.jit
 def _bar_dkdv_kernel(
-    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, DQ, QPOS,
-    S, H, HKV, KV0, NKV, G0, NG, N_ACTIVE, V_MAX, SEG, qk_scale, sm_scale,
+    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QPOS,
+    S, H, NQB, N_ACTIVE, V_MAX, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_N`` of a head's vertical columns against the query rows of segment
-    ``program_id(2)`` (``SEG`` rows, a multiple of ``BLOCK_M``), ``BLOCK_M`` rows a step
-    (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The heads are
-    those of the launch (``_tile_dkdv_kernel``'s head subset), ``program_id(0)`` slot
-    ``(KV head - KV0) * NG + (group member - G0)``, which is also the slot of ``DQ``. The
-    partials are left unscaled, as the tile kernel's sums are until it folds them in; with
-    ``FUSED_DQ`` they are added to the buffers with atomics (several segments per column)."""
-    slot = tl.program_id(0) % (NKV * NG)
-    b = tl.program_id(0) // (NKV * NG)
-    h = (KV0 + slot // NG) * (H // HKV) + G0 + slot % NG
-    bh = b * H + h
+    """``BLOCK_N`` of a head's vertical columns against ``BLOCK_M`` query rows a step
+    (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The partials
+    are left unscaled, as the tile kernel's sums are until it folds them in."""
+    bh = tl.program_id(0)
     # The grid's second axis: every head's earliest columns, which the most rows see, start first.
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = bh // H
+    h = bh % H
     entries = bh * V_MAX + offs
     col_pos = tl.load(BAR_POS + entries, mask=offs < V_MAX, other=-1)
     col_ok = col_pos >= 0
-    lo = tl.program_id(2) * SEG
-    hi = tl.minimum(lo + SEG, S)
-    if not HAS_POS:  # rows before the chunk's first column see none of it (single device)
-        lo = tl.maximum(lo, tl.min(tl.where(col_ok, col_pos, S), 0) // BLOCK_M * BLOCK_M)
-    if (tl.max(col_pos, 0) >= 0) & (lo < hi):
+    if tl.max(col_pos, 0) >= 0:
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         q_stride = H * HEAD_DIM
@@ -405,23 +374,23 @@ def _bar_dkdv_kernel(
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         q_off = b * S * q_stride + h * HEAD_DIM
-        DQ_base, dq_stride = _dq_rows(DQ, b, S, slot, NKV * NG, HEAD_DIM)
-        for r0 in range(lo, hi, BLOCK_M):
+        # Rows before the chunk's first column see none of it: start at the first that can.
+        first_col = tl.min(tl.where(col_ok, col_pos, 2147483647), 0)
+        first = first_col // BLOCK_M * BLOCK_M
+        if HAS_POS:
+            first = _first_reader(QPOS, NQB, first_col, BLOCK) * BLOCK
+        for r0 in range(first, S, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
-            row_pos = _positions(QPOS, rows, rows < S, HAS_POS)
+            row_pos = _positions(QPOS, r0 // BLOCK, rows, HAS_POS, BLOCK)
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, DQ_base, dq_stride, LSE, DELTA, b, h, H, S,
-                rows, row_pos, q_stride, d, d_ok, qk_scale, sm_scale, (~in_tile)[:, None], PRECISION, FUSED_DQ,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
+                d, d_ok, qk_scale, (~in_tile)[:, None], PRECISION,
             )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
-        if FUSED_DQ:
-            tl.atomic_add(BAR_DK + out, dk, mask=ok, sem="relaxed")
-            tl.atomic_add(BAR_DV + out, dv, mask=ok, sem="relaxed")
-        else:
-            tl.store(BAR_DK + out, dk, mask=ok)
-            tl.store(BAR_DV + out, dv, mask=ok)
+        tl.store(BAR_DK + out, dk, mask=ok)
+        tl.store(BAR_DV + out, dv, mask=ok)
 
 
 @triton.jit
@@ -429,11 +398,11 @@ def _fold_bars(
     dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD: tl.constexpr, FOLD: tl.constexpr
 ):
     """Adds head ``bh``'s bar partials of the vertical columns among key rows ``cols``
-    (inside KV block ``kb``), ``FOLD`` listed columns at a time: each key row gathers
-    its column's row, if it is one, with a masked load, an exact fp32 sum. The tile kernel
+    (inside KV block ``kb``), ``FOLD`` listed columns at a time: each key row gathers its
+    column's partial, if it is one, with a masked load, an exact fp32 sum. The tile kernel
     does this before its products: on sm90, instructions that write the accumulators
-    between the asynchronous matrix products (as a one-hot matmul folding them in
-    after the products did) make ptxas serialise every product of the kernel."""
+    between the asynchronous matrix products (as a one-hot matmul folding the partials
+    in after them did) make ptxas serialise every product of the kernel."""
     start = tl.load(VPTR + bh * (NKB + 1) + kb)
     stop = tl.load(VPTR + bh * (NKB + 1) + kb + 1)
     for c0 in range(start, stop, FOLD):
@@ -446,30 +415,26 @@ def _fold_bars(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["KV0", "G0"])
+@triton.jit
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DK_RUN, DV_RUN, DQ, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL,
-    QPOS, KPOS, S, SK, H, HKV, KV0, NKV, G0, NG, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QPOS, KPOS,
+    S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
-    FUSED_DQ: tl.constexpr, KV_RUN_IN: tl.constexpr, KV_RUN_OUT: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_N`` key rows of KV block ``kb`` of KV head ``KV0 + program_id(1) % NKV``
-    against ``BLOCK_M`` rows of a reading query block a step, for group members
-    ``G0 .. G0 + NG``. ``DK_RUN`` / ``DV_RUN``: fp32 ``[B, SK, NKV, D]`` sums over the
-    launches that split a group, added in with ``KV_RUN_IN``; ``KV_RUN_OUT`` stores the
-    sum there instead of in ``DK`` / ``DV``."""
+    """``BLOCK_N`` key rows of KV block ``kb`` against ``BLOCK_M`` rows of a reading query
+    block a step."""
     sub = tl.program_id(0)
     kb = sub // (BLOCK // BLOCK_N)
     first = sub * BLOCK_N
-    b = tl.program_id(1) // NKV
-    kv_slot = tl.program_id(1) % NKV
-    kvh = KV0 + kv_slot
+    bkv = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
     group = H // HKV
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < SK
-    col_pos = _positions(KPOS, cols, col_ok, HAS_POS)
+    col_pos = _positions(KPOS, kb, cols, HAS_POS, BLOCK)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_stride = H * HEAD_DIM
@@ -480,31 +445,20 @@ def _tile_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     if HAS_BARS:
-        for g in range(G0, G0 + NG):
+        for g in range(group):
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
-    for g in range(G0, G0 + NG):
+    for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
-        DQ_base, dq_stride = _dq_rows(DQ, b, S, kv_slot * NG + g - G0, NKV * NG, HEAD_DIM)
         lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QPOS, S, BLOCK, BLOCK_M, HAS_POS)
             sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, DQ_base, dq_stride, LSE, DELTA, b, h, H, S,
-                rows, _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok,
-                qk_scale, sm_scale, col_ok[:, None], PRECISION, FUSED_DQ,
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
+                _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
+                col_ok[:, None], PRECISION,
             )  # fmt: skip
-    dk *= sm_scale
-    run_stride = NKV * HEAD_DIM
-    run_off = b * SK * run_stride + kv_slot * HEAD_DIM
-    if KV_RUN_IN:  # read after the loop, so the running sums take no registers during it
-        dk += _load_rows(DK_RUN + run_off, cols, col_ok, run_stride, d, d_ok)
-        dv += _load_rows(DV_RUN + run_off, cols, col_ok, run_stride, d, d_ok)
-    if KV_RUN_OUT:
-        _store_rows(DK_RUN + run_off, cols, col_ok, run_stride, d, d_ok, dk)
-        _store_rows(DV_RUN + run_off, cols, col_ok, run_stride, d, d_ok, dv)
-    else:
-        _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk)
-        _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)
+    _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
+    _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)

@@ -40,10 +40,14 @@ class KernelLayout:
     # each row keeps only tiles of the index blocks it selected.
     rowsel: torch.Tensor | None = None  # [B, LH, S, k] int32 selected index blocks per row
     rowsel_ratio: int = 1  # index block size / tile size
-    # Context-parallel steps: global positions of the local query rows and of the keys
-    # (int32); causality compares these. None on one device (positions = indices).
-    query_positions: torch.Tensor | None = None
-    key_positions: torch.Tensor | None = None
+    # Context-parallel steps: the global block ids (int32, ascending for queries) of the
+    # local query blocks and of the chunk's key blocks, whose rows and keys are whole
+    # global blocks; causality compares the positions they give. None on one device
+    # (positions = indices). Gathered vertical columns are no blocks: a bars-only layout
+    # has no key blocks and gives its columns' positions in ``bar_positions``.
+    query_blocks: torch.Tensor | None = None
+    key_blocks: torch.Tensor | None = None
+    bar_positions: torch.Tensor | None = None  # [B, Hq, V] int32, as ``vertical`` (None: ``vertical``)
 
     def __post_init__(self):
         # The kernels index every table with flat row-major offsets.

@@ -1,0 +1,124 @@
+"""One context-parallel rank's attention work, emulated on one GPU: the kernel time of
+each piece (the local vertical-column piece and every ring step) against the
+single-GPU kernel on the whole sequence, with no process group and no transfer.
+
+    python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped] [--out r.json]
+
+Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
+head dim 128, bf16, vertical-slash at density ``--density``). The pieces run as the
+ring runs them: the column piece starts the fp32 running result, each ring step adds
+into it inside the kernel, the last writes bf16 (the backward likewise for dQ).
+``kernel bound`` is (single-GPU time / cp) over the sum of a rank's pieces: the
+ring-over-single throughput the 2-GPU benchmark would reach with free, hidden
+transfers. The single-GPU time is also split into its tiles and its bars (the index
+without vertical columns, and without slash diagonals), which the pieces divide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_kernels import HKV, HQ, D, natural_index  # noqa: E402
+
+from megatron_mtraining.context_parallel import ContextParallelLayout  # noqa: E402
+from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns  # noqa: E402
+from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
+from megatron_mtraining.context_parallel.step_layout import StepLayouts  # noqa: E402
+from megatron_mtraining.sparse.index import VerticalSlashIndex, VerticalSlashPart  # noqa: E402
+from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward  # noqa: E402
+from megatron_mtraining.sparse.kernels.layout import kernel_layout  # noqa: E402
+
+
+def timed(fn, rep_ms: int) -> float:
+    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def piece_times(q, k, v, layout, scale, rep_ms, running=None, last=True) -> dict:
+    """Forward and backward ms of one kernel piece, adding into fp32 running buffers
+    unless it is the ``last`` (then its result is written in q's dtype)."""
+    out, lse = kernel_forward(q, k, v, layout, scale)
+    dout = torch.randn_like(out)
+    out_dtype = q.dtype if last else torch.float32
+    dq_run = None if running is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    fwd = timed(lambda: kernel_forward(q, k, v, layout, scale, running, out_dtype), rep_ms)
+    bwd = timed(lambda: kernel_backward(q, k, v, layout, scale, out, lse, dout, None, dq_run, out_dtype), rep_ms)
+    return {"tiles": int(layout.tile_count.sum()), "fwd_ms": fwd, "bwd_ms": bwd}
+
+
+def rank_pieces(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
+    """Kernel times of ``rank``'s pieces, in the ring's order (flat ring)."""
+    dev = q.device
+    queries = layout.token_positions(rank, dev)
+    q_r = layout.shard(q, rank)
+    b, s, h, d = q_r.shape
+    running = (torch.zeros(b, s, h, d, device=dev), torch.full((b, h, s), float("-inf"), device=dev))
+    pieces = {}
+    cols = vertical_columns(index)
+    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, cols)
+    present = (cols >= 0).view(1, -1, 1, 1)
+    k_cols, v_cols = (torch.where(present, x[:, cols.clamp(min=0)], 0) for x in (k, v))
+    bar_layout = StepLayouts(bars.index, queries).of(bars.keys)
+    pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_layout, scale, rep_ms, None, last=False)
+    steps = StepLayouts(ring_work(index), queries)
+    for i in range(layout.cp_size):
+        source = (rank - i) % layout.cp_size
+        step_layout = steps.of(layout.token_positions(source, dev))
+        k_s, v_s = layout.shard(k, source), layout.shard(v, source)
+        last = i == layout.cp_size - 1
+        pieces[f"step {i}"] = piece_times(q_r, k_s, v_s, step_layout, scale, rep_ms, running, last)
+    return pieces
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=524288)
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--layout", default="striped", choices=("striped", "zigzag"))
+    p.add_argument("--density", type=float, default=0.05)
+    p.add_argument("--ranks", type=int, nargs="*", default=None, help="ranks to emulate (default: all)")
+    p.add_argument("--rep-ms", type=int, default=300)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    seq, dev = args.seq_len, torch.device("cuda")
+    index = natural_index(seq, 128, args.density, torch.Generator().manual_seed(seq), dev)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, seq, h, D, generator=gen).to(dev, torch.bfloat16) for h in (HQ, HKV, HKV))
+    scale = D**-0.5
+    no_columns = VerticalSlashIndex(torch.full_like(index.vertical[..., :1], -1), index.slash, seq, 128)
+    no_slash = VerticalSlashIndex(index.vertical, torch.full_like(index.slash[..., :1], -1), seq, 128)
+    single = {
+        name: piece_times(q, k, v, kernel_layout(ix), scale, args.rep_ms)
+        for name, ix in (("whole", index), ("tiles", no_columns), ("bars", no_slash))
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {seq} tokens, cp {args.cp} {args.layout}")
+    for name, r in single.items():
+        print(f"  single GPU, {name:<6} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
+    layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=128)
+    result = {"seq": seq, "cp": args.cp, "layout": args.layout, "device": torch.cuda.get_device_name(),
+              "single": single, "ranks": {}}  # fmt: skip
+    for rank in args.ranks if args.ranks is not None else range(args.cp):
+        pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms)
+        total = {ph: sum(r[f"{ph}_ms"] for r in pieces.values()) for ph in ("fwd", "bwd")}
+        bound = {ph: single["whole"][f"{ph}_ms"] / args.cp / total[ph] for ph in ("fwd", "bwd")}
+        result["ranks"][rank] = {"pieces": pieces, "total": total, "kernel_bound": bound}
+        for name, r in pieces.items():
+            print(f"  rank {rank} {name:<8} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
+        print(
+            f"  rank {rank} total    fwd {total['fwd']:8.2f}  bwd {total['bwd']:8.2f} ms; kernel bound on "
+            f"ring / single: fwd {bound['fwd']:.3f}, bwd {bound['bwd']:.3f}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
