@@ -76,8 +76,8 @@ def _positions(layout: KernelLayout) -> dict:
     in, read at the start of a dK/dV program and never used, since no tile follows."""
     has = layout.query_blocks is not None
     return {
-        "QPOS": layout.query_blocks if has else layout.tile_count,
-        "KPOS": layout.key_blocks if layout.key_blocks is not None else layout.tile_t_count,
+        "QBLK": layout.query_blocks if has else layout.tile_count,
+        "KBLK": layout.key_blocks if layout.key_blocks is not None else layout.tile_t_count,
         "HAS_POS": has,
     }
 
@@ -202,7 +202,7 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
         bar_opts = _opts("bar_dkdv", layout, q)
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
             q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], layout.active, bar_dk, bar_dv,
-            common["QPOS"], S=s, H=h, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
+            common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
             qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block,
             HAS_POS=common["HAS_POS"], PRECISION=common["PRECISION"], **bar_opts,
         )  # fmt: skip

@@ -50,12 +50,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _global_block(BLK, blk, HAS_POS: tl.constexpr):
+    """Global block id of local block ``blk``: itself on one device, else ``BLK[blk]``."""
+    g = blk
+    if HAS_POS:
+        g = tl.load(BLK + blk)
+    return g
+
+
+@triton.jit
 def _positions(BLK, blk, idx, HAS_POS: tl.constexpr, BLOCK: tl.constexpr):
     """Global positions of local indices ``idx``, all in local block ``blk``: the indices
-    themselves on one device, else offsets in the block's global block (``BLK[blk]``)."""
+    themselves on one device, else offsets in the block's global block."""
     pos = idx
     if HAS_POS:
-        pos = tl.load(BLK + blk) * BLOCK + (idx - blk * BLOCK)
+        pos = _global_block(BLK, blk, HAS_POS) * BLOCK + (idx - blk * BLOCK)
     return pos
 
 
@@ -126,11 +135,11 @@ def _block_step(BLOCKS, lay, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.con
 
 
 @triton.jit
-def _tile_keys(TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok,
+def _tile_keys(TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
     """Step ``j`` of the row-major kernels' tile loop: (KV block, k, v, key positions, key
     mask) for ``BLOCK_N`` keys of the ``j // (BLOCK // BLOCK_N)``-th listed tile."""
-    kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KPOS, SK, BLOCK, BLOCK_N, HAS_POS)
+    kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KBLK, SK, BLOCK, BLOCK_N, HAS_POS)
     k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
     v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
     return kb, k, v, col_pos, col_ok
@@ -186,19 +195,19 @@ def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexp
 
 
 @triton.jit
-def _tile_rows(row_pos, sel, KPOS, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: tl.constexpr, HAS_POS: tl.constexpr):
+def _tile_rows(row_pos, sel, KBLK, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: tl.constexpr, HAS_POS: tl.constexpr):
     """Row positions for tile ``kb``; -1 (sees nothing) on rows that did not select its
     index block (top-k layouts). Selections hold global block ids."""
     out = row_pos
     if HAS_ROWSEL:
-        global_tile = _positions(KPOS, kb, kb * BLOCK, HAS_POS, BLOCK) // BLOCK
+        global_tile = _global_block(KBLK, kb, HAS_POS)
         out = tl.where(tl.max((sel == global_tile // RATIO).to(tl.int32), 1) > 0, row_pos, -1)
     return out
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QPOS, KPOS,
+    Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QBLK, KBLK,
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
@@ -209,7 +218,7 @@ def _fwd_kernel(
     (``O`` / ``LSE`` may be those very buffers: each row is read and written by its own
     program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QPOS, qb, rows, HAS_POS, BLOCK)
+    row_pos = _positions(QBLK, qb, rows, HAS_POS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -225,10 +234,10 @@ def _fwd_kernel(
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
         )
         acc, m_i, l_i = _online_step(
-            acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
+            acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
             qk_scale, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
@@ -274,7 +283,7 @@ def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PR
 @triton.jit
 def _dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL,
-    QPOS, KPOS, S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
+    QBLK, KBLK, S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -283,7 +292,7 @@ def _dq_kernel(
     be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QPOS, qb, rows, HAS_POS, BLOCK)
+    row_pos = _positions(QBLK, qb, rows, HAS_POS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -304,11 +313,11 @@ def _dq_kernel(
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KPOS, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
         )
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
-            _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, PRECISION,
+            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
@@ -349,7 +358,7 @@ def _kv_grads(
 
 @triton.jit
 def _bar_dkdv_kernel(
-    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QPOS,
+    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QBLK,
     S, H, NQB, N_ACTIVE, V_MAX, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
@@ -378,10 +387,10 @@ def _bar_dkdv_kernel(
         first_col = tl.min(tl.where(col_ok, col_pos, 2147483647), 0)
         first = first_col // BLOCK_M * BLOCK_M
         if HAS_POS:
-            first = _first_reader(QPOS, NQB, first_col, BLOCK) * BLOCK
+            first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         for r0 in range(first, S, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
-            row_pos = _positions(QPOS, r0 // BLOCK, rows, HAS_POS, BLOCK)
+            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_POS, BLOCK)
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
@@ -417,7 +426,7 @@ def _fold_bars(
 
 @triton.jit
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QPOS, KPOS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK,
     S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
@@ -434,7 +443,7 @@ def _tile_dkdv_kernel(
     group = H // HKV
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < SK
-    col_pos = _positions(KPOS, kb, cols, HAS_POS, BLOCK)
+    col_pos = _positions(KBLK, kb, cols, HAS_POS, BLOCK)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_stride = H * HEAD_DIM
@@ -453,11 +462,11 @@ def _tile_dkdv_kernel(
         q_off = b * S * q_stride + h * HEAD_DIM
         lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
-            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QPOS, S, BLOCK, BLOCK_M, HAS_POS)
+            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_POS)
             sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
-                _tile_rows(row_pos, sel, KPOS, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
+                _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
                 col_ok[:, None], PRECISION,
             )  # fmt: skip
     _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
