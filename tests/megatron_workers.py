@@ -1,6 +1,6 @@
 """Worker bodies for the gloo Megatron tests (spawned processes import this).
 
-A tiny GPT (2 layers, hidden 64, 4 heads in 2 query groups, sequence 256, vocabulary 128,
+A tiny GPT (2 layers, hidden 64, 4 heads in 2 query groups, sequence 256, vocabulary 256,
 fp32) is built from the plugin's layer spec. Losses and gradients follow Megatron's
 conventions: each context-parallel rank takes the mean over its tokens, the MSA KL scale is
 set through the config hook with ``loss_scale * cp_size / num_microbatches`` (the schedules'
@@ -11,6 +11,8 @@ Context-parallel runs split the batch and RoPE with Megatron's own functions, pa
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import tempfile
 
@@ -29,20 +31,28 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_mtraining import patches
+from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.megatron import (
     MTrainingAttentionConfig,
     SparseCoreAttention,
     apply_cpu_compat,
     attach_attention_config,
+    core_attention,
     get_attention_metrics_tracker,
     get_gpt_layer_spec,
     set_training_iteration,
 )
-from megatron_mtraining.sparse import DenseIndex, msa_kl_loss, msa_select_blocks
+from megatron_mtraining.sparse import DenseIndex, MSAPattern, block_max_scores, msa_kl_loss, msa_select_blocks
 
-SEQ, BATCH, VOCAB, SEED = 256, 2, 128, 1234
+SEQ, BATCH, VOCAB, SEED = 256, 2, 256, 1234
 # Larger than Megatron's 0.02 so that attention is far from uniform and the patterns matter.
 INIT_STD = 0.2
+# Context-parallel runs see MSA's block scores of layer 2 moved by rounding (its input comes out
+# of the ring, which merges partial attention in another order; measured up to 1.4e-5 at
+# cp_size 2 and 4, layer 1's scores are exact), so a reference row whose top-k is closer than
+# this to a tie could select another block there, which legitimately changes every gradient.
+# The reference asserts that no row is closer.
+MSA_MIN_MARGIN = 1e-4
 
 PATTERNS = {
     "dense": {},
@@ -61,6 +71,10 @@ def init_megatron(cp_size: int = 1, hierarchical: list[int] | None = None) -> No
         context_parallel_size=cp_size, hierarchical_context_parallel_sizes=hierarchical
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    # The weights are drawn from the CPU generator, which the call above leaves alone and which
+    # torch seeds at random in every process (megatron.training seeds both): unseeded, every
+    # run would test another model, and the parity of a few would hang on a near-tie.
+    torch.manual_seed(SEED)
 
 
 def attention_config(kind: str, **overrides):
@@ -106,7 +120,9 @@ def build_model(attention, position_embedding: str = "rope", spec=None, **config
 
 def full_batch():
     gen = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    # No token twice in a sequence: repeats have equal layer-1 index keys, so MSA blocks whose
+    # best key is the same token would tie exactly and the selection would hang on tie-breaking.
+    tokens = torch.stack([torch.randperm(VOCAB, generator=gen)[:SEQ] for _ in range(BATCH)])
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     return {"tokens": tokens, "labels": labels, "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous()}
 
@@ -173,15 +189,63 @@ def recorded_kl() -> torch.Tensor:
     return values
 
 
+@contextlib.contextmanager
+def recorded_msa_selections():
+    """Yields a list that collects ``(MSAPattern, BlockTopKIndex)`` for every MSA selection the
+    core attention builds inside the block, in layer order."""
+    built = []
+
+    def recording(build):
+        @functools.wraps(build)
+        def build_and_record(pattern, *args, **kwargs):
+            index = build(pattern, *args, **kwargs)
+            if isinstance(pattern, MSAPattern):
+                built.append((pattern, index))
+            return index
+
+        return build_and_record
+
+    # core_attention looks the builders up in its own namespace at call time.
+    originals = core_attention.build_local_index, core_attention.build_distributed_index
+    core_attention.build_local_index, core_attention.build_distributed_index = map(recording, originals)
+    try:
+        yield built
+    finally:
+        core_attention.build_local_index, core_attention.build_distributed_index = originals
+
+
+def msa_topk_margin(pattern: MSAPattern) -> float:
+    """The smallest gap, over the rows that have to choose (more visible blocks than
+    ``topk``), between a row's topk-th best block score (its own block first) and the next:
+    ``msa_select_blocks``' ranking, on the whole sequence."""
+    cfg, q_idx, k_idx = pattern.config, pattern.q_idx.detach(), pattern.k_idx.detach()
+    seq = q_idx.shape[1]
+    positions = torch.arange(seq)
+    scores = block_max_scores(q_idx, positions, k_idx, positions, -(-seq // cfg.block_size), cfg.block_size)
+    own = (positions // cfg.block_size).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    ranked = scores.scatter(-1, own, float("inf")).sort(dim=-1, descending=True).values
+    kth, after = ranked[..., cfg.topk - 1], ranked[..., cfg.topk]
+    return (kth - after)[after > float("-inf")].min().item()
+
+
 def reference(kind: str) -> dict:
-    """cp_size 1: the state, loss and gradients (and MSA's recorded KL) every CP run is
-    compared with."""
+    """cp_size 1: the state, loss and gradients (and MSA's recorded KL and per-layer
+    selection) every CP run is compared with."""
     get_attention_metrics_tracker().clear()
     model = build_model(attention_config(kind))
-    loss, grads = loss_and_grads(model, full_batch())
+    with recorded_msa_selections() as selections:
+        loss, grads = loss_and_grads(model, full_batch())
     ref = {"state": model.state_dict(), "loss": loss, "grads": grads}
     if kind == "msa":
         ref["kl"] = recorded_kl()
+        assert len(selections) == model.config.num_layers, f"{len(selections)} MSA selections recorded"
+        for number, (pattern, _) in enumerate(selections, start=1):
+            margin = msa_topk_margin(pattern)
+            assert margin > MSA_MIN_MARGIN, (
+                f"MSA layer {number}: a row's top-k is {margin:.2e} from a tie, not above MSA_MIN_MARGIN = "
+                f"{MSA_MIN_MARGIN} (the rounding a CP run may add): choose another SEED"
+            )
+        ref["selection"] = [index.blocks for _, index in selections]
     return ref
 
 
@@ -210,7 +274,8 @@ def check_cp_parity(rank, world, path, runs):
 
     Every case goes through Megatron's batch split and RoPE slice (patched for the layout), so
     the whole model runs in the layout's token order as in training. Consecutive cases differ
-    in layout, so removing and re-applying the patches in one process is exercised too."""
+    in layout, so removing and re-applying the patches in one process is exercised too. MSA's
+    selections are compared first, so a changed selection is named as such."""
     refs = torch.load(path, weights_only=False)
     hier_sizes = [2, world // 2] if world >= 4 else None
     init_megatron(world, hier_sizes)
@@ -222,13 +287,30 @@ def check_cp_parity(rank, world, path, runs):
         model = build_model(attention)
         model.load_state_dict(ref["state"])
         get_attention_metrics_tracker().clear()
-        loss, grads = loss_and_grads(model, local_batch())
+        with recorded_msa_selections() as selections:
+            loss, grads = loss_and_grads(model, local_batch())
         name = f"{kind} cp={world} {layout}{' 2x2' if hierarchical else ''}"
+        if kind == "msa":
+            check_msa_selections(name, selections, ref["selection"], layout, stripe)
         assert_matches(name, loss, grads, ref)
         if kind == "msa":
             torch.testing.assert_close(
                 recorded_kl(), ref["kl"], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n} KL: {m}"
             )
+
+
+def check_msa_selections(name, selections, want, layout: str, stripe: int) -> None:
+    """The blocks each layer selected for this rank's rows equal the reference's: checked
+    before the gradients, which a different selection changes everywhere."""
+    group = parallel_state.get_context_parallel_group()
+    rows = ContextParallelLayout(layout, group.size(), SEQ, stripe=stripe).positions(dist.get_rank(group))
+    assert len(selections) == len(want), f"{name}: {len(selections)} MSA selections recorded, not {len(want)}"
+    for number, ((_, index), blocks) in enumerate(zip(selections, want, strict=True), start=1):
+        differ = (index.blocks[:, rows] != blocks[:, rows]).any(-1)
+        assert not differ.any(), (
+            f"{name} layer {number}: {int(differ.sum())} (sample, query, group) rows select other blocks than "
+            "at cp_size 1"
+        )
 
 
 def check_hierarchy_rank_order(rank, world):
