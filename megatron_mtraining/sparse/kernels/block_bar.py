@@ -85,11 +85,29 @@ def _first_reader(QBLK, n_qb, col_pos, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
-    """Scaled log2-domain logits [BLOCK, N] with invisible keys at -inf."""
+def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
+    """Scaled log2-domain logits [BLOCK, N]; if ``masked``, invisible keys at -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    visible = col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None])
-    return tl.where(visible, s, float("-inf"))
+    if masked:
+        s = tl.where(col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _diagonal_tiles(ENTRY, n_tiles, BLK, own, HAS_POS: tl.constexpr, HAS_ROWSEL: tl.constexpr):
+    """How many of a block's ``n_tiles`` listed tiles need the causal mask: the one whose
+    other block is the block's own (global id ``own``), where ``ENTRY`` points at the list
+    entry that can be it (the last key block of a query block's ascending list, the first
+    query block of a key block's); every other listed tile lies wholly before the
+    diagonal (lists are causal), so its rows see all its keys. A ragged last block (one
+    device, a length not a multiple of the block) is read only as a diagonal tile. Top-k
+    layouts filter every tile by row, so all of theirs are masked."""
+    n = n_tiles
+    if not HAS_ROWSEL:
+        listed = n_tiles > 0
+        entry = tl.load(ENTRY, mask=listed, other=0)
+        n = (listed & (_global_block(BLK, entry, HAS_POS) == own)).to(tl.int32)
+    return n
 
 
 @triton.jit
@@ -105,8 +123,8 @@ def _store_rows(base, idx, ok, row_stride, d, d_ok, x):
 
 
 @triton.jit
-def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
-    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION)
+def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
+    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -206,6 +224,19 @@ def _tile_rows(row_pos, sel, KBLK, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
 
 
 @triton.jit
+def _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK: tl.constexpr, STEP: tl.constexpr,
+                HAS_POS: tl.constexpr, HAS_ROWSEL: tl.constexpr):  # fmt: skip
+    """(the first step of a query block's masked tile, its tile steps), ``STEP`` keys a
+    step: the diagonal tile is last in its ascending list. Steps before the first masked
+    one skip the mask by a branch inside the one tile loop: a loop of their own would
+    drain the software pipeline's prefetched loads before the masked tile (two loops ran
+    4-7% slower on an H100)."""
+    n_tiles = tl.load(TILE_CNT + lay)
+    n_masked = _diagonal_tiles(TILES + lay * T_MAX + n_tiles - 1, n_tiles, KBLK, own, HAS_POS, HAS_ROWSEL)
+    return (n_tiles - n_masked) * (BLOCK // STEP), n_tiles * (BLOCK // STEP)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QBLK, KBLK,
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
@@ -232,13 +263,16 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
+    # Every tile masked: a branch skipping the mask off the diagonal makes ptxas serialise
+    # the forward's matrix products on sm90 (the accumulator of QK^T is then defined by
+    # the branch), and a loop of its own for the diagonal tile ran 4% slower on an H100.
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, k, v, col_pos, col_ok = _tile_keys(
             TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
         )
         acc, m_i, l_i = _online_step(
             acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
-            qk_scale, PRECISION,
+            qk_scale, True, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
@@ -248,7 +282,7 @@ def _fwd_kernel(
             k, v, col_pos, col_ok = _bar_keys(
                 KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
             )
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, True, PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -273,8 +307,8 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION: tl.constexpr):
-    p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, PRECISION) - lse[:, None])
+def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
+    p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION) - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -311,13 +345,15 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
-    for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
+    own = _global_block(QBLK, qb, HAS_POS)
+    split, n_steps = _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_POS, HAS_ROWSEL)
+    for j in range(n_steps):
         kb, k, v, col_pos, col_ok = _tile_keys(
             TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
         )
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
-            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, PRECISION,
+            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, j >= split, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
@@ -327,7 +363,7 @@ def _dq_kernel(
             k, v, col_pos, col_ok = _bar_keys(
                 KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
             )
-            dq = _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, PRECISION)
+            dq = _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, True, PRECISION)
     dq *= sm_scale
     if ACCUMULATE:  # read after the loop, so the running sum takes no registers during it
         dq += _load_rows(DQ_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
@@ -337,18 +373,22 @@ def _dq_kernel(
 @triton.jit
 def _kv_grads(
     dk, dv, k, v, col_pos, col_ok, Q_base, DO_base, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d, d_ok,
-    qk_scale, extra_mask, PRECISION: tl.constexpr,
+    qk_scale, extra_mask, masked, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Adds a step of query rows' contribution to the dK/dV of a set of key rows. It works
     on transposed scores (keys x rows): P^T and dS^T then leave the matrix unit in the
-    layout that the dV and dK products take, with no round trip through shared memory."""
+    layout that the dV and dK products take, with no round trip through shared memory.
+    Unmasked steps need no row mask either: a row past ``S`` loads zero q, dO and
+    statistics, so it adds exact zeros."""
     row_ok = rows < S
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
     lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
     s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-    visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
-    p = tl.exp2(tl.where(visible, s, float("-inf")) - lse[None, :])
+    if masked:
+        visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.exp2(s - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds = p * (dp - delta[None, :])
@@ -394,7 +434,7 @@ def _bar_dkdv_kernel(
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, (~in_tile)[:, None], PRECISION,
+                d, d_ok, qk_scale, (~in_tile)[:, None], True, PRECISION,
             )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
@@ -457,17 +497,21 @@ def _tile_dkdv_kernel(
         for g in range(group):
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
+    own = _global_block(KBLK, kb, HAS_POS)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
         lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
-        for j in range(tl.load(TILE_T_CNT + lay) * (BLOCK // BLOCK_M)):
+        n_tiles = tl.load(TILE_T_CNT + lay)
+        # The reading query blocks ascend: the diagonal one, if listed, is first.
+        n_masked = _diagonal_tiles(TILES_T + lay * T_MAX, n_tiles, QBLK, own, HAS_POS, HAS_ROWSEL) * (BLOCK // BLOCK_M)
+        for j in range(n_tiles * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_POS)
             sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
-                col_ok[:, None], PRECISION,
+                col_ok[:, None], j < n_masked, PRECISION,
             )  # fmt: skip
     _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
     _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)
