@@ -1,12 +1,14 @@
 """One context-parallel rank's attention work, emulated on one GPU: the kernel time of
-each piece (the local vertical-column piece and every ring step) against the
-single-GPU kernel on the whole sequence, with no process group and no transfer.
+each piece (every ring step, the first attending the gathered vertical columns too, as
+the ring does; with ``--separate-columns`` the columns as a piece of their own, as the
+ring did before) against the single-GPU kernel on the whole sequence, with no process
+group and no transfer.
 
-    python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped] [--out r.json]
+    python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped] [--separate-columns] [--out r.json]
 
 Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
 head dim 128, bf16, vertical-slash at density ``--density``). The pieces run as the
-ring runs them: the column piece starts the fp32 running result, each ring step adds
+ring runs them: the first piece starts the fp32 running result, each later one adds
 into it inside the kernel, the last writes bf16 (the backward likewise for dQ).
 ``kernel bound`` is (single-GPU time / cp) over the sum of a rank's pieces: the
 ring-over-single throughput the 2-GPU benchmark would reach with free, hidden
@@ -32,7 +34,7 @@ from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns
 from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
 from megatron_mtraining.context_parallel.step_layout import StepLayouts  # noqa: E402
 from megatron_mtraining.sparse.index import VerticalSlashIndex, VerticalSlashPart  # noqa: E402
-from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward  # noqa: E402
+from megatron_mtraining.sparse.kernels.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
 from megatron_mtraining.sparse.kernels.layout import kernel_layout  # noqa: E402
 
 
@@ -40,19 +42,25 @@ def timed(fn, rep_ms: int) -> float:
     return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
 
 
-def piece_times(q, k, v, layout, scale, rep_ms, running=None, last=True) -> dict:
-    """Forward and backward ms of one kernel piece, adding into fp32 running buffers
-    unless it is the ``last`` (then its result is written in q's dtype)."""
-    out, lse = kernel_forward(q, k, v, layout, scale)
+def piece_times(q, k, v, layout, scale, rep_ms, running=None, last=True, columns=None) -> dict:
+    """Forward and backward ms of one kernel piece (with ``columns``, attended beside its
+    tiles), adding into fp32 running buffers unless it is the ``last`` (then its result is
+    written in q's dtype)."""
+    out, lse = kernel_forward(q, k, v, layout, scale, columns=columns)
     dout = torch.randn_like(out)
     out_dtype = q.dtype if last else torch.float32
     dq_run = None if running is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    fwd = timed(lambda: kernel_forward(q, k, v, layout, scale, running, out_dtype), rep_ms)
-    bwd = timed(lambda: kernel_backward(q, k, v, layout, scale, out, lse, dout, None, dq_run, out_dtype), rep_ms)
+    fwd = timed(lambda: kernel_forward(q, k, v, layout, scale, running, out_dtype, columns=columns), rep_ms)
+    bwd = timed(
+        lambda: kernel_backward(q, k, v, layout, scale, out, lse, dout, None, dq_run, out_dtype, columns=columns),
+        rep_ms,
+    )
     return {"tiles": int(layout.tile_count.sum()), "fwd_ms": fwd, "bwd_ms": bwd}
 
 
-def rank_pieces(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
+def rank_pieces(
+    q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int, separate_columns: bool
+) -> dict:
     """Kernel times of ``rank``'s pieces, in the ring's order (flat ring)."""
     dev = q.device
     queries = layout.token_positions(rank, dev)
@@ -65,14 +73,20 @@ def rank_pieces(q, k, v, index, layout: ContextParallelLayout, rank: int, scale:
     present = (cols >= 0).view(1, -1, 1, 1)
     k_cols, v_cols = (torch.where(present, x[:, cols.clamp(min=0)], 0) for x in (k, v))
     bar_layout = StepLayouts(bars.index, queries).of(bars.keys)
-    pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_layout, scale, rep_ms, None, last=False)
+    columns = ColumnKeys(k_cols, v_cols, bar_layout)
+    if separate_columns:
+        pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_layout, scale, rep_ms, None, last=False)
+        columns = None
     steps = StepLayouts(ring_work(index), queries)
     for i in range(layout.cp_size):
         source = (rank - i) % layout.cp_size
         step_layout = steps.of(layout.token_positions(source, dev))
         k_s, v_s = layout.shard(k, source), layout.shard(v, source)
         last = i == layout.cp_size - 1
-        pieces[f"step {i}"] = piece_times(q_r, k_s, v_s, step_layout, scale, rep_ms, running, last)
+        # The first piece starts the running result: it reads none.
+        run = None if i == 0 and not separate_columns else running
+        first = columns if i == 0 else None
+        pieces[f"step {i}"] = piece_times(q_r, k_s, v_s, step_layout, scale, rep_ms, run, last, first)
     return pieces
 
 
@@ -84,6 +98,7 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.05)
     p.add_argument("--ranks", type=int, nargs="*", default=None, help="ranks to emulate (default: all)")
     p.add_argument("--rep-ms", type=int, default=300)
+    p.add_argument("--separate-columns", action="store_true", help="the columns as a piece of their own")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     seq, dev = args.seq_len, torch.device("cuda")
@@ -102,9 +117,9 @@ def main() -> None:
         print(f"  single GPU, {name:<6} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
     layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=128)
     result = {"seq": seq, "cp": args.cp, "layout": args.layout, "device": torch.cuda.get_device_name(),
-              "single": single, "ranks": {}}  # fmt: skip
+              "separate_columns": args.separate_columns, "single": single, "ranks": {}}  # fmt: skip
     for rank in args.ranks if args.ranks is not None else range(args.cp):
-        pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms)
+        pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms, args.separate_columns)
         total = {ph: sum(r[f"{ph}_ms"] for r in pieces.values()) for ph in ("fwd", "bwd")}
         bound = {ph: single["whole"][f"{ph}_ms"] / args.cp / total[ph] for ph in ("fwd", "bwd")}
         result["ranks"][rank] = {"pieces": pieces, "total": total, "kernel_bound": bound}

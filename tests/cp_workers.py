@@ -132,6 +132,14 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
     from megatron_mtraining.sparse.kernels import attention as kernels
 
     kernels.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
+    forward = kernels.kernel_forward
+    launches = []  # per forward launch: whether it attended gathered columns beside its tiles
+
+    def recording_forward(*args, columns=None, **kwargs):
+        launches.append(columns is not None)
+        return forward(*args, columns=columns, **kwargs)
+
+    kernels.kernel_forward = recording_forward
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 1, 4, 2, 16
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,9 +166,14 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
                 columns = TokenPositions(torch.unique(index.vertical[index.vertical >= 0]), "cpu")
                 assert StepLayouts(VerticalSlashPart(index, "bars"), mine).of(columns) is not None, where
             lq, lk, lv = (layout.shard(t, rank).to(device, dtype).requires_grad_() for t in (q, k, v))
+            launches.clear()
             l_out, l_lse = ring_attention(
                 lq, lk, lv, index.to(device), layout, None, hierarchy=hierarchy, backend="triton"
             )
+            # The columns ride the own chunk's launch: one launch per ring step, no column piece.
+            has_columns = isinstance(index, VerticalSlashIndex) and bool((index.vertical >= 0).any())
+            assert launches[0] == has_columns and not any(launches[1:]), (where, launches)
+            assert len(launches) <= world, (where, launches)
             assert l_out.dtype == dtype and l_lse.dtype == torch.float32, where
             torch.testing.assert_close(l_out.double().cpu(), layout.shard(out, rank), atol=tol, rtol=0)
             torch.testing.assert_close(l_lse.double().cpu(), layout.shard(lse, rank, dim=2).double(), atol=tol, rtol=0)

@@ -77,7 +77,9 @@ class RingStats:
     """Filled by ``ring_attention``: the attended area per rank and ring step (outer-major),
     and per rank of the local pass over gathered vertical columns (vertical-slash only);
     with ``time_kernels`` also their kernel times and each rank's exposed transfer wait,
-    accumulated over every call (forward and backward) made with this object."""
+    accumulated over every call (forward and backward) made with this object. On the
+    kernels the local pass runs in the launch of the first ring step, and its time
+    counts in that step's."""
 
     time_kernels: bool = False
     ring: dict[int, list[int]] = field(default_factory=dict)

@@ -8,7 +8,8 @@ where the kernels run. Transfers are posted before the compute they overlap. In 
 backward, dK/dV accumulators travel with their chunk back to its owner. A
 vertical-slash index's vertical columns are attended in one local piece, before the
 ring's, against their gathered K/V rather than on the ring, which keeps the ring's
-work balanced.
+work balanced; on the kernels, in the launch of the first ring step (the rank's own
+chunk), so that its tiles and the columns share one program per query block.
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ class _Step:
     and added inside the kernel (no merge or accumulation pass of its own over the
     rows), and the ``last`` piece writes it in q's dtype (no cast pass). The reference
     path merges with ``combine`` and keeps the compute dtype, as single-device
-    ``sparse_attention`` does."""
+    ``sparse_attention`` does.
+
+    ``columns``: the local column piece, whose keys (the gathered columns, passed to
+    ``forward`` / ``backward`` as ``cols``) this step's kernels attend as bars beside its
+    tiles (``ColumnKeys``); the step then also returns the columns' gradients."""
 
     def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None, attends: bool):
         self.index, self.layouts, self.timer, self.attends = index, layouts, timer, attends
+        self.columns: _Step | None = None
 
     @functools.cached_property
     def layout(self) -> KernelLayout | None:
@@ -58,7 +64,14 @@ class _Step:
         with record_function("mtraining.ring.step_layout"):
             return self.layouts.of(self.index.keys)
 
-    def forward(self, q, k, v, scale, running, last: bool):
+    def _column_keys(self, cols):
+        if self.columns is None:
+            return None
+        from ..sparse.kernels.attention import ColumnKeys  # imports Triton
+
+        return ColumnKeys(*cols, self.columns.layout)
+
+    def forward(self, q, k, v, scale, running, last: bool, cols=None):
         """``running`` (out, lse) with this piece's keys added (this piece's alone when
         ``running`` is None)."""
         if not self.attends:
@@ -69,29 +82,34 @@ class _Step:
                 return partial if running is None else combine(*running, *partial)
             from ..sparse.kernels.attention import kernel_forward  # imports Triton
 
-            return kernel_forward(q, k, v, self.layout, scale, running, q.dtype if last else torch.float32)
+            out_dtype = q.dtype if last else torch.float32
+            return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=self._column_keys(cols))
 
-    def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool):
-        """(``dq`` with this piece's added (its own when ``dq`` is None), dk, dv), given the
-        final ``out`` / ``lse``, which is all a piece's gradient needs."""
+    def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool, cols=None):
+        """(``dq`` with this piece's added (its own when ``dq`` is None), (dk, dv), the
+        columns' (dk, dv) or None), given the final ``out`` / ``lse``, which is all a
+        piece's gradient needs."""
         if not self.attends:
-            return dq, torch.zeros_like(k), torch.zeros_like(v)
+            return dq, (torch.zeros_like(k), torch.zeros_like(v)), None
         with timed(self.timer, "bwd"):
             if self.layout is None:
                 dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
                 dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
-                return (dq_s if dq is None else dq.add_(dq_s)), dk, dv
+                return (dq_s if dq is None else dq.add_(dq_s)), (dk, dv), None
             from ..sparse.kernels.attention import kernel_backward  # imports Triton
 
             dq_dtype = q.dtype if last else torch.float32
-            return kernel_backward(q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype)
+            dq, *grads = kernel_backward(
+                q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype, columns=self._column_keys(cols)
+            )
+            return dq, tuple(grads[:2]), (tuple(grads[2:]) if self.columns is not None else None)
 
 
 class _RingAttention(torch.autograd.Function):
     """All of a rank's attention as one result. First the local vertical-column piece
     (``local``, against the gathered column K/V ``k_cols`` / ``v_cols``; None when the
-    index has no columns), then the two-level ring: ``steps[o][i]`` is the view of the
-    chunk held at outer step ``o``, inner step ``i``. Each outer step posts the
+    index has no columns, or when the first ring step attends them), then the two-level
+    ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step ``i``. Each outer step posts the
     inter-node transfer of the chunk it started with, then runs the whole inner ring, so
     that transfer overlaps the inner compute. A flat ring is the case of one outer step
     (one node). Every piece adds into one running result (``_Step``).
@@ -117,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                result = step.forward(q, *kv, scale, result, step is last)
+                result = step.forward(q, *kv, scale, result, step is last, (k_cols, v_cols))
                 if i + 1 < len(inner_steps):
                     kv = tuple(inner_x.wait())
             if o + 1 < len(steps):
@@ -147,12 +165,15 @@ class _RingAttention(torch.autograd.Function):
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
 
         def piece(step, kv, dq):
-            return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last)
+            return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last, (k_cols, v_cols))
+
+        def column_grads(grads):
+            return grads[0].to(k_cols.dtype), grads[1].to(v_cols.dtype)
 
         dq, col_grads = None, (None, None)
         if ctx.local is not None:
-            dq, dk_cols, dv_cols = piece(ctx.local, (k_cols, v_cols), dq)
-            col_grads = dk_cols.to(k_cols.dtype), dv_cols.to(v_cols.dtype)
+            dq, grads, _ = piece(ctx.local, (k_cols, v_cols), dq)
+            col_grads = column_grads(grads)
         outer_kv = (k, v)
         for o, inner_steps in enumerate(ctx.steps):
             if o + 1 < len(ctx.steps):
@@ -161,7 +182,9 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                dq, *grads = piece(step, kv, dq)
+                dq, grads, cols = piece(step, kv, dq)
+                if cols is not None:  # the step that attended the columns
+                    col_grads = column_grads(cols)
                 # The accumulator of the chunk held now arrived from the inner predecessor.
                 acc = inner_g.wait() if i else zeros()
                 inner_g.start([a + g for a, g in zip(acc, grads, strict=True)])
@@ -312,17 +335,21 @@ def ring_attention(
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
     # Nothing here reads the device (bar a top-k index's table widths, once), so the host
-    # runs ahead of the GPU: the local column piece goes first, and the host builds the
-    # first ring step's layout while its kernel runs, each next one during the kernel
-    # before.
-    local, k_cols, v_cols = None, None, None
+    # runs ahead of the GPU: it builds each ring step's layout while the kernel of the
+    # step before runs (the first's, and the column piece's, before any launch).
+    columns, k_cols, v_cols = None, None, None
     if isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]:
         with record_function("mtraining.ring.local_columns"):
-            local, k_cols, v_cols = _local_columns(k, v, index, queries, cp_group, use_kernels, local_timer)
+            columns, k_cols, v_cols = _local_columns(k, v, index, queries, cp_group, use_kernels, local_timer)
     steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
+    local, first = columns, steps[0][0]
+    # On the kernels the own chunk's step attends the columns too (``ColumnKeys``); both
+    # pieces have kernel layouts or neither does, their rows being the same blocks.
+    if columns is not None and columns.layout is not None and first.layout is not None:
+        local, first.columns, first.attends = None, columns, True
     with record_function("mtraining.ring.steps"):
         out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
     if stats is not None:
         per_step = [int(s.index.attended_area().sum()) if s.attends else 0 for row in steps for s in row]
-        stats.record(rank, per_step, int(local.index.attended_area().sum()) if local is not None else 0)
+        stats.record(rank, per_step, int(columns.index.attended_area().sum()) if columns is not None else 0)
     return out, lse.float()

@@ -131,6 +131,30 @@ def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class ColumnKeys:
+    """Key / value rows attended as bars apart from the tiles' keys: gathered vertical
+    columns ``k`` / ``v`` ``[B, V, Hkv, D]`` and their bars-only ``layout`` over the same
+    query rows (a context-parallel rank's column piece). Attending them in the launch of
+    a ring step's tiles keeps tiles and bars in one program per query block, as on one
+    device: in programs of their own, they cost 15% more (one rank's pieces on an H100)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: KernelLayout
+
+
+def _bar_source(
+    layout: KernelLayout, k, v, columns: ColumnKeys | None
+) -> tuple[KernelLayout, torch.Tensor, torch.Tensor]:
+    """(layout, k, v) of the bars: ``columns``' where given, else the tiles' own."""
+    if columns is None:
+        return layout, k, v
+    if layout.has_bars:
+        fail("layout", "a layout with bars", "a tiles-only layout when the bars come from `columns`")
+    return columns.layout, columns.k.contiguous(), columns.v.contiguous()
+
+
 def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype, device) -> tuple:
     """(the buffer a kernel stores to, the running buffer it reads, whether it reads one).
     Without ``running``: a new buffer in ``dtype``, passed for both (the running one then
@@ -148,10 +172,11 @@ def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype,
 
 
 def kernel_forward(
-    q, k, v, layout: KernelLayout, scale: float, running=None, out_dtype: torch.dtype | None = None
+    q, k, v, layout: KernelLayout, scale: float, running=None, out_dtype: torch.dtype | None = None, columns=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse fp32) of q over k/v under ``layout``; k/v may be another length (a
     context-parallel chunk, gathered columns). ``out_dtype``: q's unless given.
+    ``columns``: ``ColumnKeys`` attended as bars besides the tiles of ``layout``.
 
     ``running``: an fp32 (out, lse) of the same rows over other keys. The result is then
     attention over both key sets, merged in the kernel (each row's running values are
@@ -165,27 +190,30 @@ def kernel_forward(
     lse, run_lse, _ = _outputs("running[1]", run_lse, (b, h, s), torch.float32, q.device)
     opts = _opts("fwd", layout, q)
     _fwd_kernel[(n_qb * (layout.block // opts["BLOCK_M"]), b * h)](
-        q, k, v, out, lse, run_out, run_lse, layout.tiles, layout.tile_count, **_bars(layout, k, v),
+        q, k, v, out, lse, run_out, run_lse, layout.tiles, layout.tile_count, **_bars(*_bar_source(layout, k, v, columns)),
         NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, ACCUMULATE=accumulate,
         **_common(q, k, layout), **opts,
     )  # fmt: skip
     return out, lse
 
 
-def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None):
+def kernel_backward(
+    q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None, columns=None
+):
     """(dq, dk, dv), dk / dv in k / v's dtype, given each row's *final* out and lse (so the
     partials of several K/V chunks add up); ``dlse`` may be None. ``dq_running``: an fp32
     sum of the rows' dQ over other keys, to which this dQ is added in the kernel (written
-    over it when ``dq_dtype`` is fp32); ``dq_dtype``: q's unless given."""
+    over it when ``dq_dtype`` is fp32); ``dq_dtype``: q's unless given. With ``columns``
+    (as for ``kernel_forward``), (dq, dk, dv, dk of the columns, dv of the columns)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
-    hkv = k.shape[2]
     out, dout, lse = out.contiguous(), dout.to(q.dtype).contiguous(), lse.float().contiguous()
     delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
     common = _common(q, k, layout)
-    n_qb, n_kb = layout.tiles.shape[2], layout.tiles_t.shape[2]
+    n_qb = layout.tiles.shape[2]
+    bar_layout, bar_k, bar_v = _bar_source(layout, k, v, columns)
+    bars = _bars(bar_layout, bar_k, bar_v)
 
-    bars = _bars(layout, k, v)
     dq, dq_run, accumulate = _outputs("dq_running", dq_running, q.shape, dq_dtype or q.dtype, q.device)
     dq_opts = _opts("dq", layout, q)
     _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
@@ -195,30 +223,45 @@ def kernel_backward(q, k, v, layout: KernelLayout, scale: float, out, lse, dout,
         HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, **common, **dq_opts,
     )  # fmt: skip
 
-    if layout.has_bars:
-        v_max = layout.vertical.shape[-1]
-        bar_dk = new_buffer((b * h, v_max, common["D_PAD"]), torch.float32, q.device)
-        bar_dv = new_buffer(bar_dk.shape, torch.float32, q.device)
-        bar_opts = _opts("bar_dkdv", layout, q)
+    partials = None
+    if bar_layout.has_bars:
+        bar_common = _common(q, bar_k, bar_layout)
+        v_max = bar_layout.vertical.shape[-1]
+        partials = new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
+        bar_opts = _opts("bar_dkdv", bar_layout, q)
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
-            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], layout.active, bar_dk, bar_dv,
-            common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=layout.active.shape[-1], V_MAX=v_max,
-            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=common["D_PAD"], BLOCK=layout.block,
-            HAS_POS=common["HAS_POS"], PRECISION=common["PRECISION"], **bar_opts,
+            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_layout.active, partials[0],
+            partials[1], bar_common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=bar_layout.active.shape[-1], V_MAX=v_max,
+            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=bar_common["D_PAD"], BLOCK=bar_layout.block,
+            HAS_POS=bar_common["HAS_POS"], PRECISION=bar_common["PRECISION"], **bar_opts,
         )  # fmt: skip
-        vert, vptr = layout.vertical, layout.vertical_ptr
-    else:
-        v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
+    if columns is None:
+        return dq, *_key_grads(q, k, v, layout, common, dout, lse, delta, partials, scale)
+    return (
+        dq,
+        *_key_grads(q, k, v, layout, common, dout, lse, delta, None, scale),
+        *_key_grads(q, bar_k, bar_v, bar_layout, _common(q, bar_k, bar_layout), dout, lse, delta, partials, scale),
+    )
 
+
+def _key_grads(q, k, v, layout: KernelLayout, common: dict, dout, lse, delta, partials, scale: float):
+    """(dk, dv) of ``k`` / ``v``: over the tiles of ``layout`` (KV-major), plus, with
+    ``partials`` (the bar dK/dV kernel's ``[2, B * Hq, V, D_PAD]``), the partials of
+    ``layout``'s vertical columns, which are rows of ``k`` / ``v``."""
+    b, _, h, d = q.shape
+    n_kb = layout.tiles_t.shape[2]
+    if partials is None:
+        v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
+    else:
+        v_max, (bar_dk, bar_dv), vert, vptr = layout.vertical.shape[-1], partials, layout.vertical, layout.vertical_ptr
     dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
-    tile_opts = _opts("tile_dkdv", layout, q)
-    _tile_dkdv_kernel[(n_kb * (layout.block // tile_opts["BLOCK_N"]), b * hkv)](
+    opts = _opts("tile_dkdv", layout, q)
+    _tile_dkdv_kernel[(n_kb * (layout.block // opts["BLOCK_N"]), b * k.shape[2])](
         q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
         NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_BARS=layout.has_bars, FOLD=32,
-        **common, **tile_opts,
+        HAS_BARS=partials is not None, FOLD=32, **common, **opts,
     )  # fmt: skip
-    return dq, dk, dv
+    return dk, dv
 
 
 class TritonBlockBarAttention(torch.autograd.Function):
