@@ -1,5 +1,5 @@
 """One context-parallel rank's attention work, emulated on one GPU: the kernel time of
-each piece (every ring step, the first attending the gathered vertical columns too, as
+each piece (every ring step, the last attending the gathered vertical columns too, as
 the ring does; with ``--separate-columns`` the columns as a piece of their own, as the
 ring did before) against the single-GPU kernel on the whole sequence, with no process
 group and no transfer.
@@ -85,8 +85,9 @@ def rank_pieces(
         last = i == layout.cp_size - 1
         # The first piece starts the running result: it reads none.
         run = None if i == 0 and not separate_columns else running
-        first = columns if i == 0 else None
-        pieces[f"step {i}"] = piece_times(q_r, k_s, v_s, step_layout, scale, rep_ms, run, last, first)
+        pieces[f"step {i}"] = piece_times(
+            q_r, k_s, v_s, step_layout, scale, rep_ms, run, last, columns if last else None
+        )
     return pieces
 
 

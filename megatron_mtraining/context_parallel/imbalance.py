@@ -78,7 +78,7 @@ class RingStats:
     and per rank of the local pass over gathered vertical columns (vertical-slash only);
     with ``time_kernels`` also their kernel times and each rank's exposed transfer wait,
     accumulated over every call (forward and backward) made with this object. On the
-    kernels the local pass runs in the launch of the first ring step, and its time
+    kernels the local pass runs in the launch of the last ring step, and its time
     counts in that step's."""
 
     time_kernels: bool = False

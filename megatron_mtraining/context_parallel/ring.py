@@ -8,8 +8,9 @@ where the kernels run. Transfers are posted before the compute they overlap. In 
 backward, dK/dV accumulators travel with their chunk back to its owner. A
 vertical-slash index's vertical columns are attended in one local piece, before the
 ring's, against their gathered K/V rather than on the ring, which keeps the ring's
-work balanced; on the kernels, in the launch of the first ring step (the rank's own
-chunk), so that its tiles and the columns share one program per query block.
+work balanced; on the kernels, in the launch of the last ring step, so that its tiles
+and the columns share one program per query block, and the host builds the columns'
+layout while earlier steps run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class _Step:
     def _column_keys(self, cols):
         if self.columns is None:
             return None
+        if self.layout is None or self.columns.layout is None:
+            # ``StepLayouts.whole_blocks`` promised both layouts before they were built.
+            raise RuntimeError("a ring step attending the vertical columns has no kernel layout")
         from ..sparse.kernels.attention import ColumnKeys  # imports Triton
 
         return ColumnKeys(*cols, self.columns.layout)
@@ -77,13 +81,14 @@ class _Step:
         if not self.attends:
             return running
         with timed(self.timer, "fwd"):
+            columns = self._column_keys(cols)
             if self.layout is None:
                 partial = forward_partial(q, k, v, self.index, scale)
                 return partial if running is None else combine(*running, *partial)
             from ..sparse.kernels.attention import kernel_forward  # imports Triton
 
             out_dtype = q.dtype if last else torch.float32
-            return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=self._column_keys(cols))
+            return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=columns)
 
     def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool, cols=None):
         """(``dq`` with this piece's added (its own when ``dq`` is None), (dk, dv), the
@@ -92,6 +97,7 @@ class _Step:
         if not self.attends:
             return dq, (torch.zeros_like(k), torch.zeros_like(v)), None
         with timed(self.timer, "bwd"):
+            columns = self._column_keys(cols)
             if self.layout is None:
                 dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
                 dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
@@ -100,7 +106,7 @@ class _Step:
 
             dq_dtype = q.dtype if last else torch.float32
             dq, *grads = kernel_backward(
-                q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype, columns=self._column_keys(cols)
+                q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype, columns=columns
             )
             return dq, tuple(grads[:2]), (tuple(grads[2:]) if self.columns is not None else None)
 
@@ -108,7 +114,7 @@ class _Step:
 class _RingAttention(torch.autograd.Function):
     """All of a rank's attention as one result. First the local vertical-column piece
     (``local``, against the gathered column K/V ``k_cols`` / ``v_cols``; None when the
-    index has no columns, or when the first ring step attends them), then the two-level
+    index has no columns, or when the last ring step attends them), then the two-level
     ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step ``i``. Each outer step posts the
     inter-node transfer of the chunk it started with, then runs the whole inner ring, so
     that transfer overlaps the inner compute. A flat ring is the case of one outer step
@@ -336,17 +342,18 @@ def ring_attention(
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
     # Nothing here reads the device (bar a top-k index's table widths, once), so the host
     # runs ahead of the GPU: it builds each ring step's layout while the kernel of the
-    # step before runs (the first's, and the column piece's, before any launch).
+    # step before runs (the first's before any launch).
     columns, k_cols, v_cols = None, None, None
     if isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]:
         with record_function("mtraining.ring.local_columns"):
             columns, k_cols, v_cols = _local_columns(k, v, index, queries, cp_group, use_kernels, local_timer)
     steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
-    local, first = columns, steps[0][0]
-    # On the kernels the own chunk's step attends the columns too (``ColumnKeys``); both
-    # pieces have kernel layouts or neither does, their rows being the same blocks.
-    if columns is not None and columns.layout is not None and first.layout is not None:
-        local, first.columns, first.attends = None, columns, True
+    local, carrier = columns, steps[-1][-1]
+    # On the kernels the last step attends the columns too (``ColumnKeys``). The last: a
+    # layout built before the first launch leaves the GPU idle meanwhile (a column piece
+    # in the first step's launch added 2-4 ms of non-kernel time to a 2 x H200 forward).
+    if columns is not None and columns.layouts is not None and columns.layouts.whole_blocks():
+        local, carrier.columns, carrier.attends = None, columns, True
     with record_function("mtraining.ring.steps"):
         out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
     if stats is not None:

@@ -60,6 +60,13 @@ class StepLayouts:
     def __init__(self, work: SparseIndex, queries: TokenPositions):
         self.work, self.queries = work, queries
 
+    def whole_blocks(self) -> bool:
+        """Whether the rows are whole, ascending blocks of the vertical-slash index, which the
+        bars-only layout needs, and so every tiles layout of a layout's ring steps: each
+        rank's positions run in the same stripes (or zigzag chunks), so a chunk's keys are
+        whole blocks where the rows are. Reads nothing from the device and builds nothing."""
+        return _global_blocks(self.queries, self.work.index.block_size) is not None
+
     def of(self, keys: TokenPositions) -> KernelLayout | None:
         """The layout of the step over the chunk at ``keys``, or None when the kernels
         cannot serve it (the tokens are not whole blocks, or the index type has no kernel
