@@ -115,10 +115,10 @@ class _RingAttention(torch.autograd.Function):
     """All of a rank's attention as one result. First the local vertical-column piece
     (``local``, against the gathered column K/V ``k_cols`` / ``v_cols``; None when the
     index has no columns, or when the last ring step attends them), then the two-level
-    ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step ``i``. Each outer step posts the
-    inter-node transfer of the chunk it started with, then runs the whole inner ring, so
-    that transfer overlaps the inner compute. A flat ring is the case of one outer step
-    (one node). Every piece adds into one running result (``_Step``).
+    ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step
+    ``i``. Each outer step posts the inter-node transfer of the chunk it started with,
+    then runs the whole inner ring, so that transfer overlaps the inner compute. A flat
+    ring is the case of one outer step (one node). Every piece adds into one running result (``_Step``).
 
     Backward: each piece is recomputed from the final out / lse, so no piece keeps its
     own result. The column gradients go back to ``_GatherColumns``; dK/dV accumulators

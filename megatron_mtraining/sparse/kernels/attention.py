@@ -213,6 +213,7 @@ def kernel_backward(
     n_qb = layout.tiles.shape[2]
     bar_layout, bar_k, bar_v = _bar_source(layout, k, v, columns)
     bars = _bars(bar_layout, bar_k, bar_v)
+    bar_common = common if columns is None else _common(q, bar_k, bar_layout)
 
     dq, dq_run, accumulate = _outputs("dq_running", dq_running, q.shape, dq_dtype or q.dtype, q.device)
     dq_opts = _opts("dq", layout, q)
@@ -225,7 +226,6 @@ def kernel_backward(
 
     partials = None
     if bar_layout.has_bars:
-        bar_common = _common(q, bar_k, bar_layout)
         v_max = bar_layout.vertical.shape[-1]
         partials = new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
         bar_opts = _opts("bar_dkdv", bar_layout, q)
@@ -240,7 +240,7 @@ def kernel_backward(
     return (
         dq,
         *_key_grads(q, k, v, layout, common, dout, lse, delta, None, scale),
-        *_key_grads(q, bar_k, bar_v, bar_layout, _common(q, bar_k, bar_layout), dout, lse, delta, partials, scale),
+        *_key_grads(q, bar_k, bar_v, bar_layout, bar_common, dout, lse, delta, partials, scale),
     )
 
 
