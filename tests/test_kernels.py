@@ -132,6 +132,19 @@ def test_empty_rows_and_unused_bars(rng, kdevice):
     assert torch.isneginf(lse[0, 0, :20]).all()
 
 
+def test_future_keys_far_above_the_visible_ones(rng, kdevice):
+    """Logits growing by 20 per key position: within a diagonal tile, a row's future keys
+    score up to 300 above its visible ones, so exp of a future logit against the row's
+    visible maximum overflows fp32. The masked maxima must leave them out."""
+    b, s, d = 1, 48, 16
+    u = torch.nn.functional.normalize(torch.randn(d, generator=rng), dim=0)
+    q = (u + 0.05 * torch.randn(b, s, 2, d, generator=rng)).to(kdevice).requires_grad_()
+    growth = 20 * d**0.5 * torch.arange(s, dtype=torch.float32).view(1, s, 1, 1)
+    k = (u * growth + torch.randn(b, s, 1, d, generator=rng)).to(kdevice).requires_grad_()
+    v = torch.randn(b, s, 1, d, generator=rng).to(kdevice).requires_grad_()
+    check(q, k, v, DenseIndex(b, 2, s, device=kdevice), rng)
+
+
 def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
     """A vertical-slash index's kernel layout split into two over disjoint key sets: its
     tiles alone, and its bars alone (columns inside attended tiles still skipped). With

@@ -384,11 +384,14 @@ def _kv_grads(
     q = _load_rows(Q_base, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO_base, rows, row_ok, q_stride, d, d_ok)
     lse, delta = _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok)
-    s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
     if masked:
         visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
         s = tl.where(visible, s, float("-inf"))
-    p = tl.exp2(s - lse[None, :])
+    # The scale folded into the exponent's argument: one fused multiply-add an element. On
+    # an H100 at 128K: tile dK/dV 10.75 -> 10.6 ms, bar dK/dV 5.47 -> 5.31; in the forward
+    # and dQ kernels the same fold measured no gain (dQ 1.8% slower).
+    p = tl.exp2(s * qk_scale - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds = p * (dp - delta[None, :])
