@@ -16,12 +16,14 @@ Rows:
 * index building: vertical-slash statistics + top-p + kernel layout, against the
   sparse forward, as the product builds it (replayed from a CUDA graph) and eagerly
   (``MTRAINING_INDEX_GRAPHS=0``), with the statistics, the top-p selection and the
-  layout also timed alone (eager);
+  layout also timed alone (eager); ``--profile-index`` lists its kernels' device times;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
   compiled kernel;
-* MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through the union-of-tiles
-  kernels, with the share of computed tile area that is useful.
+* MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through ``sparse_attention`` (the
+  KV-outer kernels) and, for comparison, through the union-of-tiles kernels with the share
+  of their computed tile area that is useful; for MSA also the KV-outer path's peak memory
+  and backward kernel times.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from megatron_mtraining.sparse import (
     window_statistics,
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
-from megatron_mtraining.sparse.kernels.layout import kernel_layout
+from megatron_mtraining.sparse.kernels.layout import block_topk_layout, kernel_layout
 from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
@@ -109,25 +111,41 @@ def structured_qk(seq: int, gen: torch.Generator):
     return rope(q), rope(k)
 
 
-def topk_rows(seq, q, k, v, gen, rows, cudnn, rep):
+def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
-    and MoBA (chunk 4096, k=12) through the union-of-tiles kernels."""
+    and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
+    (its layout built in each call, as ``sparse_attention`` builds it), each called directly;
+    memory and kernel times through ``sparse_attention``, on the loop order it picks."""
+    from megatron_mtraining.sparse.attention import kv_outer_preferred
+    from megatron_mtraining.sparse.kernels.attention import TritonBlockBarAttention
+    from megatron_mtraining.sparse.kernels.kv_outer_attention import KVOuterAttention
+
     sq, sk = structured_qk(seq, gen)
     indices = {
-        "ours msa k16 b128 (triton)": msa_select_blocks(
+        "msa k16 b128": msa_select_blocks(
             sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D), HQ
         ),
-        "ours moba c4096 k12 (triton)": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
+        "moba c4096 k12": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
     }
-    for name, index in indices.items():
+    scale = D**-0.5
+    for pattern, index in indices.items():
         area = float(index.attended_area().sum())
-        layout = kernel_layout(index)
+        kv_outer = lambda a, b, c, index=index: KVOuterAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
+        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_layout(index), scale)[0]  # noqa: E731
+        for name, run in ((f"ours {pattern} (kv-outer)", kv_outer), (f"ours {pattern} (union of tiles)", union)):
+            measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep),
+                    cudnn), rows)  # fmt: skip
+        layout = block_topk_layout(index)
         computed = float(layout.tile_count.sum()) * layout.block**2 * (HQ // layout.tiles.shape[1])
-        run = lambda a, b, c, index=index: sparse_attention(a, b, c, index, backend="triton")[0]  # noqa: E731
-        measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn),
-                rows)  # fmt: skip
-        print(f"    useful / computed tile area: {area / computed:.3f}")
+        print(f"    union of tiles: useful / computed tile area: {area / computed:.3f}")
         rows[-1]["useful_over_computed"] = area / computed
+        if pattern.startswith("msa"):
+            for what in (memory, kernel_times):
+                try:
+                    order = "kv-outer" if kv_outer_preferred(index) else "union of tiles"
+                    what(q, k, v, index, seq, extra, f"{pattern} ({order}, as dispatched)")
+                except Exception as e:
+                    print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
 
 
 def flex_block_mask(index: VerticalSlashIndex, with_bars: bool):
@@ -233,7 +251,7 @@ def bench_seq(seq, args, gen, rows, extra):
         cudnn = extra.get("cudnn_scaled", lambda s: {})(seq)
 
     if "topk" in args.patterns:
-        topk_rows(seq, q, k, v, gen, rows, cudnn, rep)
+        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra)
     if "vertical_slash" not in args.patterns:
         return
     index = natural_index(seq, args.block, args.density, gen, dev)
@@ -295,6 +313,10 @@ def bench_seq(seq, args, gen, rows, extra):
           f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse "
           f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
+    if args.profile_index:
+        with mock.patch.dict(os.environ, {GRAPHS_ENV: "0"}):
+            profile_kernels(build, "index build (eager), GPU time per kernel")
+
     # Peak memory of one forward + backward, against the tensors themselves.
     for what in (memory, kernel_times, kernel_resources):
         try:
@@ -303,7 +325,26 @@ def bench_seq(seq, args, gen, rows, extra):
             print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
 
 
-def memory(q, k, v, index, seq, extra):
+def profile_kernels(fn, title: str, calls: int = 5, top: int = 12):
+    """Prints the device time per call of ``fn``'s kernels, the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / calls / 1e3
+    print(f"    {title}: {total:.3f} ms in {sum(e.count for e in events) // calls} kernels a call")
+    for e in events[:top]:
+        print(f"      {e.device_time_total / calls / 1e3:7.3f} ms  x{e.count // calls:<3d} {e.key[:90]}")
+
+
+def memory(q, k, v, index, seq, extra, name="vertical-slash"):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -315,13 +356,15 @@ def memory(q, k, v, index, seq, extra):
     inputs = nbytes((q, k, v))
     tensors = inputs + nbytes((out, out, *grads))  # q, k, v, o, do, dq, dk, dv
     ratio = (inputs + peak) / tensors
-    extra.setdefault("memory", []).append({"seq": seq, "peak_bytes": inputs + peak, "tensor_bytes": tensors})
-    print(f"    peak fwd+bwd memory {(inputs + peak) / 2**30:.2f} GiB vs q/k/v/o/do/dq/dk/dv "
+    extra.setdefault("memory", []).append(
+        {"seq": seq, "index": name, "peak_bytes": inputs + peak, "tensor_bytes": tensors}
+    )
+    print(f"    {name}: peak fwd+bwd memory {(inputs + peak) / 2**30:.2f} GiB vs q/k/v/o/do/dq/dk/dv "
           f"{tensors / 2**30:.2f} GiB: ratio {ratio:.2f}")  # fmt: skip
     del out, grads
 
 
-def kernel_times(q, k, v, index, seq, extra):
+def kernel_times(q, k, v, index, seq, extra, name="vertical-slash"):
     """Device time of each kernel (summed over its launches) in one backward."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -336,8 +379,10 @@ def kernel_times(q, k, v, index, seq, extra):
         ((e.device_time_total / 1e3, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0),
         reverse=True,
     )
-    extra.setdefault("bwd_kernel_ms", {})[seq] = {key: ms for ms, _, key in times}
-    print("    bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:8]))
+    extra.setdefault("bwd_kernel_ms", {})[seq if name == "vertical-slash" else f"{seq} {name}"] = {
+        key: ms for ms, _, key in times
+    }
+    print(f"    {name} bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:8]))
 
 
 class _Recorded:
@@ -381,10 +426,27 @@ def kernel_resources(q, k, v, index, seq, extra):
 # shapes use few enough registers and shared memory for two programs to share an H100 /
 # H200 multiprocessor, where one's softmax can overlap the other's matrix products.
 TUNE_CANDIDATES = {
-    "fwd": [(64, 8, 3, 128), (64, 4, 3, 64), (32, 4, 3, 64), (64, 4, 2, 64)],
-    "dq": [(64, 8, 3, 128), (64, 4, 3, 64), (32, 4, 3, 64), (64, 4, 2, 64)],
-    "bar_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32)],
-    "tile_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32)],
+    "fwd": [
+        (64, 8, 3, 128),
+        (64, 4, 3, 64),
+        (64, 4, 4, 64),
+        (32, 4, 3, 64),
+        (64, 4, 2, 64),
+        (64, 8, 4, 128),
+        (128, 8, 3, 128),
+        (128, 8, 3, 64),
+    ],
+    "dq": [
+        (64, 8, 3, 128),
+        (64, 4, 3, 64),
+        (64, 4, 4, 64),
+        (32, 4, 3, 64),
+        (64, 4, 2, 64),
+        (64, 8, 4, 128),
+        (128, 8, 3, 64),
+    ],
+    "bar_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32), (128, 8, 2, 64), (64, 4, 3, 64)],
+    "tile_dkdv": [(128, 8, 3, 64), (128, 8, 4, 64), (128, 8, 4, 32), (64, 4, 4, 32), (128, 8, 2, 64), (64, 4, 3, 64)],
 }
 
 
@@ -449,6 +511,7 @@ def main():
         help="sweep the launch configs of these kernels (none named: all) first and use the best",
     )
     p.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention rows (slow to compile)")
+    p.add_argument("--profile-index", action="store_true", help="print the index build's device time per kernel")
     p.add_argument(
         "--patterns",
         nargs="+",

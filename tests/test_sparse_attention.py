@@ -145,3 +145,18 @@ def test_16k_tokens_vertical_slash_on_sampled_rows(rng):
     rk, rv = torch.autograd.grad((ref_out * g).sum(), (k, v))
     torch.testing.assert_close(dk.double(), rk.double(), atol=1e-5, rtol=0)
     torch.testing.assert_close(dv.double(), rv.double(), atol=1e-5, rtol=0)
+
+
+def test_top_k_loop_order_follows_the_measurements():
+    """KV-outer kernels for MSA's selections at 128K (3% of the keys); the union of tiles for
+    the same selection at 32K (6.25%), for MoBA's 4096-token chunks and for other index
+    types (docs/benchmarks.md has the measurements behind the two limits)."""
+    from megatron_mtraining.sparse.attention import kv_outer_preferred
+
+    def topk(s, k, block):
+        return BlockTopKIndex(blocks=torch.zeros(1, s, 1, k, dtype=torch.int32), block_size=block, num_heads=1)
+
+    assert kv_outer_preferred(topk(131072, 16, 128))
+    assert not kv_outer_preferred(topk(32768, 16, 128))
+    assert not kv_outer_preferred(topk(131072, 2, 4096))
+    assert not kv_outer_preferred(DenseIndex(1, 1, 1024))

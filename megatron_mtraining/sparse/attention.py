@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .index import SparseIndex
+from .index import BlockTopKIndex, SparseIndex
 from .kernels import triton_available
 from .kernels.layout import KernelLayout, kernel_layout
 from .reference import ReferenceSparseAttention, combine
@@ -42,12 +42,37 @@ def sparse_attention(
     b, s, hq, d = q.shape
     index.check_compatible(b, hq, s, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
+    if kv_outer_preferred(index) and backend_choice(q, backend) == "triton":
+        from .kernels.kv_outer_attention import KVOuterAttention  # imports Triton
+
+        return KVOuterAttention.apply(q, k, v, index, scale)
     layout = _kernel_layout(q, index, backend)
     if layout is None:
         return ReferenceSparseAttention.apply(q, k, v, index, scale)
     from .kernels.attention import TritonBlockBarAttention  # imports Triton
 
     return TritonBlockBarAttention.apply(q, k, v, layout, scale)
+
+
+# The loop order of a top-k index on the kernels, by measurement (H100, Qwen2.5-3B attention,
+# docs/benchmarks.md): KV-outer programs compute only the rows that chose their key block,
+# but stream the queries in chunks whose fixed cost is paid per chunk; the query-major
+# union-of-tiles kernels compute every row of a query block against the union of its rows'
+# blocks. KV-outer wins where the selections are a small share of the keys (MSA k=16, block
+# 128 at 128K: 3% of the keys, fwd+bwd 2x faster); the union wins at 12% (the same MSA at
+# 32K) and for MoBA's 4096-token chunks, whose rows of a query block mostly agree.
+KV_OUTER_MAX_BLOCK = 128
+KV_OUTER_MAX_SHARE = 1 / 16
+
+
+def kv_outer_preferred(index: SparseIndex) -> bool:
+    """Whether a top-k ``index`` runs on the KV-outer kernels rather than the union of tiles:
+    key blocks of at most ``KV_OUTER_MAX_BLOCK`` tokens, each query selecting under
+    ``KV_OUTER_MAX_SHARE`` of the sequence."""
+    if not isinstance(index, BlockTopKIndex):
+        return False
+    selected = index.blocks.shape[-1] * index.block_size
+    return index.block_size <= KV_OUTER_MAX_BLOCK and selected < KV_OUTER_MAX_SHARE * index.seq_len
 
 
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:

@@ -1,0 +1,284 @@
+"""Triton kernels of KV-outer attention over a per-query top-k block selection (MSA, MoBA).
+
+Iterating queries on the outer loop (``block_bar.py`` on a ``block_topk_layout``) walks the
+union of the blocks that a query block's rows chose and masks each row to its own, so at
+long lengths most of the computed area is thrown away. Here a program takes one key block
+and a work item's tiles (``reverse_index.py``) of the queries that chose it: ``BLOCK_M``
+rows of ``BLOCK_M // G`` tokens x the ``G`` query heads of their selection head, gathered
+(the heads of a token are adjacent in q), so every row of every product wants the block.
+
+Forward: each row's softmax over its block alone, written locally normalised with its
+LSE into slot ``slot`` of its (token, head) in ``O_BUF`` / ``LSE_BUF``, the position of the
+block in the token's selection: each slot has one writer, so no atomics. ``_merge_kernel``
+then merges each row's slots as split-K partials. A block wider than ``BLOCK_N`` keys is
+walked ``BLOCK_N`` keys a step with an online softmax; a block of one step keeps its K/V
+for all the item's tiles.
+
+Backward, deterministic without atomics: ``_bwd_kernel`` takes ``BLOCK_N`` keys of an item's
+block and its tiles, accumulates their dK/dV and, when that is the whole block, writes
+each row's dQ partial ``dS K`` to its slot of ``DQ_BUF`` (else ``_dq_kernel`` does, walking
+the block per tile). An item that is its group's only one in the chunk adds its dK/dV to
+the running fp32 sums; items of a split group write partials that ``_reduce_kernel`` adds
+in item order. ``_sum_slots_kernel`` adds each row's dQ slots in slot order.
+
+The kernels of one query chunk index their slot buffers by the row's offset in the chunk,
+``chunk * CHUNK`` tokens in. All statistics are fp32; exponentials are base 2 with the scale
+folded in. Everything is plain loads and ``tl.dot``, which compile for sm80 and sm90.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_bar import LOG2E, _dq_step, _load_rows, _online_step, _store_rows
+from .combine import _rows, merge_weights
+
+_LOG2E = tl.constexpr(LOG2E)  # kernels read only constexpr globals
+
+
+@triton.jit
+def _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB):
+    """This program's item of the chunk: (item, tiles (0 past the chunk's items), batch,
+    KV head, key block, first tile)."""
+    item = tl.load(CHUNK_ITEMS + chunk) + tl.program_id(0)
+    live = item < tl.load(CHUNK_ITEMS + chunk + 1)
+    group = tl.load(ITEMS + 3 * item, mask=live, other=0)
+    first = tl.load(ITEMS + 3 * item + 1, mask=live, other=0)
+    n_tiles = tl.load(ITEMS + 3 * item + 2, mask=live, other=0)
+    return item, n_tiles, group // (HKV * N_KB), group // N_KB % HKV, group % N_KB, first
+
+
+@triton.jit
+def _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """Step ``j`` of key block ``kb``: (k, v, key positions, in-sequence mask)."""
+    cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < S
+    off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
+    return (
+        _load_rows(K + off, cols, ok, HKV * HEAD_DIM, d, d_ok),
+        _load_rows(V + off, cols, ok, HKV * HEAD_DIM, d, d_ok),
+        cols,
+        ok,
+    )
+
+
+@triton.jit
+def _tile(TILES, ENTRIES, tile, live, b, chunk, CHUNK, S, HQ, HS, KSEL, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows, token-major over the ``G`` heads of its selection head (none unless
+    ``live``): (row of q's ``[B * S * Hq, D]`` view, row mask, token position (-1 on masked
+    rows, which so see no key), statistics offset in ``[B, Hq, S]``, row of the chunk's slot
+    buffers)."""
+    first = tl.load(TILES + 2 * tile, mask=live, other=0)
+    r = tl.arange(0, BLOCK_M)
+    token = r // G
+    ok = token < tl.load(TILES + 2 * tile + 1, mask=live, other=0)
+    entry = tl.load(ENTRIES + first + token, mask=ok, other=0)
+    t = entry // (HS * KSEL) % S
+    h = entry // KSEL % HS * G + r % G
+    slot_row = ((b * CHUNK + t - chunk * CHUNK) * HQ + h) * KSEL + entry % KSEL
+    return (b * S + t) * HQ + h, ok, tl.where(ok, t, -1), (b * HQ + h) * S + t, slot_row
+
+
+@triton.jit
+def _grad_rows(Q, DO, LSE, DELTA, q_row, stat, ok, d, d_ok, HEAD_DIM: tl.constexpr):
+    """A tile's q, dO, log2-domain LSE (0 on rows that see nothing, whose logits are all
+    -inf) and delta."""
+    q = _load_rows(Q, q_row, ok, HEAD_DIM, d, d_ok)
+    do = _load_rows(DO, q_row, ok, HEAD_DIM, d, d_ok)
+    lse = tl.load(LSE + stat, mask=ok, other=0.0) * _LOG2E
+    return q, do, tl.where(lse == float("-inf"), 0.0, lse), tl.load(DELTA + stat, mask=ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _fwd_kernel(
+    Q, K, V, ENTRIES, TILES, ITEMS, CHUNK_ITEMS, O_BUF, LSE_BUF, chunk, CHUNK, S, HQ, HKV, HS, KSEL, N_KB, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    _item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
+    if n_tiles > 0:
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        if BLOCK == BLOCK_N:
+            k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, 0, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+        q_row, ok, row_pos, _stat, slot_row = _tile(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HQ, HS, KSEL, G,
+                                                     BLOCK_M)  # fmt: skip
+        for i in range(n_tiles):
+            q = _load_rows(Q, q_row, ok, HEAD_DIM, d, d_ok)
+            # The next tile's rows now, so that its loads wait on no index lookup. Its queries
+            # too were no faster here, and slowed the backward: their registers spill.
+            n_row, n_ok, n_pos, _stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
+                                                      HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            for j in range(BLOCK // BLOCK_N):
+                if BLOCK != BLOCK_N:
+                    k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+                # Masked everywhere: a compare and select per score, against a branch per tile.
+                acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, cols, col_ok, row_pos, qk_scale, True, PRECISION)
+            empty = l_i == 0.0
+            l_safe = tl.where(empty, 1.0, l_i)
+            _store_rows(O_BUF, slot_row, ok, HEAD_DIM, d, d_ok, acc / l_safe[:, None])
+            tl.store(LSE_BUF + slot_row, tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / _LOG2E), mask=ok)
+            q_row, ok, row_pos, slot_row = n_row, n_ok, n_pos, n_slot
+
+
+@triton.jit
+def _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """``ROWS`` of the chunk's ``N`` (token, head) rows, ``[B, CHUNK, Hq]`` row-major: (row of
+    the slot buffers' ``[.., k]`` view, row mask, row of ``[B * S * Hq, D]``, statistics offset,
+    offset of the row's selection in ``[B, S, Hs, k]``, d, d mask)."""
+    r, ok, b, t, h, _, _ = _rows(tl.program_id(0), N, HQ, CHUNK, ROWS, D_PAD, HEAD_DIM)
+    t += chunk * CHUNK
+    ok &= t < S
+    d = tl.arange(0, D_PAD)
+    selection = ((b * S + t) * HS + h // (HQ // HS)) * KSEL
+    return r, ok, (b * S + t) * HQ + h, (b * HQ + h) * S + t, selection, d, d < HEAD_DIM
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _merge_kernel(O_BUF, LSE_BUF, BLOCKS, OUT, LSE, chunk, CHUNK, N, S, HQ, HS, KSEL,
+                  HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """Each row's output and LSE from its selected slots, merged in slot order; a row with no
+    visible key gets zeros and -inf."""
+    r, ok, out_row, stat, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
+    out = tl.zeros([ROWS, D_PAD], tl.float32)
+    lse = tl.full([ROWS], float("-inf"), tl.float32)
+    for slot in range(KSEL):
+        chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
+        part_lse = tl.load(LSE_BUF + r * KSEL + slot, mask=chosen, other=float("-inf"))
+        w_out, w_part, lse = merge_weights(lse, part_lse)
+        part = _load_rows(O_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
+        out = out * w_out[:, None] + part * w_part[:, None]
+    _store_rows(OUT, out_row, ok, HEAD_DIM, d, d_ok, out)
+    tl.store(LSE + stat, lse, mask=ok)
+
+
+@triton.jit
+def _delta_kernel(OUT, DOUT, DLSE, DELTA, N, H, S, D, ROWS: tl.constexpr, D_PAD: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``delta = rowsum(dO * O) - dLSE`` per row, fp32 ``[B, H, S]``: with it the softmax
+    gradient of a row's scores is ``P * (dP - delta)``, its LSE gradient included."""
+    r, ok, b, s, h, ptr, ok2 = _rows(tl.program_id(0), N, H, S, ROWS, D_PAD, D)
+    o = tl.load(OUT + ptr, mask=ok2, other=0.0).to(tl.float32)
+    delta = tl.sum(o * tl.load(DOUT + ptr, mask=ok2, other=0.0).to(tl.float32), 1)
+    stat = (b * H + h) * S + s
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=ok, other=0.0)
+    tl.store(DELTA + stat, delta, mask=ok)
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, ENTRIES, TILES, ITEMS, CHUNK_ITEMS, PARTIAL, DK_SUM, DV_SUM, DK_PART, DV_PART, DQ_BUF,
+    chunk, CHUNK, S, HQ, HKV, HS, KSEL, N_KB, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, PRECISION: tl.constexpr, HAS_DQ: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of step ``program_id(1)`` of an item's block over its tiles, and with ``HAS_DQ``
+    (the step is the whole block) the rows' dQ partials. Scores are transposed (keys x rows)
+    as in ``block_bar._kv_grads``: P^T and dS^T then feed the dV and dK products as they are."""
+    item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
+    if n_tiles > 0:
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        j = tl.program_id(1)
+        k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        q_row, ok, row_pos, stat, slot_row = _tile(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HQ, HS, KSEL, G,
+                                                   BLOCK_M)  # fmt: skip
+        for i in range(n_tiles):
+            q, do, lse, delta = _grad_rows(Q, DO, LSE, DELTA, q_row, stat, ok, d, d_ok, HEAD_DIM)
+            # As in the forward: the next tile's rows now, its data when its turn comes.
+            n_row, n_ok, n_pos, n_stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
+                                                       HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
+            s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+            s = tl.where(col_ok[:, None] & (cols[:, None] <= row_pos[None, :]), s, float("-inf"))
+            p = tl.exp2(s - lse[None, :])
+            dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+            ds = (p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])).to(q.dtype)
+            dk += tl.dot(ds, q, input_precision=PRECISION)
+            if HAS_DQ:
+                dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
+                _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq)
+            q_row, ok, row_pos, stat, slot_row = n_row, n_ok, n_pos, n_stat, n_slot
+        dk *= sm_scale
+        partial = tl.load(PARTIAL + item)
+        if partial < 0:  # the group's only item in this chunk: no other program adds to these rows
+            off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
+            dk += _load_rows(DK_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
+            _store_rows(DK_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok, dk)
+            dv += _load_rows(DV_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
+            _store_rows(DV_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok, dv)
+        else:
+            keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            _store_rows(DK_PART + partial * BLOCK * HEAD_DIM, keys, col_ok, HEAD_DIM, d, d_ok, dk)
+            _store_rows(DV_PART + partial * BLOCK * HEAD_DIM, keys, col_ok, HEAD_DIM, d, d_ok, dv)
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, ENTRIES, TILES, ITEMS, CHUNK_ITEMS, DQ_BUF, chunk, CHUNK, S, HQ, HKV, HS, KSEL, N_KB,
+    qk_scale, sm_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The rows' dQ partials over a block wider than the dK/dV kernel's step, ``BLOCK_N``
+    keys a step."""
+    _item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
+    if n_tiles > 0:
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_row, ok, row_pos, stat, slot_row = _tile(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HQ, HS, KSEL, G,
+                                                   BLOCK_M)  # fmt: skip
+        for i in range(n_tiles):
+            q, do, lse, delta = _grad_rows(Q, DO, LSE, DELTA, q_row, stat, ok, d, d_ok, HEAD_DIM)
+            # As in the forward: the next tile's rows now, its data when its turn comes.
+            n_row, n_ok, n_pos, n_stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
+                                                       HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
+            dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            for j in range(BLOCK // BLOCK_N):
+                k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+                dq = _dq_step(dq, q, do, lse, delta, k, v, cols, col_ok, row_pos, qk_scale, True, PRECISION)
+            _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq * sm_scale)
+            q_row, ok, row_pos, stat, slot_row = n_row, n_ok, n_pos, n_stat, n_slot
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _reduce_kernel(SPLITS, CHUNK_SPLITS, DK_PART, DV_PART, DK_SUM, DV_SUM, chunk, S, HKV, N_KB,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Adds a split group's dK/dV partials, in item order, to the running sums of the
+    ``program_id(1)``-th ``ROWS`` keys of its block."""
+    split = tl.load(CHUNK_SPLITS + chunk) + tl.program_id(0)
+    if split < tl.load(CHUNK_SPLITS + chunk + 1):
+        group = tl.load(SPLITS + 3 * split)
+        first = tl.load(SPLITS + 3 * split + 1)
+        b = group // (HKV * N_KB)
+        kvh = group // N_KB % HKV
+        keys = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        cols = group % N_KB * BLOCK + keys
+        ok = cols < S
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
+        dk = _load_rows(DK_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
+        dv = _load_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
+        for p in range(first, first + tl.load(SPLITS + 3 * split + 2)):
+            dk += _load_rows(DK_PART + p * BLOCK * HEAD_DIM, keys, ok, HEAD_DIM, d, d_ok)
+            dv += _load_rows(DV_PART + p * BLOCK * HEAD_DIM, keys, ok, HEAD_DIM, d, d_ok)
+        _store_rows(DK_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok, dk)
+        _store_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok, dv)
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def _sum_slots_kernel(DQ_BUF, BLOCKS, DQ, chunk, CHUNK, N, S, HQ, HS, KSEL,
+                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+    """Each row's dQ: its selected slots' partials added in slot order."""
+    r, ok, out_row, _, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
+    dq = tl.zeros([ROWS, D_PAD], tl.float32)
+    for slot in range(KSEL):
+        chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
+        dq += _load_rows(DQ_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok)
+    _store_rows(DQ, out_row, ok, HEAD_DIM, d, d_ok, dq)

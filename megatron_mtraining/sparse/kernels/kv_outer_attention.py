@@ -1,0 +1,251 @@
+"""Autograd function running a ``BlockTopKIndex`` through the KV-outer kernels (``kv_outer.py``).
+
+Both passes stream over query chunks: each chunk's slot buffers hold k partial results per
+(token, head), so the chunk length bounds them (``CHUNKS``) and the buffers are reused from
+chunk to chunk. The forward writes bf16/fp16 partials for 16-bit inputs (fp32 for fp32);
+the backward's dQ partials and dK/dV sums are fp32, and dK/dV are cast once at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..index import BlockTopKIndex
+from ..validation import check_power_of_two, fail
+from . import attention, kv_outer
+from .block_bar import LOG2E
+from .combine import ROWS
+from .reverse_index import reverse_index, work_list
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Launch parameters of one pass: ``fwd``, ``bwd`` (dK/dV, and dQ where the block is
+    one step) or ``dq`` (dQ of blocks wider than the ``bwd`` step)."""
+
+    block_m: int  # (token, head) rows of a tile (raised to the heads of a selection head where more)
+    block_n: int  # keys per step, capped at the index block
+    num_warps: int
+    num_stages: int
+    # The most tiles of one key block a program takes, for blocks of one step. A forward or
+    # dQ program walks every step of its tiles, so it takes ``tiles_per_item // steps`` tiles
+    # (at least one) of a wider block; a dK/dV program takes one step of each tile, and
+    # ``tiles_per_item * steps``, which keeps the dK/dV partials of split items (each the
+    # size of the block) at the memory they take for one-step blocks.
+    tiles_per_item: int
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """How long a pass's query chunks are."""
+
+    buffer_share: float  # a pass's slot buffers, as a share of q's bytes
+    min_chunk: int  # query tokens per chunk at least: short sequences run in few chunks
+
+
+DEFAULTS = {
+    "fwd": PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, tiles_per_item=8),
+    "bwd": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
+    "dq": PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
+}
+"""Untuned first choices, with ``OVERRIDES`` replacing them per pass as in ``attention.py``.
+Forward: 64 rows (8 tokens x 8 heads for Qwen2.5-3B's MSA) against a whole 128-key block,
+4 warps, so that two programs share a multiprocessor. dK/dV: 64 rows against a 128-key
+block, the shape of ``block_bar``'s dK/dV kernel. A few alternatives measured once on an
+H100 (MSA k=16, block 128, at 32K and 128K tokens) ran slower: a 128-row forward of 8 warps
+(+11%), three stages (within 3%), items of 4 or 32 tiles (within 4%); for dK/dV, 32-row
+tiles (+8%) and 64-key steps with the separate dQ kernel (+12% to +58%)."""
+OVERRIDES: dict[str, PassConfig] = {}
+# Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
+# allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
+# (0.16x q) and the dK/dV partials of split groups (half that), forward + backward at 128K
+# tokens (Qwen2.5-3B attention, bf16) should peak near 1.18x the memory of q, k, v, o and
+# their gradients. Each backward launch then has little work, and is as long as its longest
+# program: the partials buy parallelism where a chunk's tokens chose few blocks. The forward
+# runs before the gradients exist: its output slots may take twice q's memory, so that its
+# launches are few and full (on an H100 at 32K tokens, 2x q ran 1.7x faster than 0.5x q).
+CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(buffer_share=0.16, min_chunk=256)}
+# The backward's dK/dV partials of split groups (a whole key block each), as a share of its
+# dQ slots' memory; a chunk whose splits would need more takes longer items.
+PARTIAL_SHARE = 0.5
+
+
+def _config(name: str, p: _Problem) -> tuple[PassConfig, int, int]:
+    """(the pass's config, its tile rows, its key step). The configured tiles are for rows
+    of up to 256 bytes (head dim 128 in 16 bits); wider rows halve them (to 16 at least) per
+    doubling, and fp32 once more, whose products take more shared memory, so that every
+    shape fits an A100's 163 KiB."""
+    cfg = OVERRIDES.get(name, DEFAULTS[name])
+    q = p.q
+    shrink = max(1, p.dims()["D_PAD"] * q.element_size() // 256) * (2 if q.dtype == torch.float32 else 1)
+    block_m = max(16, cfg.block_m // shrink, triton.next_power_of_2(p.group))
+    return cfg, block_m, min(max(16, cfg.block_n // shrink), p.block)
+
+
+def query_chunk(name: str, q: torch.Tensor, topk: int) -> int:
+    """Query tokens per chunk of pass ``name``: slot buffers of ``buffer_share`` times q's
+    bytes (forward: partials in q's dtype; backward: fp32 dQ partials)."""
+    stream = CHUNKS[name]
+    b, s, hq, d = q.shape
+    slot_bytes = q.element_size() if name == "fwd" else 4
+    tokens = max(stream.min_chunk, int(stream.buffer_share * s * q.element_size() / (topk * slot_bytes)))
+    # The kernels address the buffers with int32 offsets.
+    return min(s, tokens, (2**31 - 1) // (b * hq * topk * triton.next_power_of_2(d)))
+
+
+@dataclass
+class _Problem:
+    """Shapes and per-call tensors shared by the launches of one call."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    blocks: torch.Tensor  # [B, S, Hs, k], at least one selection head per KV head
+    block: int
+    scale: float
+
+    @classmethod
+    def of(cls, q, k, v, index: BlockTopKIndex, scale: float) -> _Problem:
+        check_power_of_two("index.block_size", index.block_size, minimum=16)
+        blocks = index.blocks
+        if blocks.shape[2] < k.shape[2]:  # one selection shared by every head: each KV head reads it
+            blocks = blocks.expand(-1, -1, k.shape[2], -1)
+        if blocks.numel() >= 2**31:
+            fail("index.blocks", tuple(blocks.shape), "fewer than 2^31 selections (the kernels number them in int32)")
+        return cls(q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), index.block_size, scale)
+
+    @property
+    def group(self) -> int:
+        """Query heads per selection head."""
+        return self.q.shape[2] // self.blocks.shape[2]
+
+    @property
+    def topk(self) -> int:
+        return self.blocks.shape[3]
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.q.shape[1] // self.block)
+
+    def chunk_args(self, chunk: int) -> tuple:
+        """The size arguments the kernels take after the chunk index, from ``CHUNK`` to ``N_KB``."""
+        b, s, hq, _ = self.q.shape
+        return chunk, s, hq, self.k.shape[2], self.blocks.shape[2], self.topk, self.n_blocks
+
+    def dims(self) -> dict:
+        d = self.q.shape[3]
+        return {
+            "HEAD_DIM": d,
+            "D_PAD": max(16, triton.next_power_of_2(d)),
+            "BLOCK": self.block,
+            "G": self.group,
+            # fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores as they are.
+            "PRECISION": "ieee" if self.q.dtype == torch.float32 else "tf32",
+        }
+
+    def slot_rows(self, chunk: int) -> int:
+        """(token, head) rows of a chunk's slot buffers."""
+        return self.q.shape[0] * chunk * self.q.shape[2]
+
+    def slot_args(self, chunk: int) -> tuple:
+        """The size arguments of the per-row slot kernels after the chunk index."""
+        b, s, hq, _ = self.q.shape
+        return chunk, self.slot_rows(chunk), s, hq, self.blocks.shape[2], self.topk
+
+
+def _opts(cfg: PassConfig, block_m: int, block_n: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse fp32 ``[B, Hq, S]``)."""
+    q = p.q
+    b, s, hq, d = q.shape
+    cfg, block_m, block_n = _config("fwd", p)
+    chunk = query_chunk("fwd", q, p.topk)
+    rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
+    work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
+    out = attention.new_buffer(q.shape, q.dtype, q.device)
+    lse = attention.new_buffer((b, hq, s), torch.float32, q.device)
+    rows = p.slot_rows(chunk) * p.topk
+    o_buf = attention.new_buffer((rows, d), q.dtype, q.device)
+    lse_buf = attention.new_buffer((rows,), torch.float32, q.device)
+    for c in range(rev.n_chunks):
+        kv_outer._fwd_kernel[(work.items_per_chunk,)](
+            q, p.k, p.v, rev.entries, work.tiles, work.items, work.chunk_items, o_buf, lse_buf, c,
+            *p.chunk_args(chunk), p.scale * LOG2E, **p.dims(), **_opts(cfg, block_m, block_n),
+        )  # fmt: skip
+        kv_outer._merge_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
+            o_buf, lse_buf, p.blocks, out, lse, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=p.dims()["D_PAD"]
+        )
+    return out, lse
+
+
+def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes, given the forward's out and lse; ``dlse`` may be None."""
+    q, k = p.q, p.k
+    b, s, hq, d = q.shape
+    dims = p.dims()
+    dout = dout.to(q.dtype).contiguous()
+    delta = attention.new_buffer((b, hq, s), torch.float32, q.device)
+    dlse = delta if dlse is None else dlse.float().contiguous()  # the placeholder is not read
+    kv_outer._delta_kernel[(triton.cdiv(b * s * hq, ROWS),)](
+        out.contiguous(), dout, dlse, delta, b * s * hq, hq, s, d,
+        ROWS=ROWS, D_PAD=dims["D_PAD"], HAS_DLSE=dlse is not delta,
+    )  # fmt: skip
+
+    cfg, block_m, block_n = _config("bwd", p)
+    steps = p.block // block_n
+    chunk = query_chunk("bwd", q, p.topk)
+    rev = reverse_index(p.blocks, k.shape[2], p.n_blocks, chunk)
+    pool = max(2, int(PARTIAL_SHARE * p.slot_rows(chunk) * p.topk * d * 4) // (p.block * d * 8))
+    work = work_list(rev, block_m // p.group, cfg.tiles_per_item * steps, pool)
+    if steps > 1:
+        dq_cfg, dq_block_m, dq_block_n = _config("dq", p)
+        dq_work = work_list(rev, dq_block_m // p.group, max(1, dq_cfg.tiles_per_item // (p.block // dq_block_n)))
+
+    dk_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dq = attention.new_buffer(q.shape, q.dtype, q.device)
+    dq_buf = attention.new_buffer((p.slot_rows(chunk) * p.topk, d), torch.float32, q.device)
+    dk_part, dv_part = (attention.new_buffer((pool * p.block, d), torch.float32, q.device) for _ in range(2))
+    for c in range(rev.n_chunks):
+        kv_outer._bwd_kernel[(work.items_per_chunk, steps)](
+            q, k, p.v, dout, lse, delta, rev.entries, work.tiles, work.items, work.chunk_items, work.partial,
+            dk_sum, dv_sum, dk_part, dv_part, dq_buf, c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale,
+            **dims, HAS_DQ=steps == 1, **_opts(cfg, block_m, block_n),
+        )  # fmt: skip
+        if steps > 1:
+            kv_outer._dq_kernel[(dq_work.items_per_chunk,)](
+                q, k, p.v, dout, lse, delta, rev.entries, dq_work.tiles, dq_work.items, dq_work.chunk_items, dq_buf,
+                c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale, **dims, **_opts(dq_cfg, dq_block_m, dq_block_n),
+            )  # fmt: skip
+        kv_outer._reduce_kernel[(work.splits_per_chunk, p.block // ROWS)](
+            work.splits, work.chunk_splits, dk_part, dv_part, dk_sum, dv_sum, c, s, k.shape[2], p.n_blocks,
+            HEAD_DIM=d, D_PAD=dims["D_PAD"], BLOCK=p.block, ROWS=ROWS,
+        )  # fmt: skip
+        kv_outer._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
+            dq_buf, p.blocks, dq, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=dims["D_PAD"]
+        )
+    return dq, dk_sum.to(k.dtype), dv_sum.to(k.dtype)
+
+
+class KVOuterAttention(torch.autograd.Function):
+    """``sparse_attention`` of a ``BlockTopKIndex`` on the Triton backend."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index: BlockTopKIndex, scale: float):
+        p = _Problem.of(q, k, v, index, scale)
+        out, lse = kv_outer_forward(p)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.index, ctx.scale = index, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        p = _Problem.of(q, k, v, ctx.index, ctx.scale)
+        return (*kv_outer_backward(p, out, lse, dout, dlse), None, None)

@@ -1,0 +1,273 @@
+"""KV-outer kernels of top-k block attention (MSA, MoBA) against fp64 dense attention, and
+the reverse index and work lists they run on.
+
+As in test_kernels.py: without CUDA the kernels run in Triton's interpreter (fp32 / fp16),
+with kernel outputs poisoned with NaN. Small query chunks and items force the streaming
+over several chunks and the split of a block's queries over several programs on tiny inputs.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from test_kernels import check, make_index, make_inputs
+
+from megatron_mtraining.sparse import (
+    BlockTopKIndex,
+    MoBAConfig,
+    MSAConfig,
+    build_moba_index,
+    msa_select_blocks,
+)
+from megatron_mtraining.sparse import attention as api
+from megatron_mtraining.sparse.kernels.reverse_index import reverse_index, work_list
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from megatron_mtraining.sparse.kernels import attention as kernels
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(kernels, "new_buffer", poisoned)
+
+
+@pytest.fixture(autouse=True)
+def kv_outer_everywhere(monkeypatch):
+    """Every top-k index here runs on the KV-outer kernels, whatever its share of the keys."""
+    monkeypatch.setattr(api, "KV_OUTER_MAX_BLOCK", 1 << 30)
+    monkeypatch.setattr(api, "KV_OUTER_MAX_SHARE", float("inf"))
+
+
+@pytest.fixture
+def kdevice(device):
+    """CPU only under the interpreter; CUDA natively."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    return device
+
+
+@pytest.fixture
+def kv():
+    from megatron_mtraining.sparse.kernels import kv_outer_attention
+
+    return kv_outer_attention
+
+
+def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
+    """Query chunks of ``chunk`` tokens, 32-row tiles (16 for fp32) of at most ``tiles_per_item``
+    per item, keys ``block_n`` a step (blocks of 32 take two), and dK/dV partials that may take
+    as much memory as the dQ slots, so that tiny inputs split their groups."""
+    for name in kv.CHUNKS:
+        monkeypatch.setitem(kv.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=chunk))
+    monkeypatch.setattr(kv, "PARTIAL_SHARE", 1.0)
+    for name, cfg in kv.DEFAULTS.items():
+        small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=tiles_per_item)
+        monkeypatch.setitem(kv.OVERRIDES, name, small)
+
+
+def random_selection(gen, b, s, hs, k, n_blocks):
+    """Ascending, -1 padded selections, some of blocks after the token's own (invisible)."""
+    chosen = torch.rand(b, s, hs, n_blocks, generator=gen).argsort(-1)[..., :k]
+    chosen = torch.where(torch.rand(chosen.shape, generator=gen) < 0.2, n_blocks, chosen)  # unselected slots
+    ordered = chosen.sort(-1).values
+    return torch.where(ordered < n_blocks, ordered, -1).int()
+
+
+@pytest.mark.parametrize("pool", [1000, 3])
+def test_reverse_index_and_work_list_match_a_loop(pool, rng):
+    """Per (chunk, batch, KV head, key block, selection head) the tokens that chose the block,
+    ascending, with their slots, as a plain loop lists them; the work list's items cover each
+    group's tiles in order, in tiles of at most T tokens of one segment, longest items first,
+    with partial buffers numbered per chunk for the split groups only. Items take at most
+    ``cap`` tiles, more in chunks whose split groups would need more than ``pool`` partials."""
+    b, s, hs, k, hkv, n_blocks, chunk, tokens, cap = 2, 37, 4, 3, 2, 5, 10, 2, 2
+    blocks = random_selection(rng, b, s, hs, k, n_blocks)
+    rev = reverse_index(blocks, hkv, n_blocks, chunk)
+    work = work_list(rev, tokens, cap, partial_pool=pool)
+    per_kv, n_groups = hs // hkv, b * hkv * n_blocks
+
+    def decode(entry):  # (batch, token, selection head, slot)
+        return entry // (s * hs * k), entry // (hs * k) % s, entry // k % hs, entry % k
+
+    for c in range(rev.n_chunks):
+        items = range(int(work.chunk_items[c]), int(work.chunk_items[c + 1]))
+        sizes = work.items[items.start : items.stop, 2]
+        assert (sizes[1:] <= sizes[:-1]).all() and sizes.min() >= 1
+        if pool == 1000:
+            assert sizes.max() <= cap
+        covered = {}
+        for item in items:
+            group, first, n_tiles = work.items[item].tolist()
+            for tile in range(first, first + n_tiles):
+                start, n = work.tiles[tile].tolist()
+                assert 1 <= n <= tokens
+                entries = [decode(e) for e in rev.entries[start : start + n].tolist()]
+                assert len({e[2] for e in entries}) == 1
+                covered.setdefault(group, []).extend(entries)
+        expected_splits, partial = [], 0
+        for bi in range(b):
+            for kvh in range(hkv):
+                for kb in range(n_blocks):
+                    group = (bi * hkv + kvh) * n_blocks + kb
+                    want = [
+                        (bi, t, kvh * per_kv + sub, slot)
+                        for sub in range(per_kv)
+                        for t in range(c * chunk, min(s, (c + 1) * chunk))
+                        for slot in range(k)
+                        if blocks[bi, t, kvh * per_kv + sub, slot] == kb
+                    ]
+                    assert covered.get(group, []) == want
+                    group_items = [i for i in items if work.items[i, 0] == group]
+                    got = [int(work.partial[i]) for i in group_items]
+                    if len(group_items) > 1:
+                        assert got == list(range(partial, partial + len(got)))
+                        expected_splits.append([group, partial, len(got)])
+                        partial += len(got)
+                    else:
+                        assert got in ([], [-1])
+        splits = work.splits[int(work.chunk_splits[c]) : int(work.chunk_splits[c + 1])].tolist()
+        assert splits == expected_splits
+        assert partial <= pool and len(splits) <= work.splits_per_chunk
+        assert len(items) <= work.items_per_chunk
+    assert n_groups == rev.n_groups
+
+
+@pytest.mark.parametrize("kind", ["msa", "moba"])
+@pytest.mark.parametrize(
+    "b,s,hq,hkv,d,block",
+    [(2, 83, 6, 2, 24, 16), (1, 70, 4, 4, 16, 16), (1, 100, 4, 1, 32, 32)],
+    ids=["gqa3-d24-b2-ragged", "mha-d16", "gqa4-block32"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_streamed_kernels_match_dense(kind, b, s, hq, hkv, d, block, dtype, rng, kdevice, kv, monkeypatch):
+    """Several query chunks, split blocks, and (MoBA: chunks of two index blocks; ``block32``:
+    both) blocks wider than one key step, which take the separate dQ kernel."""
+    small_work(monkeypatch, kv)
+    q, k, v = make_inputs(rng, b, s, hq, hkv, d, dtype, kdevice)
+    check(q, k, v, make_index(kind, q, k, block), rng)
+
+
+def sink_index(gen, s, hq, hs, block, device):
+    """Every token chooses block 0, its own block and one random earlier block."""
+    pos = torch.arange(s)
+    own = pos // block
+    other = (torch.rand(s, hs, generator=gen) * own.view(-1, 1)).long()
+    chosen = torch.stack((torch.zeros_like(other), other, own.view(-1, 1).expand_as(other)), -1)
+    dup = chosen[..., 1:] == chosen[..., :-1]
+    chosen[..., 1:] = torch.where(dup, -1, chosen[..., 1:])
+    ordered = torch.where(chosen >= 0, chosen, 1 << 20).sort(-1).values
+    blocks = torch.where(ordered < (1 << 20), ordered, -1).int().unsqueeze(0)
+    return BlockTopKIndex(blocks=blocks, block_size=block, num_heads=hq).to(device)
+
+
+@pytest.mark.parametrize("hq,hs,hkv", [(4, 2, 2), (4, 4, 2)], ids=["msa-like", "moba-like"])
+def test_sink_block_is_split_and_backward_is_deterministic(hq, hs, hkv, rng, kdevice, kv, monkeypatch):
+    """A block every query chose: its tiles of a 48-token chunk go to several programs in
+    both passes (dK/dV through partials), the results match dense attention and a second
+    backward is bitwise identical."""
+    small_work(monkeypatch, kv, chunk=48, tiles_per_item=1)
+    lists = []
+    real = kv.work_list
+    monkeypatch.setattr(kv, "work_list", lambda *a, **kw: lists.append(real(*a, **kw)) or lists[-1])
+    q, k, v = make_inputs(rng, 1, 96, hq, hkv, 16, torch.float32, kdevice)
+    index = sink_index(rng, 96, hq, hs, 16, kdevice)
+    _, _, grads = check(q, k, v, index, rng)
+    fwd, bwd = lists
+    for work in (fwd, bwd):
+        sink_items = work.items[: int(work.chunk_items[1]), 0] == 0  # group (batch 0, KV head 0, block 0)
+        assert int(sink_items.sum()) > 1
+    assert int(bwd.chunk_splits[1]) >= 1 and int(bwd.partial[: int(bwd.chunk_items[1])].max()) >= 1
+
+    out, lse = api.sparse_attention(q, k, v, index, backend="triton")
+    g = torch.randn(out.shape, generator=rng).to(kdevice)
+    runs = [torch.autograd.grad((out * g).sum(), (q, k, v), retain_graph=True) for _ in range(2)]
+    for a, e in zip(*runs, strict=True):
+        assert torch.equal(a, e)
+
+
+def test_rows_with_no_visible_key(rng, kdevice, kv, monkeypatch):
+    """Tokens that chose nothing, or only blocks after their own, get zeros and -inf; the
+    gradients stay finite and match."""
+    small_work(monkeypatch, kv)
+    s, block = 64, 16
+    blocks = torch.full((1, s, 2, 2), -1, dtype=torch.int32)
+    blocks[0, 20:, :, 0] = 0  # rows 20.. see block 0
+    blocks[0, 40:, 1, 1] = 2  # head 1: rows 40.. also block 2 (rows 40-47 only partly)
+    blocks[0, 5:10, 0, 0] = 3  # rows 5-9 chose a later block only
+    q, k, v = make_inputs(rng, 1, s, 4, 2, 16, torch.float32, kdevice)
+    index = BlockTopKIndex(blocks=blocks, block_size=block, num_heads=4).to(kdevice)
+    out, lse, _ = check(q, k, v, index, rng)
+    assert torch.equal(out[0, :20], torch.zeros_like(out[0, :20]))
+    assert torch.isneginf(lse[0, :, :20]).all()
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (16, 1)], ids=["gqa2", "group16"])
+def test_one_selection_for_all_heads(hq, hkv, rng, kdevice, kv, monkeypatch):
+    """One selection head for every query head: each KV head reads it (``gqa2``), or its 16
+    heads fill a tile of two tokens (``group16``)."""
+    small_work(monkeypatch, kv)
+    q, k, v = make_inputs(rng, 1, 50, hq, hkv, 16, torch.float32, kdevice)
+    blocks = random_selection(rng, 1, 50, 1, 2, 4).to(kdevice)
+    check(q, k, v, BlockTopKIndex(blocks=blocks, block_size=16, num_heads=hq), rng)
+
+
+def test_block_size_must_be_a_power_of_two(rng, kdevice):
+    q, k, v = make_inputs(rng, 1, 40, 2, 1, 16, torch.float32, kdevice)
+    index = BlockTopKIndex(blocks=torch.zeros(1, 40, 1, 1, dtype=torch.int32), block_size=24, num_heads=2)
+    with pytest.raises(ValueError, match="index.block_size=24"):
+        api.sparse_attention(q, k, v, index.to(kdevice), backend="triton")
+
+
+def gpu_index(kind, q, k, block):
+    b, s, hq, _ = q.shape
+    if kind == "msa":
+        q_idx = q.detach().float().unflatten(2, (k.shape[2], -1)).mean(3)
+        k_idx = k.detach().float().mean(2, keepdim=True)
+        return msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=block, topk=8, index_head_dim=q.shape[-1]), hq)
+    return build_moba_index(q, k, MoBAConfig(chunk_size=block, topk=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["msa", "moba"])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("s", [1000, 4096])
+def test_kv_outer_on_gpu_shapes(kind, block, s, rng, device):
+    """bf16, head dim 128, 16 query heads over 2 KV heads, default launch parameters."""
+    if device.type != "cuda":
+        pytest.skip("GPU shapes")
+    q, k, v = make_inputs(rng, 1, s, 16, 2, 128, torch.bfloat16, device)
+    check(q, k, v, gpu_index(kind, q, k, block), rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 128), (torch.bfloat16, 256), (torch.float32, 256)])
+def test_kv_outer_wide_rows_on_gpu(dtype, d, rng, device):
+    """Rows of more than 256 bytes take smaller tiles, which must fit in shared memory."""
+    if device.type != "cuda":
+        pytest.skip("GPU shapes")
+    q, k, v = make_inputs(rng, 1, 700, 8, 2, d, dtype, device)
+    check(q, k, v, gpu_index("msa", q, k, 128), rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["msa", "moba"])
+def test_kv_outer_backward_is_deterministic_on_gpu(kind, rng, device):
+    if device.type != "cuda":
+        pytest.skip("GPU only")
+    q, k, v = make_inputs(rng, 1, 4096, 16, 2, 128, torch.bfloat16, device)
+    index = gpu_index(kind, q, k, 64)
+    g = torch.randn(q.shape, generator=rng).to(device, torch.bfloat16)
+    runs = [
+        torch.autograd.grad(api.sparse_attention(q, k, v, index, backend="triton")[0], (q, k, v), g) for _ in range(3)
+    ]
+    for again in runs[1:]:
+        for a, e in zip(runs[0], again, strict=True):
+            assert torch.equal(a, e)
