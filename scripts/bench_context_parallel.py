@@ -139,8 +139,8 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
         "fwd_syncs": syncs[0], "bwd_syncs": syncs[1],
     }  # fmt: skip
     r["worker_id"], r["step_id"] = imbalance_degrees(ring_area)
-    if args.profile and layout_kind == "striped" and kind != "dense":
-        profile(ring, out, grad, (q, k, v), rank)
+    if args.profile is not None and layout_kind == "striped" and kind != "dense":
+        profile(ring, out, grad, (q, k, v), rank, args.profile, f"{seq}")
     for phase in ("fwd", "bwd"):
         step_ms, local_ms, wait_ms = stats.gather_times(phase)
         r[f"{phase}_kernel_worker_id"], r[f"{phase}_kernel_step_id"] = imbalance_degrees(step_ms)
@@ -153,9 +153,9 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     return r
 
 
-def profile(ring, out, grad, inputs, rank: int) -> None:
+def profile(ring, out, grad, inputs, rank: int, trace_dir: str, tag: str) -> None:
     """Host and device time per op and named range of one forward and one backward (every
-    rank runs them; rank 0 prints)."""
+    rank runs them; rank 0 prints, and writes Chrome traces into ``trace_dir`` if named)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -164,6 +164,8 @@ def profile(ring, out, grad, inputs, rank: int) -> None:
         torch.cuda.synchronize()
     if rank == 0:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30), flush=True)
+        if trace_dir:
+            prof.export_chrome_trace(os.path.join(trace_dir, f"ring_fwd_{tag}.json"))
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(out, inputs, grad, retain_graph=True)
         torch.cuda.synchronize()
@@ -199,7 +201,14 @@ def main() -> None:
     p.add_argument("--dense-max", type=int, default=524288, help="longest total length to time the dense ring at")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU comparison")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler breakdown of one striped ring call")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="TRACE_DIR",
+        help="print a torch.profiler breakdown of one striped ring call (rank 0), its forward's trace into TRACE_DIR",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")
