@@ -23,7 +23,9 @@ transfers, slowest rank; backward: wall minus kernel time, an upper bound), and
 worker / step imbalance degrees of the attended area and of the measured kernel times.
 The vertical-slash rows are compared with the single-GPU kernel on the same index
 (``single_*``; per-GPU work is 1/N of it, throughput is comparable), the "85% of
-single-GPU" figure.
+single-GPU" figure: once per isolated call (synchronised before and after, so each call's
+host work before its first kernel is exposed), and for the forward also per call of
+``--back-to-back`` calls issued without synchronisation, as a model's layers run.
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def timed(fn, iters: int) -> float:
     return slowest(sorted(times[1:])[len(times[1:]) // 2])
 
 
+def back_to_back(fn, calls: int, iters: int) -> float:
+    """Median ms per call of ``calls`` calls issued back to back, as a model's layers issue
+    theirs: no synchronisation between them, so each call's host work (layouts, launches)
+    overlaps the GPU work queued before it. The slowest rank's."""
+    times = []
+    for _ in range(iters + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    return slowest(sorted(times[1:])[len(times[1:]) // 2])
+
+
 def synchronisations(fn) -> int:
     """Host-device synchronisations PyTorch reports while ``fn`` runs on this rank (``item``,
     ``nonzero``, device-to-host copies, ...), most over ranks: each one stalls the host
@@ -105,14 +123,15 @@ def check(seq: int, rank: int, world: int, hierarchy, gen: torch.Generator) -> d
     return errors
 
 
-def single_gpu(seq: int, index, gen: torch.Generator, iters: int) -> tuple[float, float]:
-    """Forward and backward ms of the single-GPU kernel on the whole sequence."""
+def single_gpu(seq: int, index, gen: torch.Generator, args) -> tuple[float, float, float]:
+    """Forward and backward ms of the single-GPU kernel on the whole sequence, and the
+    forward's ms per call back to back."""
     q, k, v = (torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16().requires_grad_() for h in (HQ, HKV, HKV))
     out, _ = sparse_attention(q, k, v, index)
     grad = torch.randn_like(out)
-    fwd = timed(lambda: sparse_attention(q, k, v, index), iters)
-    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), iters)
-    return fwd, bwd
+    fwd = timed(lambda: sparse_attention(q, k, v, index), args.iters)
+    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), args.iters)
+    return fwd, bwd, back_to_back(lambda: sparse_attention(q, k, v, index), args.back_to_back, args.iters)
 
 
 def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> dict:
@@ -123,6 +142,7 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     grad = torch.randn_like(out)
     backward = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
     fwd, bwd = timed(ring, args.iters), timed(backward, args.iters)
+    fwd_b2b = back_to_back(ring, args.back_to_back, args.iters)
     syncs = synchronisations(ring), synchronisations(backward)
     # One instrumented call: attended areas, kernel times and transfer waits per rank and step.
     stats = RingStats(time_kernels=True)
@@ -134,7 +154,7 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     r = {
         "seq": seq, "attention": kind, "layout": layout_kind,
         "ring": "flat" if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
-        "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd,
+        "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd, "fwd_ms_back_to_back": fwd_b2b,
         "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
         "fwd_syncs": syncs[0], "bwd_syncs": syncs[1],
     }  # fmt: skip
@@ -184,7 +204,9 @@ def report(r: dict) -> None:
         f"syncs fwd {r['fwd_syncs']} bwd {r['bwd_syncs']}"
         + (
             f"; single GPU fwd {r['single_fwd_tflops']:.1f} bwd {r['single_bwd_tflops']:.1f} TF/s -> ring/single "
-            f"{r['ring_over_single_fwd']:.2f} / {r['ring_over_single_bwd']:.2f}"
+            f"{r['ring_over_single_fwd']:.2f} / {r['ring_over_single_bwd']:.2f}; forward back to back: ring "
+            f"{r['fwd_ms_back_to_back']:.2f} ms, single {r['single_fwd_ms_back_to_back']:.2f} ms -> ring/single "
+            f"{r['ring_over_single_fwd_back_to_back']:.2f}"
             if "single_fwd_tflops" in r
             else ""
         ),
@@ -201,6 +223,9 @@ def main() -> None:
     p.add_argument("--dense-max", type=int, default=524288, help="longest total length to time the dense ring at")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU comparison")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument(
+        "--back-to-back", type=int, default=4, help="forward calls issued back to back for the per-call throughput"
+    )
     p.add_argument(
         "--profile",
         nargs="?",
@@ -233,16 +258,20 @@ def main() -> None:
             cases.insert(0, ("dense", "zigzag", None))
         single = None
         if not args.no_single:
-            single = single_gpu(seq, sparse, gen, args.iters)
+            single = single_gpu(seq, sparse, gen, args)
         for kind, layout_kind, h in cases:
             index = DenseIndex(1, HQ, seq, device="cuda") if kind == "dense" else sparse
             r = bench(seq, kind, layout_kind, h, index, args, rank, world, gen)
             if single is not None and kind != "dense":
                 flops = 4 * float(sparse.attended_area().sum()) * D
-                r["single_fwd_ms"], r["single_bwd_ms"] = single
+                r["single_fwd_ms"], r["single_bwd_ms"], r["single_fwd_ms_back_to_back"] = single
                 r["single_fwd_tflops"], r["single_bwd_tflops"] = flops / single[0] / 1e9, 2.5 * flops / single[1] / 1e9
                 r["ring_over_single_fwd"] = r["fwd_tflops_per_gpu"] / r["single_fwd_tflops"]
                 r["ring_over_single_bwd"] = r["bwd_tflops_per_gpu"] / r["single_bwd_tflops"]
+                # Same per-GPU work: the ring does 1/world of the single GPU's in each call.
+                r["ring_over_single_fwd_back_to_back"] = (
+                    r["single_fwd_ms_back_to_back"] / world / r["fwd_ms_back_to_back"]
+                )
             rows.append(r)
             if rank == 0:
                 report(r)
