@@ -73,6 +73,22 @@ def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
         monkeypatch.setitem(kv.OVERRIDES, name, small)
 
 
+class Launches:
+    """Stands in for a kernel: records each launch's grid and arguments, and runs it on
+    ``kernel`` if one is given."""
+
+    def __init__(self, kernel=None):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args))
+            if self.kernel is not None:
+                self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def random_selection(gen, b, s, hs, k, n_blocks):
     """Ascending, -1 padded selections, some of blocks after the token's own (invisible)."""
     chosen = torch.rand(b, s, hs, n_blocks, generator=gen).argsort(-1)[..., :k]
@@ -171,12 +187,16 @@ def sink_index(gen, s, hq, hs, block, device):
 @pytest.mark.parametrize("hq,hs,hkv", [(4, 2, 2), (4, 4, 2)], ids=["msa-like", "moba-like"])
 def test_sink_block_is_split_and_backward_is_deterministic(hq, hs, hkv, rng, kdevice, kv, monkeypatch):
     """A block every query chose: its tiles of a 48-token chunk go to several programs in
-    both passes (dK/dV through partials), the results match dense attention and a second
-    backward is bitwise identical."""
+    both passes (dK/dV through partials, which a reduction of fewer programs than the
+    chunk's split groups adds), the results match dense attention and a second backward is
+    bitwise identical."""
     small_work(monkeypatch, kv, chunk=48, tiles_per_item=1)
     lists = []
     real = kv.work_list
     monkeypatch.setattr(kv, "work_list", lambda *a, **kw: lists.append(real(*a, **kw)) or lists[-1])
+    monkeypatch.setattr(kv, "reduce_programs", lambda device: 2)  # on CUDA too
+    reduce = Launches(kv.kv_outer._reduce_kernel)
+    monkeypatch.setattr(kv.kv_outer, "_reduce_kernel", reduce)
     q, k, v = make_inputs(rng, 1, 96, hq, hkv, 16, torch.float32, kdevice)
     index = sink_index(rng, 96, hq, hs, 16, kdevice)
     _, _, grads = check(q, k, v, index, rng)
@@ -185,12 +205,42 @@ def test_sink_block_is_split_and_backward_is_deterministic(hq, hs, hkv, rng, kde
         sink_items = work.items[: int(work.chunk_items[1]), 0] == 0  # group (batch 0, KV head 0, block 0)
         assert int(sink_items.sum()) > 1
     assert int(bwd.chunk_splits[1]) >= 1 and int(bwd.partial[: int(bwd.chunk_items[1])].max()) >= 1
+    assert {grid for grid, _ in reduce.calls} == {(2,)}
+    assert int((bwd.chunk_splits[1:] - bwd.chunk_splits[:-1]).max()) > 2
 
     out, lse = api.sparse_attention(q, k, v, index, backend="triton")
     g = torch.randn(out.shape, generator=rng).to(kdevice)
     runs = [torch.autograd.grad((out * g).sum(), (q, k, v), retain_graph=True) for _ in range(2)]
     for a, e in zip(*runs, strict=True):
         assert torch.equal(a, e)
+
+
+def test_dq_slots_are_bf16_for_bf16_inputs(rng, kv, monkeypatch):
+    """The backward's dQ slots are bf16 for bf16 inputs and fp32 for fp16 and fp32 ones, at
+    ``buffer_share`` of q's bytes whatever their dtype (bf16's chunks twice fp16's), with a
+    dK/dV partial pool of ``PARTIAL_SHARE`` of their bytes. The launches are recorded, not run:
+    the interpreter has no bf16."""
+    monkeypatch.setitem(kv.CHUNKS, "bwd", kv.Streaming(buffer_share=1.0, min_chunk=1))
+    b, s, hq, hkv, d, block = 1, 128, 4, 2, 16, 16
+    blocks = random_selection(rng, b, s, hkv, 2, s // block)
+    chunks = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        names = ("_delta_kernel", "_bwd_kernel", "_dq_kernel", "_reduce_kernel", "_sum_slots_kernel")
+        launches = {name: Launches() for name in names}
+        for name, spy in launches.items():
+            monkeypatch.setattr(kv.kv_outer, name, spy)
+        q = torch.randn(b, s, hq, d).to(dtype)
+        k, v = (torch.randn(b, s, hkv, d).to(dtype) for _ in range(2))
+        p = kv._Problem.of(q, k, v, BlockTopKIndex(blocks=blocks, block_size=block, num_heads=hq), d**-0.5)
+        kv.kv_outer_backward(p, q, torch.zeros(b, hq, s), q, None)
+        sums = launches["_sum_slots_kernel"].calls
+        dq_buf, chunks[dtype] = sums[0][1][0], sums[0][1][4]  # DQ_BUF, CHUNK
+        assert dq_buf.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+        assert len(sums) == s // chunks[dtype] and dq_buf.nbytes == q.nbytes
+        assert all(args[15] is dq_buf for _, args in launches["_bwd_kernel"].calls)  # DQ_BUF
+        dk_part = launches["_reduce_kernel"].calls[0][1][2]  # DK_PART
+        assert 2 * dk_part.nbytes == kv.PARTIAL_SHARE * dq_buf.nbytes
+    assert chunks[torch.bfloat16] == 2 * chunks[torch.float16] == 64
 
 
 def test_rows_with_no_visible_key(rng, kdevice, kv, monkeypatch):

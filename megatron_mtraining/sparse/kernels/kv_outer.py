@@ -19,7 +19,9 @@ block and its tiles, accumulates their dK/dV and, when that is the whole block, 
 each row's dQ partial ``dS K`` to its slot of ``DQ_BUF`` (else ``_dq_kernel`` does, walking
 the block per tile). An item that is its group's only one in the chunk adds its dK/dV to
 the running fp32 sums; items of a split group write partials that ``_reduce_kernel`` adds
-in item order. ``_sum_slots_kernel`` adds each row's dQ slots in slot order.
+in item order, its programs striding over the chunk's split groups. ``_sum_slots_kernel``
+adds each row's dQ slots in slot order, in fp32 whatever the slots' dtype (bf16 for bf16
+inputs, see ``kv_outer_attention``).
 
 The kernels of one query chunk index their slot buffers by the row's offset in the chunk,
 ``chunk * CHUNK`` tokens in. All statistics are fp32; exponentials are base 2 with the scale
@@ -249,19 +251,24 @@ def _dq_kernel(
 @triton.jit(do_not_specialize=["chunk"])
 def _reduce_kernel(SPLITS, CHUNK_SPLITS, DK_PART, DV_PART, DK_SUM, DV_SUM, chunk, S, HKV, N_KB,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """Adds a split group's dK/dV partials, in item order, to the running sums of the
-    ``program_id(1)``-th ``ROWS`` keys of its block."""
-    split = tl.load(CHUNK_SPLITS + chunk) + tl.program_id(0)
-    if split < tl.load(CHUNK_SPLITS + chunk + 1):
+    """Adds each of the chunk's split groups' dK/dV partials, in item order, to the running
+    sums. A unit of work is ``ROWS`` keys of a group's block; the programs take the chunk's
+    units with a stride of the grid, which is sized to the GPU rather than to the bound on a
+    chunk's splits, whose surplus programs would mostly exit at once. One program adds each
+    unit, so the sums do not depend on the grid."""
+    first_split = tl.load(CHUNK_SPLITS + chunk)
+    units = (tl.load(CHUNK_SPLITS + chunk + 1) - first_split) * (BLOCK // ROWS)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    for unit in range(tl.program_id(0), units, tl.num_programs(0)):
+        split = first_split + unit // (BLOCK // ROWS)
         group = tl.load(SPLITS + 3 * split)
         first = tl.load(SPLITS + 3 * split + 1)
         b = group // (HKV * N_KB)
         kvh = group // N_KB % HKV
-        keys = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        keys = unit % (BLOCK // ROWS) * ROWS + tl.arange(0, ROWS)
         cols = group % N_KB * BLOCK + keys
         ok = cols < S
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
         off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
         dk = _load_rows(DK_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
         dv = _load_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
@@ -275,10 +282,10 @@ def _reduce_kernel(SPLITS, CHUNK_SPLITS, DK_PART, DV_PART, DK_SUM, DV_SUM, chunk
 @triton.jit(do_not_specialize=["chunk"])
 def _sum_slots_kernel(DQ_BUF, BLOCKS, DQ, chunk, CHUNK, N, S, HQ, HS, KSEL,
                       HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
-    """Each row's dQ: its selected slots' partials added in slot order."""
+    """Each row's dQ: its selected slots' partials added in fp32 in slot order."""
     r, ok, out_row, _, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
     dq = tl.zeros([ROWS, D_PAD], tl.float32)
     for slot in range(KSEL):
         chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
-        dq += _load_rows(DQ_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok)
+        dq += _load_rows(DQ_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
     _store_rows(DQ, out_row, ok, HEAD_DIM, d, d_ok, dq)

@@ -2,8 +2,13 @@
 
 Both passes stream over query chunks: each chunk's slot buffers hold k partial results per
 (token, head), so the chunk length bounds them (``CHUNKS``) and the buffers are reused from
-chunk to chunk. The forward writes bf16/fp16 partials for 16-bit inputs (fp32 for fp32);
-the backward's dQ partials and dK/dV sums are fp32, and dK/dV are cast once at the end.
+chunk to chunk. The forward writes bf16/fp16 partials for 16-bit inputs (fp32 for fp32).
+The backward's dK/dV sums are fp32, cast once at the end; its dQ partials are bf16 for bf16
+inputs (``dq_slot_dtype``), which halves their traffic and the number of chunks: each partial
+is rounded once before an fp32 sum of at most k of them, and dQ is stored in bf16 anyway (the
+MSA paper, like our forward, keeps its forward's partials in bf16). Emulated in torch (4K
+tokens, k=8, random inputs), dQ's relative L2 error against fp64 went from 1.7e-3 to 2.3e-3.
+fp16's narrow range would lose small partials, so fp16 and fp32 inputs keep fp32 partials.
 """
 
 from __future__ import annotations
@@ -61,9 +66,10 @@ tiles (+8%) and 64-key steps with the separate dQ kernel (+12% to +58%)."""
 OVERRIDES: dict[str, PassConfig] = {}
 # Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
 # allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
-# (0.16x q) and the dK/dV partials of split groups (half that), forward + backward at 128K
-# tokens (Qwen2.5-3B attention, bf16) should peak near 1.18x the memory of q, k, v, o and
-# their gradients. Each backward launch then has little work, and is as long as its longest
+# (0.16x q: ~650 tokens a chunk at k=16 with fp32 slots, ~1300 with bf16 inputs' bf16 ones)
+# and the dK/dV partials of split groups (half that), forward + backward at 128K
+# tokens (Qwen2.5-3B attention, bf16) peak at 1.19x the memory of q, k, v, o and their
+# gradients (H100, docs/benchmarks.md). Each backward launch then has little work, and is as long as its longest
 # program: the partials buy parallelism where a chunk's tokens chose few blocks. The forward
 # runs before the gradients exist: its output slots may take twice q's memory, so that its
 # launches are few and full (on an H100 at 32K tokens, 2x q ran 1.7x faster than 0.5x q).
@@ -71,6 +77,8 @@ CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(bu
 # The backward's dK/dV partials of split groups (a whole key block each), as a share of its
 # dQ slots' memory; a chunk whose splits would need more takes longer items.
 PARTIAL_SHARE = 0.5
+# Programs per multiprocessor of the dK/dV reduction (``reduce_programs``); untuned.
+REDUCE_PROGRAMS_PER_SM = 4
 
 
 def _config(name: str, p: _Problem) -> tuple[PassConfig, int, int]:
@@ -85,12 +93,18 @@ def _config(name: str, p: _Problem) -> tuple[PassConfig, int, int]:
     return cfg, block_m, min(max(16, cfg.block_n // shrink), p.block)
 
 
+def dq_slot_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The backward's dQ partials for inputs of ``dtype``: bf16 for bf16 (see the module
+    docstring), else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def query_chunk(name: str, q: torch.Tensor, topk: int) -> int:
     """Query tokens per chunk of pass ``name``: slot buffers of ``buffer_share`` times q's
-    bytes (forward: partials in q's dtype; backward: fp32 dQ partials)."""
+    bytes (forward: partials in q's dtype; backward: dQ partials in ``dq_slot_dtype``)."""
     stream = CHUNKS[name]
     b, s, hq, d = q.shape
-    slot_bytes = q.element_size() if name == "fwd" else 4
+    slot_bytes = q.element_size() if name == "fwd" else dq_slot_dtype(q.dtype).itemsize
     tokens = max(stream.min_chunk, int(stream.buffer_share * s * q.element_size() / (topk * slot_bytes)))
     # The kernels address the buffers with int32 offsets.
     return min(s, tokens, (2**31 - 1) // (b * hq * topk * triton.next_power_of_2(d)))
@@ -156,6 +170,15 @@ class _Problem:
         return chunk, self.slot_rows(chunk), s, hq, self.blocks.shape[2], self.topk
 
 
+def reduce_programs(device: torch.device) -> int:
+    """Programs of a dK/dV reduction launch, which stride over the chunk's split groups:
+    ``REDUCE_PROGRAMS_PER_SM`` per multiprocessor on CUDA; in the interpreter a few, fewer than
+    the tests' chunks have splits, so that they walk the stride."""
+    if device.type == "cuda":
+        return REDUCE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
 def _opts(cfg: PassConfig, block_m: int, block_n: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -201,7 +224,13 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
     steps = p.block // block_n
     chunk = query_chunk("bwd", q, p.topk)
     rev = reverse_index(p.blocks, k.shape[2], p.n_blocks, chunk)
-    pool = max(2, int(PARTIAL_SHARE * p.slot_rows(chunk) * p.topk * d * 4) // (p.block * d * 8))
+    slot_dtype = dq_slot_dtype(q.dtype)
+    slot_shape = (p.slot_rows(chunk) * p.topk, d)
+    # Partials (fp32 dK and dV of a block) of ``PARTIAL_SHARE`` times the dQ slots' bytes: bf16
+    # slots keep the bytes of fp32 ones in chunks twice as long, so the pool keeps its bytes
+    # too, and with them the peak memory; a bf16 chunk's split groups, about twice as many
+    # items, then outgrow it sooner and take longer items (``work_list``).
+    pool = max(2, int(PARTIAL_SHARE * slot_shape[0] * d * slot_dtype.itemsize) // (p.block * d * 8))
     work = work_list(rev, block_m // p.group, cfg.tiles_per_item * steps, pool)
     if steps > 1:
         dq_cfg, dq_block_m, dq_block_n = _config("dq", p)
@@ -210,8 +239,9 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
     dk_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dq = attention.new_buffer(q.shape, q.dtype, q.device)
-    dq_buf = attention.new_buffer((p.slot_rows(chunk) * p.topk, d), torch.float32, q.device)
+    dq_buf = attention.new_buffer(slot_shape, slot_dtype, q.device)
     dk_part, dv_part = (attention.new_buffer((pool * p.block, d), torch.float32, q.device) for _ in range(2))
+    reduce_grid = (min(work.splits_per_chunk * (p.block // ROWS), reduce_programs(q.device)),)
     for c in range(rev.n_chunks):
         kv_outer._bwd_kernel[(work.items_per_chunk, steps)](
             q, k, p.v, dout, lse, delta, rev.entries, work.tiles, work.items, work.chunk_items, work.partial,
@@ -223,7 +253,7 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
                 q, k, p.v, dout, lse, delta, rev.entries, dq_work.tiles, dq_work.items, dq_work.chunk_items, dq_buf,
                 c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale, **dims, **_opts(dq_cfg, dq_block_m, dq_block_n),
             )  # fmt: skip
-        kv_outer._reduce_kernel[(work.splits_per_chunk, p.block // ROWS)](
+        kv_outer._reduce_kernel[reduce_grid](
             work.splits, work.chunk_splits, dk_part, dv_part, dk_sum, dv_sum, c, s, k.shape[2], p.n_blocks,
             HEAD_DIM=d, D_PAD=dims["D_PAD"], BLOCK=p.block, ROWS=ROWS,
         )  # fmt: skip
