@@ -27,3 +27,22 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device(request.param)
+
+
+@pytest.fixture
+def kdevice(device):
+    """``device`` for Triton kernel tests: CPU only under the interpreter; CUDA natively."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    return device
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every kernel output buffer starts as NaN, so a row a kernel fails to write shows."""
+    from megatron_mtraining.sparse.kernels import attention as kernels
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(kernels, "new_buffer", poisoned)

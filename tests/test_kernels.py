@@ -23,28 +23,13 @@ from megatron_mtraining.sparse import (
     sparse_attention,
 )
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    from megatron_mtraining.sparse.kernels import attention as kernels
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(kernels, "new_buffer", poisoned)
-
-
-@pytest.fixture
-def kdevice(device):
-    """CPU only under the interpreter; CUDA natively."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    return device
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="needs CUDA or TRITON_INTERPRET=1",
+    ),
+    pytest.mark.usefixtures("poisoned_outputs"),
+]
 
 
 def make_inputs(rng, b, s, hq, hkv, d, dtype, device):

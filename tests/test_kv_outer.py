@@ -7,11 +7,15 @@ over several chunks and the split of a block's queries over several programs on 
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
-from test_kernels import check, make_index, make_inputs
+from test_kernels import (
+    check,
+    make_index,
+    make_inputs,
+    pytestmark,  # noqa: F401  (the kernel tests' skip mark and poisoned outputs apply here too)
+)
 
 from megatron_mtraining.sparse import (
     BlockTopKIndex,
@@ -23,35 +27,12 @@ from megatron_mtraining.sparse import (
 from megatron_mtraining.sparse import attention as api
 from megatron_mtraining.sparse.kernels.reverse_index import reverse_index, work_list
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    from megatron_mtraining.sparse.kernels import attention as kernels
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(kernels, "new_buffer", poisoned)
-
 
 @pytest.fixture(autouse=True)
 def kv_outer_everywhere(monkeypatch):
     """Every top-k index here runs on the KV-outer kernels, whatever its share of the keys."""
     monkeypatch.setattr(api, "KV_OUTER_MAX_BLOCK", 1 << 30)
     monkeypatch.setattr(api, "KV_OUTER_MAX_SHARE", float("inf"))
-
-
-@pytest.fixture
-def kdevice(device):
-    """CPU only under the interpreter; CUDA natively."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    return device
 
 
 @pytest.fixture
