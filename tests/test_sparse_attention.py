@@ -148,7 +148,7 @@ def test_16k_tokens_vertical_slash_on_sampled_rows(rng):
 
 
 def test_top_k_loop_order_follows_the_measurements():
-    """KV-outer kernels for MSA's selections at 128K (3% of the keys); the union of tiles for
+    """KV-outer kernels for MSA's selections at 128K (1.6% of the keys); the union of tiles for
     the same selection at 32K (6.25%), for MoBA's 4096-token chunks and for other index
     types (docs/benchmarks.md has the measurements behind the two limits)."""
     from megatron_mtraining.sparse.attention import kv_outer_preferred
