@@ -388,15 +388,23 @@ def _kv_grads(
     if masked:
         visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
         s = tl.where(visible, s, float("-inf"))
-    # The scale folded into the exponent's argument: one fused multiply-add an element. On
-    # an H100 at 128K: tile dK/dV 10.75 -> 10.6 ms, bar dK/dV 5.47 -> 5.31; in the forward
-    # and dQ kernels the same fold measured no gain (dQ 1.8% slower).
+    dk, dv, _ = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION: tl.constexpr):
+    """dK/dV sums with one step of rows added, from that step's unscaled transposed logits
+    ``s`` (keys x rows, invisible at -inf), and the step's dS^T in q's dtype (for a dQ). The
+    scale is folded into the exponent's argument, one fused multiply-add an element: on an
+    H100 at 128K, tile dK/dV 10.75 -> 10.6 ms, bar dK/dV 5.47 -> 5.31; in the forward and
+    dQ kernels the same fold measured no gain (dQ 1.8% slower)."""
     p = tl.exp2(s * qk_scale - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = p * (dp - delta[None, :])
-    dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-    return dk, dv
+    ds = (p * (dp - delta[None, :])).to(q.dtype)
+    dk += tl.dot(ds, q, input_precision=PRECISION)
+    return dk, dv, ds
 
 
 @triton.jit

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_bar import LOG2E, _dq_step, _load_rows, _online_step, _store_rows
+from .block_bar import LOG2E, _dq_step, _load_rows, _online_step, _store_rows, _transposed_grads
 from .combine import _rows, merge_weights
 
 _LOG2E = tl.constexpr(LOG2E)  # kernels read only constexpr globals
@@ -197,12 +197,9 @@ def _bwd_kernel(
             # As in the forward: the next tile's rows now, its data when its turn comes.
             n_row, n_ok, n_pos, n_stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
                                                        HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
-            s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+            s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             s = tl.where(col_ok[:, None] & (cols[:, None] <= row_pos[None, :]), s, float("-inf"))
-            p = tl.exp2(s - lse[None, :])
-            dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-            ds = (p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])).to(q.dtype)
-            dk += tl.dot(ds, q, input_precision=PRECISION)
+            dk, dv, ds = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
             if HAS_DQ:
                 dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
                 _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq)
