@@ -325,23 +325,34 @@ def bench_seq(seq, args, gen, rows, extra):
             print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
 
 
-def profile_kernels(fn, title: str, calls: int = 5, top: int = 12):
-    """Prints the device time per call of ``fn``'s kernels, the longest first."""
+def device_times(fn, calls: int = 1) -> list[tuple[float, int, str]]:
+    """(device ms per call, launches per call, kernel) of ``fn``'s kernels, the longest
+    first, after one call that compiles and warms up."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        fn()
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in events) / calls / 1e3
-    print(f"    {title}: {total:.3f} ms in {sum(e.count for e in events) // calls} kernels a call")
-    for e in events[:top]:
-        print(f"      {e.device_time_total / calls / 1e3:7.3f} ms  x{e.count // calls:<3d} {e.key[:90]}")
+    return sorted(
+        (
+            (e.device_time_total / calls / 1e3, e.count // calls, e.key)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        ),
+        reverse=True,
+    )
+
+
+def profile_kernels(fn, title: str, calls: int = 5, top: int = 12):
+    """Prints the device time per call of ``fn``'s kernels, the longest first."""
+    with torch.no_grad():
+        times = device_times(fn, calls)
+    print(f"    {title}: {sum(ms for ms, _, _ in times):.3f} ms in {sum(n for _, n, _ in times)} kernels a call")
+    for ms, n, key in times[:top]:
+        print(f"      {ms:7.3f} ms  x{n:<3d} {key[:90]}")
 
 
 def memory(q, k, v, index, seq, extra, name="vertical-slash"):
@@ -366,19 +377,9 @@ def memory(q, k, v, index, seq, extra, name="vertical-slash"):
 
 def kernel_times(q, k, v, index, seq, extra, name="vertical-slash"):
     """Device time of each kernel (summed over its launches) in one backward."""
-    from torch.profiler import ProfilerActivity, profile
-
     out = sparse_attention(q, k, v, index, backend="triton")[0]
     grad = torch.ones_like(out)
-    torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(out, (q, k, v), grad)
-        torch.cuda.synchronize()
-    times = sorted(
-        ((e.device_time_total / 1e3, e.count, e.key) for e in prof.key_averages() if e.device_time_total > 0),
-        reverse=True,
-    )
+    times = device_times(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
     extra.setdefault("bwd_kernel_ms", {})[seq if name == "vertical-slash" else f"{seq} {name}"] = {
         key: ms for ms, _, key in times
     }
