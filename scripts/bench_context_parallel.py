@@ -59,23 +59,11 @@ def slowest(ms: float) -> float:
     return float(t)
 
 
-def timed(fn, iters: int) -> float:
-    """Median ms of ``fn`` on this rank (after one warm-up call), then the slowest rank's."""
-    times = []
-    for _ in range(iters + 1):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return slowest(sorted(times[1:])[len(times[1:]) // 2])
-
-
-def back_to_back(fn, calls: int, iters: int) -> float:
-    """Median ms per call of ``calls`` calls issued back to back, as a model's layers issue
-    theirs: no synchronisation between them, so each call's host work (layouts, launches)
-    overlaps the GPU work queued before it. The slowest rank's."""
+def timed(fn, iters: int, calls: int = 1) -> float:
+    """Median ms per call of ``fn`` on this rank (after one warm-up round), then the slowest
+    rank's. Each round issues ``calls`` calls back to back, as a model's layers issue theirs:
+    no synchronisation between them, so with more than one, each call's host work (layouts,
+    launches) overlaps the GPU work queued before it."""
     times = []
     for _ in range(iters + 1):
         dist.barrier()
@@ -131,7 +119,7 @@ def single_gpu(seq: int, index, gen: torch.Generator, args) -> tuple[float, floa
     grad = torch.randn_like(out)
     fwd = timed(lambda: sparse_attention(q, k, v, index), args.iters)
     bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), args.iters)
-    return fwd, bwd, back_to_back(lambda: sparse_attention(q, k, v, index), args.back_to_back, args.iters)
+    return fwd, bwd, timed(lambda: sparse_attention(q, k, v, index), args.iters, args.back_to_back)
 
 
 def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> dict:
@@ -142,7 +130,7 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     grad = torch.randn_like(out)
     backward = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
     fwd, bwd = timed(ring, args.iters), timed(backward, args.iters)
-    fwd_b2b = back_to_back(ring, args.back_to_back, args.iters)
+    fwd_b2b = timed(ring, args.iters, args.back_to_back)
     syncs = synchronisations(ring), synchronisations(backward)
     # One instrumented call: attended areas, kernel times and transfer waits per rank and step.
     stats = RingStats(time_kernels=True)
