@@ -58,7 +58,11 @@ def test_config_from_dict_builds_the_pattern_sections():
         ({"layout": "ring"}, r"MTrainingAttentionConfig\.layout='ring'.*contiguous, zigzag, striped"),
         ({"stripe": 0}, r"MTrainingAttentionConfig\.stripe=0"),
         ({"hierarchy": 0}, r"MTrainingAttentionConfig\.hierarchy=0"),
-        ({"backend": "flash"}, r"MTrainingAttentionConfig\.backend='flash'.*'reference' or 'triton'"),
+        ({"backend": "flash"}, r"MTrainingAttentionConfig\.backend='flash'.*'reference', 'triton' or 'flash_attn'"),
+        (
+            {"type": "msa", "backend": "flash_attn"},
+            r"MTrainingAttentionConfig\.backend='flash_attn'.*for type 'msa' \(flash-attn computes dense attention only",
+        ),
         ({"msa": {"blok_size": 64}}, r"attention\.msa\.blok_size=64.*MSAConfig fields"),
         ({"mtraining": {"block_size": 24}}, r"VerticalSlashConfig\.block_size=24.*power of two"),
         ({"moba": [1, 2]}, r"MTrainingAttentionConfig\.moba='list'.*MoBAConfig"),
@@ -83,12 +87,22 @@ def test_constructor_rejects_unknown_section_keys():
         ({"hierarchy": 3}, {"context_parallel_size": 4}, r"MTrainingAttentionConfig\.hierarchy=3.*divisor"),
         ({"hierarchy": 2}, {"context_parallel_size": 4}, r"hierarchical_context_parallel_sizes=None.*\[2, 2\]"),
         ({}, {"window_size": (64, 0)}, r"TransformerConfig\.window_size"),
+        (
+            {"backend": "flash_attn"},
+            {"context_parallel_size": 2},
+            r"TransformerConfig\.context_parallel_size=2.*1 with MTrainingAttentionConfig\.backend='flash_attn'",
+        ),
     ],
 )
 def test_config_checked_against_the_transformer_config(attention, overrides, match):
     config = _transformer_config(**overrides)
     with pytest.raises(ValueError, match=match):
         attach_attention_config(config, MTrainingAttentionConfig(**attention))
+
+
+def test_flash_attn_backend_accepted_for_dense_without_context_parallelism():
+    attention = MTrainingAttentionConfig.from_dict({"type": "dense", "backend": "flash_attn"})
+    assert get_attention_config(attach_attention_config(_transformer_config(), attention)).backend == "flash_attn"
 
 
 def test_config_travels_with_the_transformer_config():

@@ -23,7 +23,7 @@ from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
 
 ATTENTION_TYPES = ("dense", "mtraining", "msa", "moba")
-BACKENDS = (None, "reference", "triton")
+BACKENDS = (None, "reference", "triton", "flash_attn")
 CONFIG_ATTRIBUTE = "mtraining_attention"
 
 # Section name -> pattern config class; a section is named after the attention type it serves.
@@ -37,7 +37,12 @@ def _check_hierarchy(name: str, value) -> None:
 
 def _check_backend(name: str, value) -> None:
     if value not in BACKENDS:
-        fail(name, value, "None (automatic: Triton kernels for CUDA inputs), 'reference' or 'triton'")
+        fail(
+            name,
+            value,
+            "None (automatic: flash-attn for dense attention where installed, else Triton kernels for CUDA inputs), "
+            "'reference', 'triton' or 'flash_attn'",
+        )
 
 
 def _check_pattern(name: str, value, *, cls) -> None:
@@ -64,8 +69,10 @@ class MTrainingAttentionConfig(ValidatedConfig):
     its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
     ring, or None for the flat ring; it must match Megatron's
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
-    the groups. ``backend`` forces the sparse attention backend (None: Triton kernels for CUDA
-    inputs, the PyTorch reference otherwise).
+    the groups. ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
+    ``auto``: flash-attn for dense attention where it is installed and serves the inputs,
+    else Triton kernels for CUDA inputs, the PyTorch reference otherwise); ``flash_attn``
+    only for ``type="dense"`` without context parallelism, the one case flash-attn computes.
     """
 
     type: str = setting("dense", check_choice, choices=ATTENTION_TYPES)
@@ -84,6 +91,12 @@ class MTrainingAttentionConfig(ValidatedConfig):
                 where = f"{type(self).__name__}.{section}"
                 object.__setattr__(self, section, _pattern_from_dict(cls, value, where))
         super().__post_init__()
+        if self.backend == "flash_attn" and self.type != "dense":
+            fail(
+                f"{type(self).__name__}.backend",
+                self.backend,
+                f"None, 'reference' or 'triton' for type '{self.type}' (flash-attn computes dense attention only)",
+            )
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "attention") -> MTrainingAttentionConfig:
@@ -121,6 +134,9 @@ class MTrainingAttentionConfig(ValidatedConfig):
             # need TP-sharded index heads and a TP all-reduce of the shared key projection.
             fail("TransformerConfig.tensor_model_parallel_size", config.tensor_model_parallel_size, "1 for type 'msa'")
         cp = config.context_parallel_size
+        if self.backend == "flash_attn" and cp > 1:
+            # flash-attn computes whole causal attention; the ring's steps attend parts of it.
+            fail("TransformerConfig.context_parallel_size", cp, f"1 with {type(self).__name__}.backend='flash_attn'")
         sizes = config.hierarchical_context_parallel_sizes
         if self.hierarchy is not None and cp > 1:
             want = [self.hierarchy, cp // self.hierarchy]

@@ -8,11 +8,12 @@ import torch
 
 from .index import BlockTopKIndex, SparseIndex
 from .kernels import triton_available
+from .kernels.flash_attn_backend import REQUIREMENTS, FlashAttention, unsupported
 from .kernels.layout import KernelLayout, kernel_layout
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "flash_attn")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 
 
@@ -31,10 +32,12 @@ def sparse_attention(
     visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
     through ``lse``).
 
-    ``backend``: ``"auto"`` (default; Triton kernels for CUDA tensors in fp16, bf16
-    or fp32 with head dim <= 256, else the PyTorch reference), ``"reference"``
-    or ``"triton"``. The environment variable ``MTRAINING_ATTENTION_BACKEND``
-    sets the default, e.g. ``reference`` to rule the kernels out while debugging.
+    ``backend``: ``"auto"`` (default; flash-attn for a ``DenseIndex`` where it is
+    installed and serves the inputs, see ``uses_flash_attn``; else Triton kernels for
+    CUDA tensors in fp16, bf16 or fp32 with head dim <= 256, else the PyTorch
+    reference), ``"reference"``, ``"triton"`` or ``"flash_attn"``. The environment
+    variable ``MTRAINING_ATTENTION_BACKEND`` sets the default, e.g. ``reference`` to
+    rule the kernels out while debugging.
     """
     check_qkv(q, k, v)
     if not isinstance(index, SparseIndex):
@@ -42,6 +45,8 @@ def sparse_attention(
     b, s, hq, d = q.shape
     index.check_compatible(b, hq, s, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
+    if uses_flash_attn(q, index, backend):
+        return FlashAttention.apply(q, k, v, scale)
     if kv_outer_preferred(index) and backend_choice(q, backend) == "triton":
         from .kernels.kv_outer_attention import KVOuterAttention  # imports Triton
 
@@ -77,7 +82,10 @@ def kv_outer_preferred(index: SparseIndex) -> bool:
 
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
     """``"triton"`` when the kernels run this call, else ``"reference"`` (``backend``, else
-    ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve)."""
+    ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve).
+    ``flash_attn`` counts as ``auto`` here: flash-attn computes whole dense attention only
+    (``uses_flash_attn``), so what else a run needs (index statistics, merges, the steps of
+    a context-parallel ring) goes where ``auto`` sends it."""
     choice = _backend_setting(backend)
     # The kernels address elements with int32 offsets (2^31 elements: 1M tokens x 16 heads x 128).
     kernel_ok = (
@@ -94,9 +102,24 @@ def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
             f"installed), got {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements; split longer sequences "
             "with context parallelism",
         )
-    if choice == "auto":
+    if choice in ("auto", "flash_attn"):
         choice = "triton" if q.is_cuda and kernel_ok else "reference"
     return choice
+
+
+def uses_flash_attn(q: torch.Tensor, index: SparseIndex, backend: str | None = None) -> bool:
+    """Whether flash-attn computes ``sparse_attention(q, k, v, index)``: under ``auto``
+    wherever it serves the call (``flash_attn_backend.unsupported``: a ``DenseIndex``, CUDA
+    fp16/bf16 inputs, a head dim it takes, flash-attn and Triton installed), never under
+    ``reference`` or ``triton``; asking for ``flash_attn`` where it cannot run is a
+    ``ValueError`` that names the reason."""
+    choice = _backend_setting(backend)
+    if choice in ("reference", "triton"):
+        return False
+    why_not = unsupported(q, index)
+    if choice == "flash_attn" and why_not is not None:
+        fail("backend" if backend else BACKEND_ENV, choice, f"{REQUIREMENTS}; {why_not}")
+    return why_not is None
 
 
 def _backend_setting(backend: str | None) -> str:
