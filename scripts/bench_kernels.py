@@ -14,9 +14,10 @@ Rows:
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
 * index building: vertical-slash statistics + top-p + kernel layout, against the
-  sparse forward, as the product builds it (replayed from a CUDA graph) and eagerly
-  (``MTRAINING_INDEX_GRAPHS=0``), with the statistics, the top-p selection and the
-  layout also timed alone (eager); ``--profile-index`` lists its kernels' device times;
+  sparse forward, as the product builds it (the passes over the keys launched as they
+  come, the rest replayed from a CUDA graph) and eagerly (``MTRAINING_INDEX_GRAPHS=0``),
+  with the statistics, the top-p selection and the layout also timed alone (eager);
+  ``--profile-index`` lists the kernels' device times of both builds;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
   compiled kernel;
@@ -286,8 +287,9 @@ def bench_seq(seq, args, gen, rows, extra):
         if "ours_speedup_fwd_bwd" in rows[-1]:
             print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
 
-    # Index building against the sparse forward, and its parts. The product path replays the
-    # build (statistics, selection, layout) from a CUDA graph; the eager build is shown beside it.
+    # Index building against the sparse forward, and its parts. The product path runs the passes
+    # over the keys and replays the rest (statistics, selection, layout) from a CUDA graph; the
+    # eager build is shown beside it.
     cfg = VerticalSlashConfig(block_size=args.block)
     build = lambda: kernel_layout(build_vertical_slash_index(q, k, cfg))  # noqa: E731
     with torch.no_grad():
@@ -314,8 +316,10 @@ def bench_seq(seq, args, gen, rows, extra):
           f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     if args.profile_index:
+        record = extra["index"][-1]
+        record["graphed_kernels_ms"] = profile_kernels(build, "index build (as run: graphed), GPU time per kernel")
         with mock.patch.dict(os.environ, {GRAPHS_ENV: "0"}):
-            profile_kernels(build, "index build (eager), GPU time per kernel")
+            record["eager_kernels_ms"] = profile_kernels(build, "index build (eager), GPU time per kernel")
 
     # Peak memory of one forward + backward, against the tensors themselves.
     for what in (memory, kernel_times, kernel_resources):
@@ -346,13 +350,15 @@ def device_times(fn, calls: int = 1) -> list[tuple[float, int, str]]:
     )
 
 
-def profile_kernels(fn, title: str, calls: int = 5, top: int = 12):
-    """Prints the device time per call of ``fn``'s kernels, the longest first."""
+def profile_kernels(fn, title: str, calls: int = 5, top: int = 12) -> float:
+    """Prints the device time per call of ``fn``'s kernels, the longest first; returns their sum."""
     with torch.no_grad():
         times = device_times(fn, calls)
-    print(f"    {title}: {sum(ms for ms, _, _ in times):.3f} ms in {sum(n for _, n, _ in times)} kernels a call")
+    total = sum(ms for ms, _, _ in times)
+    print(f"    {title}: {total:.3f} ms in {sum(n for _, n, _ in times)} kernels a call")
     for ms, n, key in times[:top]:
         print(f"      {ms:7.3f} ms  x{n:<3d} {key[:90]}")
+    return total
 
 
 def memory(q, k, v, index, seq, extra, name="vertical-slash"):

@@ -2,9 +2,10 @@
 one-launch kernels: the top-p take (``sparse.kernels.top_p``) and the kernel layout
 (``sparse.kernels.layout_kernel``).
 
-On CPU: the fallback choice, the cache's bounds, the packing of the results, and the two
-kernels in Triton's interpreter. On a GPU: graphed builds equal eager ones bit for bit, call
-after call, without touching earlier calls' results, and the fallbacks build eagerly.
+On CPU: the fallback choice, the graph key, the cache's bounds, the packing of the results,
+the mass pass rewriting the graph's buffers, and the two kernels in Triton's interpreter. On
+a GPU: graphed builds equal eager ones bit for bit, call after call, without touching earlier
+calls' results, and the fallbacks build eagerly.
 """
 
 import os
@@ -41,11 +42,11 @@ def qk(rng, seq=3000, heads=(16, 2), d=128, device="cuda", dtype=torch.bfloat16)
     return q, k
 
 
-def eager(q, k, cfg=CFG):
+def eager(q, k, cfg=CFG, softmax_scale=None):
     """The eager build and its layout, as sparse_attention would build it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cuda_graphs.GRAPHS_ENV, "0")
-        index = build_vertical_slash_index(q, k, cfg)
+        index = build_vertical_slash_index(q, k, cfg, softmax_scale)
     assert index.precomputed_layout is None
     return index, kernel_layout(index)
 
@@ -89,10 +90,12 @@ def test_cpu_build_is_eager(rng, graphs):
 
 
 def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
-    """The build's graph key holds what the captured code depends on besides the input
-    values (shapes, dtype, config, softmax scale, the statistics kernels' tiles), and the
-    built index carries the layout. On CPU: the cache records keys and runs the build
-    eagerly (the statistics kernels in Triton's interpreter)."""
+    """The build's graph key holds what the captured code (everything after the mass pass)
+    and its input buffers (the mass pass's outputs) depend on besides values: batch, query
+    heads, length, config and the mass pass's tiles. The softmax scale, the dtype, the KV
+    heads and the row passes' tiles reach only the passes run outside the graph, so one graph
+    serves them all. The built index carries the layout. On CPU: the cache records keys and
+    runs the build eagerly (the statistics kernels in Triton's interpreter)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.sparse.kernels import window_stats
@@ -100,29 +103,69 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
     keys = []
 
     class Recorder:
-        def call(self, key, fn, *inputs):
+        def call(self, key, fn, inputs):
             keys.append(key)
-            return fn(*inputs)
+            return fn(*inputs(None))
 
     monkeypatch.setattr(vertical_slash, "_GRAPHS", Recorder())
     monkeypatch.setattr(vertical_slash, "graphs_enabled", lambda *tensors: True)
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2))
-    cfg = VerticalSlashConfig(last_q=16, block_size=16)
-    q, k = qk(rng, seq=100, heads=(4, 2), d=16, device="cpu", dtype=torch.float16)
-    index = build_vertical_slash_index(q, k, cfg)
+    cfg = VerticalSlashConfig(last_q=32, block_size=16)
+
+    def build(seq=100, heads=(4, 2), dtype=torch.float16, config=cfg, **kwargs):
+        q, k = qk(rng, seq=seq, heads=heads, d=16, device="cpu", dtype=dtype)
+        return build_vertical_slash_index(q, k, config, **kwargs)
+
+    index = build()
     assert index.precomputed_layout is not None
     assert_same((index, index.precomputed_layout), (index, vertical_slash_layout(index.to("cpu"))))
-    build_vertical_slash_index(*qk(rng, seq=100, heads=(4, 2), d=16, device="cpu", dtype=torch.float16), cfg)
-    build_vertical_slash_index(q, k, cfg, softmax_scale=0.5)
-    build_vertical_slash_index(q, k, VerticalSlashConfig(last_q=16, block_size=32))
-    build_vertical_slash_index(q[:, :80], k[:, :80], cfg)
+    build()
+    build(softmax_scale=0.5)
+    build(dtype=torch.float32)
+    build(heads=(4, 1))
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=16, block_n=16, chunk_blocks=2))
-    build_vertical_slash_index(q, k, cfg)
-    assert keys[0] == keys[1] and len(set(keys)) == len(keys) - 1
+    build()
+    assert len(set(keys)) == 1
+    build(config=VerticalSlashConfig(last_q=32, block_size=32))
+    build(seq=80)
+    build(heads=(2, 2))
+    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, block_mass=16))
+    build()
+    assert len(set(keys)) == 5
+
+
+def test_mass_pass_rewrites_its_buffers_without_clearing(rng, monkeypatch):
+    """The graphed build has the mass kernel write into its graph's buffers without clearing
+    them: the kernel stores to the same elements on every call with the same shapes and key
+    positions, and the rest keep their first zeros. A second call into the first's buffers
+    gives what it gives into new zeros, all keys or a context-parallel shard's (blocks of
+    positions held in part or not at all)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.sparse.kernels import window_stats
+
+    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, block_mass=16))
+    seq, w = 90, 20
+    shard = torch.cat([torch.arange(s, s + 8) for s in range(0, seq, 40)])
+
+    def mass(positions, out=None):
+        q, k = qk(rng, seq=seq, heads=(4, 2), d=16, device="cpu", dtype=torch.float16)
+        parts = window_stats.WindowKernels(q[:, -w:], k if positions is None else k[:, positions], positions, seq, 0.3)
+        row_max = parts.row_max()
+        return parts, parts.mass(row_max, parts.row_sum(row_max), out)
+
+    for positions in (None, shard):
+        _, buffers = mass(positions)
+        assert (buffers[1] == 0).any()
+        parts, again = mass(positions, buffers)
+        row_max = parts.row_max()
+        fresh = parts.mass(row_max, parts.row_sum(row_max))
+        assert all(torch.equal(a, b) for a, b in zip(again, fresh, strict=True))
 
 
 def test_cache_keeps_the_most_recently_used(monkeypatch):
+    """Bounds and order of the cache; a key's later calls write into its first call's buffers."""
     made = []
 
     class Done:
@@ -132,16 +175,22 @@ def test_cache_keeps_the_most_recently_used(monkeypatch):
     class FakeGraph:
         def __init__(self, fn, inputs):
             made.append(self)
-            self.fn, self.done = fn, Done()
+            self.fn, self.inputs, self.done = fn, inputs, Done()
 
-        def __call__(self, inputs):
-            return self.fn(*inputs)
+        def write(self, inputs):
+            inputs(self.inputs)
+
+        def replay(self):
+            return self.fn(*self.inputs)
 
     monkeypatch.setattr(cuda_graphs, "_Graph", FakeGraph)
     cache = cuda_graphs.GraphedCalls(size=2)
-    x = torch.ones(2)
-    for key in ("a", "b", "a", "c", "a", "b"):
-        assert cache.call(key, lambda t, key=key: (key, t), x) == (key, x)
+    for i, key in enumerate("abacab"):
+
+        def inputs(out, i=i):
+            return (torch.tensor([i]),) if out is None else out[0].fill_(i)
+
+        assert cache.call(key, lambda t, key=key: (key, int(t)), inputs) == (key, i)
     # a, b, (a hit), c evicts b, (a hit), b evicts c
     assert len(made) == 4 and list(cache.graphs) == ["a", "b"]
 
@@ -251,6 +300,24 @@ def test_graphed_build_equals_eager_call_after_call(heads, rng, graphs):
     for result, copy in kept:
         assert_same(result, copy)
     assert len(graphs.graphs) == 2
+
+
+@pytest.mark.gpu
+@gpu
+def test_one_graph_serves_other_scales_dtypes_and_kv_heads(rng, graphs):
+    """The graph starts after the passes over K, so builds that differ only in softmax
+    scale, dtype or KV heads replay one graph, its buffers rewritten by each call's mass
+    pass: each equals its eager build."""
+    for heads, dtype, scale in (
+        ((16, 2), torch.bfloat16, None),
+        ((16, 2), torch.bfloat16, 0.03),
+        ((16, 4), torch.float16, None),
+        ((16, 2), torch.float32, 0.1),
+    ):
+        q, k = qk(rng, heads=heads, dtype=dtype)
+        got = build_vertical_slash_index(q, k, CFG, softmax_scale=scale)
+        assert_same((got, kernel_layout(got)), eager(q, k, softmax_scale=scale))
+    assert len(graphs.graphs) == 1
 
 
 @pytest.mark.gpu

@@ -347,8 +347,8 @@ def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
     assert torch.equal(torch.maximum(*(p.row_max() for p in ranks)), row_max)
     row_sum = whole.row_sum(row_max)
     torch.testing.assert_close(sum(p.row_sum(row_max) for p in ranks), row_sum, rtol=1e-14, atol=0)
-    split = [p.mass(row_max, row_sum) for p in ranks]
-    for i, full in enumerate(whole.mass(row_max, row_sum)):
+    split = [p.totals(*p.mass(row_max, row_sum)) for p in ranks]
+    for i, full in enumerate(whole.totals(*whole.mass(row_max, row_sum))):
         torch.testing.assert_close((split[0][i] + split[1][i]).float(), full.float(), rtol=0, atol=0)
 
 

@@ -4,11 +4,14 @@ The vertical-slash index build (``vertical_slash.build_vertical_slash_index``) l
 dozens of kernels, most of them small torch operations whose host launch time (~5-10 us
 each) exceeds their device time; replayed from a graph they cost one launch.
 
-A graph reads fixed input buffers and writes fixed output buffers. A call copies its inputs
-into the graph's buffers, replays it, and returns a copy of the outputs (one clone of a
-packed byte buffer): the next replay overwrites the graph's own outputs, and one call's
-results (a layer's index) must live until its backward. Calls on different streams are
-ordered by an event, so one replay never overwrites the buffers another is still reading.
+A graph reads fixed input buffers and writes fixed output buffers. A call has its inputs
+written straight into the graph's buffers by whatever produces them (the build's mass
+kernel), rather than made elsewhere and copied in: an input may be large (the build's
+runs, 64 MiB at 128K tokens), and a copy costs a read and a write of it. The call then
+replays the graph and returns a copy of the outputs (one clone of a packed byte buffer):
+the next replay overwrites the graph's own outputs, and one call's results (a layer's
+index) must live until its backward. Calls on different streams are ordered by an event,
+so one call never writes the buffers that another's replay is still reading.
 """
 
 from __future__ import annotations
@@ -43,26 +46,34 @@ def graphs_enabled(*tensors: torch.Tensor) -> bool:
 class GraphedCalls:
     """Graphs by key, at most ``size`` of them (the least recently used is dropped).
 
-    ``call(key, fn, *inputs)`` returns ``fn(*inputs)``: a tuple of dataclasses whose tensor
-    fields are the results. ``fn`` is captured on the key's first call; the key must fix
-    everything ``fn`` does other than read its inputs' values (shapes, dtypes, settings)."""
+    ``call(key, fn, inputs)`` returns ``fn(*inputs(...))``: a tuple of dataclasses whose
+    tensor fields are the results. ``inputs(None)`` returns new input tensors, which the
+    key's first call keeps as its graph's input buffers; on later calls ``inputs(buffers)``
+    writes the call's inputs into those buffers (to copy a tensor ``x`` in:
+    ``lambda out: (x.clone(),) if out is None else out[0].copy_(x)``). ``fn`` is captured on
+    the key's first call; the key must fix everything ``fn`` does other than read its
+    inputs' values, and the inputs' shapes and dtypes."""
 
     def __init__(self, size: int):
         self.size = size
         self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
 
-    def call(self, key: Hashable, fn: Callable, *inputs: torch.Tensor) -> tuple:
-        graph = self.graphs.pop(key, None) or _Graph(fn, inputs)
+    def call(self, key: Hashable, fn: Callable, inputs: Callable) -> tuple:
+        graph = self.graphs.pop(key, None)
+        if graph is None:
+            graph = _Graph(fn, inputs(None))
+        else:
+            graph.write(inputs)
         self.graphs[key] = graph
         if len(self.graphs) > self.size:
             _, dropped = self.graphs.popitem(last=False)
             dropped.done.synchronize()  # its memory goes back to the allocator: no replay may still use it
-        return graph(inputs)
+        return graph.replay()
 
 
 class _Graph:
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...]):
-        self.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in inputs]
+        self.inputs = inputs
         # Warm-up on a side stream, as capture requires: Triton compiles its kernels (which
         # cannot happen during capture) and the allocator sees the sizes.
         side = torch.cuda.Stream()
@@ -77,14 +88,15 @@ class _Graph:
             self.packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in self.leaves])
         self.done = torch.cuda.Event()
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
-        stream = torch.cuda.current_stream()
-        stream.wait_event(self.done)
-        for buffer, t in zip(self.inputs, inputs, strict=True):
-            buffer.copy_(t)
+    def write(self, inputs: Callable):
+        """Has ``inputs`` write into the buffers once the last replay, on any stream, is done with them."""
+        torch.cuda.current_stream().wait_event(self.done)
+        inputs(self.inputs)
+
+    def replay(self) -> tuple:
         self.graph.replay()
         packed = self.packed.clone()
-        self.done.record(stream)
+        self.done.record(torch.cuda.current_stream())
         return _rebuild(self.outputs, self.leaves, packed)
 
 

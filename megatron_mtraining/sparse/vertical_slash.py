@@ -25,6 +25,7 @@ reduce partial statistics across ranks and run the same selection everywhere.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +76,13 @@ def window_statistics(
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     w = min(config.last_q, seq)
-    return window_statistics_from_parts(q[:, seq - w :], k, torch.arange(seq, device=q.device), seq, config, scale)
+    return window_statistics_from_parts(q[:, seq - w :], k, None, seq, config, scale)
 
 
 def window_statistics_from_parts(
     q_window: torch.Tensor,
     k: torch.Tensor,
-    key_positions: torch.Tensor,
+    key_positions: torch.Tensor | None,
     seq_len: int,
     config: VerticalSlashConfig,
     scale: float,
@@ -90,15 +91,26 @@ def window_statistics_from_parts(
     key_chunk: int = 4096,
 ) -> WindowStatistics:
     """Window statistics from the window queries (the sequence's last ``w`` positions)
-    and *some* of the keys (given with their global positions); ``all_reduce_*``
-    combine partial results across the holders of the other keys (identity on one device).
+    and *some* of the keys, given with their global positions (None: all of them, in
+    order); ``all_reduce_*`` combine partial results across the holders of the other keys
+    (identity on one device).
 
     The row maxima, row normalisers and column / diagonal mass come from the Triton
     kernels where ``backend_choice`` picks them (CUDA inputs), else from the fp64
     reference below; both round to fp32 once, at the end, so the result does not
     depend on how the keys are split or summed: a context-parallel build equals this one.
     """
-    w = q_window.shape[1]
+    parts, mass = _key_passes(q_window, k, key_positions, seq_len, scale, all_reduce_max, all_reduce_sum, key_chunk)
+    return _from_mass(parts, mass(), config, all_reduce_sum)
+
+
+def _key_passes(
+    q_window, k, key_positions, seq_len: int, scale: float, all_reduce_max=single_device,
+    all_reduce_sum=single_device, key_chunk: int = 4096,
+):  # fmt: skip
+    """The passes over the keys: the row maxima and normalisers, run now, then the parts
+    and their mass pass, ``mass()``, for the caller to run (the graphed build has it write
+    into its graph's input buffers: ``mass(out)``)."""
     if backend_choice(q_window) == "triton":
         from .kernels.window_stats import WindowKernels  # imports Triton
 
@@ -107,8 +119,14 @@ def window_statistics_from_parts(
         parts = _ReferenceParts(q_window, k, key_positions, seq_len, scale, key_chunk)
     row_max = all_reduce_max(parts.row_max())  # every window row sees key 0, so it is finite
     row_sum = all_reduce_sum(parts.row_sum(row_max))
-    vertical, token_slash = parts.mass(row_max, row_sum)
-    vertical, token_slash = all_reduce_sum(vertical), all_reduce_sum(token_slash)
+    return parts, functools.partial(parts.mass, row_max, row_sum)
+
+
+def _from_mass(parts, mass: tuple, config: VerticalSlashConfig, all_reduce_sum=single_device) -> WindowStatistics:
+    """The statistics from the mass pass's outputs, which is where the graphed build's graph
+    starts (see ``build_vertical_slash_index``)."""
+    vertical, token_slash = (all_reduce_sum(t) for t in parts.totals(*mass))
+    w = parts.w
     return WindowStatistics((vertical / w).float(), (_pool_diagonals(token_slash, config.block_size) / w).float())
 
 
@@ -121,7 +139,10 @@ class _ReferenceParts:
 
     def __init__(self, q_window, k, key_positions, seq_len: int, scale: float, key_chunk: int):
         self.qw = q_window.double().unflatten(2, (k.shape[2], q_window.shape[2] // k.shape[2]))
-        self.window_positions = torch.arange(seq_len - q_window.shape[1], seq_len, device=k.device)
+        self.w = q_window.shape[1]
+        self.window_positions = torch.arange(seq_len - self.w, seq_len, device=k.device)
+        if key_positions is None:
+            key_positions = torch.arange(k.shape[1], device=k.device)
         self.k, self.key_positions, self.seq_len = k, key_positions, seq_len
         self.scale, self.key_chunk = scale, key_chunk
         self.starts = range(0, k.shape[1], key_chunk)
@@ -155,6 +176,11 @@ class _ReferenceParts:
             vertical[..., pos] = probs.sum(2)
             offset = self.window_positions.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
             token_slash.index_add_(2, offset.clamp(min=0).flatten(), (probs * (offset >= 0)).flatten(2))
+        return vertical, token_slash
+
+    @staticmethod
+    def totals(vertical: torch.Tensor, token_slash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mass``'s outputs are already the totals (the kernels' need adding up)."""
         return vertical, token_slash
 
 
@@ -215,12 +241,12 @@ def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, 
     )
 
 
-# Index builds replayed from CUDA graphs, one per (device, shapes, dtype, config, scale, stats
+# Index builds replayed from CUDA graphs, one per (device, shapes, config, the mass pass's
 # tiles); two cover a training run's shape and an evaluation's. Each graph holds its input
-# buffers (the window queries, and a copy of K: 64 MiB at 128K tokens for 2 KV heads of 128,
-# bf16) and a private memory pool with the build's intermediates: the [B, Hq, S] fp32 and
-# fp64 statistics, the mass kernel's fp64 runs (4 x [B, Hq, S] for a 64-query window: 64 MiB
-# at 128K with 16 heads), the top-p selection's buffers and the layout tables.
+# buffers, the mass pass's outputs (the [B, Hq, S] fp32 vertical mass and the fp64 runs,
+# 4 x [B, Hq, S] for a 64-query window: 72 MiB at 128K with 16 heads), and a private memory
+# pool with the rest of the build's intermediates: the [B, Hq, S] fp32 and fp64 statistics,
+# the top-p selection's buffers and the layout tables.
 _GRAPHS = GraphedCalls(size=2)
 
 
@@ -231,27 +257,26 @@ def build_vertical_slash_index(
     """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``.
 
     Where the statistics run on the kernels and CUDA graphs apply (``cuda_graphs.graphs_enabled``;
-    ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the statistics, the selection and the
-    kernel layout replay one graph, equal bit for bit to the eager build, and the index
-    carries the layout (``precomputed_layout``) for ``sparse_attention``."""
+    ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the passes over the keys run as they come
+    (three Triton kernels and a few reductions) and what follows from the mass pass (the
+    statistics, the selection and the kernel layout: dozens of small kernels) replays one graph, equal
+    bit for bit to the eager build; the index carries the layout (``precomputed_layout``)
+    for ``sparse_attention``. The passes that read K stay out of the graph because K
+    differs per layer: a graph reads fixed addresses, so it would need a copy of K (64 MiB
+    at 128K tokens); the mass kernel writes into the graph's input buffers instead."""
     check_qk(q, k)
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     q_window = q[:, seq - min(config.last_q, seq) :]
     if not (graphs_enabled(q) and backend_choice(q) == "triton"):
-        return _index(q_window, k, config, scale, seq)
-    from .kernels import window_stats  # imports Triton
+        return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
+    parts, mass = _key_passes(q_window, k, None, seq, scale)
 
-    def index_and_layout(q_window, k):
-        index = _index(q_window, k, config, scale, seq)
+    def index_and_layout(*outputs):
+        index = select_vertical_slash(_from_mass(parts, outputs, config), config, seq)
         return index, kernel_layout(index)
 
-    key = (q.device, q.dtype, tuple(q_window.shape), tuple(k.shape), config, scale, window_stats.LAUNCH)
-    index, layout = _GRAPHS.call(key, index_and_layout, q_window, k)
+    key = (q.device, q.shape[0], q.shape[2], seq, config, parts.block)
+    index, layout = _GRAPHS.call(key, index_and_layout, mass)
     index.precomputed_layout = layout
     return index
-
-
-def _index(q_window, k, config: VerticalSlashConfig, scale: float, seq: int) -> VerticalSlashIndex:
-    positions = torch.arange(seq, device=k.device)
-    return select_vertical_slash(window_statistics_from_parts(q_window, k, positions, seq, config, scale), config, seq)

@@ -14,7 +14,9 @@ log2 units (``logit * log2 e``):
    probabilities summed per key (vertical) and along the token diagonals of each
    (row tile, key block) tile. The diagonals come from a circular skew of the
    tile's rows (``tl.gather``); a tile covers a contiguous run of ``2 * BLOCK``
-   token offsets, and the runs are added up outside the kernel (``_diagonal_mass``).
+   token offsets, and the runs are added up outside the kernel (``WindowKernels.totals``).
+   The graphed index build keeps the kernel's outputs as its graph's input buffers and
+   has each call's kernel write over them without clearing them (``WindowKernels.mass``).
 
 Determinism: every output element has one writer that adds in a fixed order (runs
 that overlap go to separate buffers, added by torch), so results are bitwise
@@ -26,8 +28,9 @@ at fp64 rounding, far below their final fp32 rounding.
 Floor at 128K, Qwen2.5-3B shape (Hq 16, Hkv 2, D 128, w 64) on an H100: each pass
 is a 1024-row x 128K-key x 128 bf16 matmul, 34 GFLOP, so 103 GFLOP in all (0.13 ms
 at 800 TFLOP/s); passes 2 and 3 take 134M exponentials each (0.07 ms for both on
-the SFUs); each pass reads K (64 MiB) and the mass pass zeroes, writes and sums
-67 MB of fp64 runs (32-key tiles), ~0.4 GB in all (0.13 ms at 3 TB/s): about 0.25 ms.
+the SFUs); each pass reads K (64 MiB) and the mass pass writes 67 MB of fp64 runs
+(32-key tiles) that the totals read again, ~0.35 GB in all (0.12 ms at 3 TB/s): about
+0.25 ms.
 Measured (H100, 64-key tiles on 4 warps): 0.11 ms row maxima, 0.16 ms normalisers,
 0.65 ms mass: the skew and the fp64 sums cost ~5x the matmul, which the row-max pass
 does in 0.11 ms. On an H200 the mass pass took 0.59 ms so, and ~0.15 ms less with
@@ -188,22 +191,32 @@ def _pow2(n: int, minimum: int = 16) -> int:
 
 
 class WindowKernels:
-    """The three steps of ``window_statistics_from_parts`` on the kernels, for the window
+    """The passes of ``window_statistics_from_parts`` on the kernels, for the window
     queries ``[B, w, Hq, D]`` (the sequence's last ``w``) and keys ``[B, n, Hkv, D]`` at
-    global positions ``key_positions``. Row maxima are in log2 units; the caller only
-    hands them back (through its reductions)."""
+    global positions ``key_positions`` (None: the whole sequence, in order). Row maxima are
+    fp32 in log2 units; the caller only hands them back (through its reductions)."""
 
-    def __init__(self, q_window, k, key_positions, seq_len: int, scale: float):
+    def __init__(self, q_window, k, key_positions: torch.Tensor | None, seq_len: int, scale: float):
         self.q = q_window.contiguous()
         self.k = k if k.stride(-1) == 1 else k.contiguous()
-        self.key_positions = key_positions.to(torch.int32).contiguous()
         self.seq_len = seq_len
         bsz, self.w, self.hq, d = q_window.shape
         self.hkv = k.shape[2]
         self.n_keys = k.shape[1]
+        dev = k.device
+        # The local index of each global position (-1: held elsewhere) for the mass pass.
+        if key_positions is None:  # one launch rather than five: every key at its own position
+            self.key_positions = self.key_at = torch.arange(self.n_keys, dtype=torch.int32, device=dev)
+        else:
+            self.key_positions = key_positions.to(torch.int32).contiguous()
+            self.key_at = torch.full((seq_len,), -1, dtype=torch.int32, device=dev)
+            self.key_at[key_positions.long()] = torch.arange(self.n_keys, dtype=torch.int32, device=dev)
         self.scalars = (self.w, self.hq, self.hkv, self.hq // self.hkv, *self.k.stride()[:3], scale * LOG2E)
         self.dims = {"HEAD_DIM": d, "D_PAD": _pow2(d), "PRECISION": "ieee" if k.dtype == torch.float32 else "tf32"}
         self.bkv = bsz * self.hkv
+        # Mass pass: blocks of key positions x row tiles, both of block_mass (at most the window).
+        self.block = min(LAUNCH.block_mass, _pow2(self.w))
+        self.n_blocks, self.n_tiles = triton.cdiv(seq_len, self.block), triton.cdiv(self.w, self.block)
 
     def _row_stats(self, row_max: torch.Tensor | None) -> torch.Tensor:
         launch = LAUNCH
@@ -214,12 +227,12 @@ class WindowKernels:
         dtype = torch.float32 if row_max is None else torch.float64
         out = torch.empty(grid[2], grid[1], grid[0] * block_m, dtype=dtype, device=self.q.device)
         _row_stats_kernel[grid](
-            self.q, self.k, self.key_positions, out if row_max is None else row_max.float().contiguous(), out,
+            self.q, self.k, self.key_positions, out if row_max is None else row_max.contiguous(), out,
             self.n_keys, self.seq_len - self.w, *self.scalars, BLOCK_M=block_m, BLOCK_N=launch.block_n, CHUNK=chunk,
             SUM=row_max is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages, **self.dims,
         )  # fmt: skip
         per_row = out.amax(1) if row_max is None else out.sum(1)
-        return per_row[:, :rows].double().reshape(-1, self.hq, self.w)  # rows are (head, window row)
+        return per_row[:, :rows].reshape(-1, self.hq, self.w)  # rows are (head, window row)
 
     def row_max(self) -> torch.Tensor:
         return self._row_stats(None)
@@ -227,30 +240,35 @@ class WindowKernels:
     def row_sum(self, row_max: torch.Tensor) -> torch.Tensor:
         return self._row_stats(row_max)
 
-    def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vertical, token-diagonal) window mass ``[B, Hq, seq_len]``, summed over the rows:
-        the vertical fp32 (each key's one writer sums its column in fp32, so adding the
-        zeros of the other holders is exact), the diagonals fp64."""
-        dev, seq = self.q.device, self.seq_len
-        block = min(LAUNCH.block_mass, _pow2(self.w))
-        n_blocks, n_tiles = triton.cdiv(seq, block), triton.cdiv(self.w, block)
-        key_at = torch.full((seq,), -1, dtype=torch.int32, device=dev)
-        key_at[self.key_positions.long()] = torch.arange(self.n_keys, dtype=torch.int32, device=dev)
-        vertical = torch.zeros(self.q.shape[0], self.hq, seq, dtype=torch.float32, device=dev)
-        runs = torch.zeros(self.q.shape[0], self.hq, n_tiles * 2, (n_blocks + n_tiles) * block, dtype=torch.float64,
-                           device=dev)  # fmt: skip
-        _mass_kernel[(n_blocks, self.bkv)](
-            self.q, self.k, key_at, row_max.float().contiguous(), (1.0 / row_sum).float().contiguous(), vertical,
-            runs, seq, *self.scalars, BLOCK=block, num_warps=LAUNCH.mass_warps, **self.dims,
+    def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor, out: tuple | None = None) -> tuple:
+        """The mass pass's outputs (``totals`` adds them up): the vertical window mass
+        ``[B, Hq, seq_len]`` fp32 (each key's one writer sums its column in fp32, so adding
+        the zeros of the other holders is exact) and the diagonal runs, fp64.
+
+        ``out``: the outputs of an earlier call with the same shapes and key positions,
+        overwritten. They are not cleared first: the kernel stores to the same elements
+        every time (addresses and masks follow from the shapes and the held positions),
+        and the elements it never stores to keep the zeros they were made with. Clearing
+        would write the runs again (64 MiB at 128K tokens)."""
+        bsz, dev = self.q.shape[0], self.q.device
+        if out is None:
+            vertical = torch.zeros(bsz, self.hq, self.seq_len, dtype=torch.float32, device=dev)
+            runs = torch.zeros(bsz, self.hq, self.n_tiles * 2, (self.n_blocks + self.n_tiles) * self.block,
+                               dtype=torch.float64, device=dev)  # fmt: skip
+        else:
+            vertical, runs = out
+        _mass_kernel[(self.n_blocks, self.bkv)](
+            self.q, self.k, self.key_at, row_max.contiguous(), (1.0 / row_sum).float().contiguous(), vertical,
+            runs, self.seq_len, *self.scalars, BLOCK=self.block, num_warps=LAUNCH.mass_warps, **self.dims,
         )  # fmt: skip
-        return vertical, _diagonal_mass(runs, n_blocks * block, seq, self.w)
+        return vertical, runs
 
-
-def _diagonal_mass(runs: torch.Tensor, padded_len: int, seq_len: int, w: int) -> torch.Tensor:
-    """Token-diagonal mass ``[B, Hq, seq_len]`` from the mass kernel's runs. Row tile ``j``
-    x key block ``p`` has its slot ``t`` at ``L = (n_blocks - 1 - p + j) * BLOCK + t``,
-    offset ``(seq_len - w + j * BLOCK + r) - (p * BLOCK + c)`` with ``t = r - c + BLOCK - 1``,
-    that is ``L - padded_len + seq_len - w + 1``: the same for every run, which add up
-    (fp64, in a fixed order)."""
-    start = padded_len - seq_len + w - 1
-    return runs[..., start : start + seq_len].sum(2)
+    def totals(self, vertical: torch.Tensor, runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vertical, token-diagonal) window mass ``[B, Hq, seq_len]``, summed over the rows,
+        from ``mass``'s outputs: the token diagonals fp64. Row tile ``j`` x key block ``p``
+        has its slot ``t`` at ``L = (n_blocks - 1 - p + j) * BLOCK + t``, offset
+        ``(seq_len - w + j * BLOCK + r) - (p * BLOCK + c)`` with ``t = r - c + BLOCK - 1``,
+        that is ``L - n_blocks * BLOCK + seq_len - w + 1``: the same for every run, which add
+        up (fp64, in a fixed order)."""
+        start = self.n_blocks * self.block - self.seq_len + self.w - 1
+        return vertical, runs[..., start : start + self.seq_len].sum(2)
