@@ -14,6 +14,8 @@ backward (median over iterations, slowest rank) of:
   on the striped layout, flat, and hierarchical with ``--inner`` GPUs per emulated
   node (inner ring over them, outer ring across the groups);
 * the vertical-slash ring on the zigzag layout (flat), for comparison;
+* the vertical-slash attention over all-gathered K/V (``kv_exchange="allgather"``, what
+  ``auto`` picks on two GPUs), striped;
 
 and reports per-GPU useful TFLOP/s at the slowest rank's time (attended area only,
 backward 2.5x forward), the host-device synchronisations of one forward and one
@@ -103,10 +105,15 @@ def check(seq: int, rank: int, world: int, hierarchy, gen: torch.Generator) -> d
     ref, _ = sparse_attention(q, k, v, index)
     layout = ContextParallelLayout("striped", world, seq, stripe=128)
     errors = {}
-    for name, h in (("flat", None), ("hierarchical", hierarchy)):
+    for name, h, exchange in (
+        ("flat", None, "ring"),
+        ("allgather", None, "allgather"),
+        ("hierarchical", hierarchy, "ring"),
+    ):
         if name == "hierarchical" and h is None:
             continue
-        out, _ = ring_attention(*(layout.shard(t, rank) for t in (q, k, v)), index, layout, None, hierarchy=h)
+        shards = (layout.shard(t, rank) for t in (q, k, v))
+        out, _ = ring_attention(*shards, index, layout, None, hierarchy=h, kv_exchange=exchange)
         errors[name] = slowest(float((out.float() - layout.shard(ref, rank).float()).abs().max()))
     return errors
 
@@ -122,10 +129,13 @@ def single_gpu(seq: int, index, gen: torch.Generator, args) -> tuple[float, floa
     return fwd, bwd, timed(lambda: sparse_attention(q, k, v, index), args.iters, args.back_to_back)
 
 
-def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> dict:
+def bench(seq, kind, layout_kind, hierarchy, exchange, index, args, rank, world, gen) -> dict:
     layout = ContextParallelLayout(layout_kind, world, seq, stripe=128)
     q, k, v = qkv(seq, layout, rank, gen)
-    ring = lambda stats=None: ring_attention(q, k, v, index, layout, None, hierarchy=hierarchy, stats=stats)  # noqa: E731
+
+    def ring(stats=None):
+        return ring_attention(q, k, v, index, layout, None, hierarchy=hierarchy, stats=stats, kv_exchange=exchange)
+
     out, _ = ring()
     grad = torch.randn_like(out)
     backward = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
@@ -141,14 +151,15 @@ def bench(seq, kind, layout_kind, hierarchy, index, args, rank, world, gen) -> d
     flops_per_gpu = 4 * area * D / world
     r = {
         "seq": seq, "attention": kind, "layout": layout_kind,
-        "ring": "flat" if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
+        "ring": exchange if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
         "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd, "fwd_ms_back_to_back": fwd_b2b,
         "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
         "fwd_syncs": syncs[0], "bwd_syncs": syncs[1],
     }  # fmt: skip
     r["worker_id"], r["step_id"] = imbalance_degrees(ring_area)
     if args.profile is not None and layout_kind == "striped" and kind != "dense":
-        profile(ring, out, grad, (q, k, v), rank, args.profile, f"{seq}")
+        tag = f"{seq}_{exchange}"
+        profile(ring, out, grad, (q, k, v), rank, args.profile, tag)
     for phase in ("fwd", "bwd"):
         step_ms, local_ms, wait_ms = stats.gather_times(phase)
         r[f"{phase}_kernel_worker_id"], r[f"{phase}_kernel_step_id"] = imbalance_degrees(step_ms)
@@ -239,17 +250,21 @@ def main() -> None:
     rows = []
     for seq in args.seq_lens:
         sparse = natural_index(seq, 128, args.density, torch.Generator().manual_seed(seq), "cuda")
-        cases = [("vertical_slash", "striped", None), ("vertical_slash", "zigzag", None)]
+        cases = [
+            ("vertical_slash", "striped", None, "ring"),
+            ("vertical_slash", "striped", None, "allgather"),
+            ("vertical_slash", "zigzag", None, "ring"),
+        ]
         if hierarchy is not None:
-            cases.insert(1, ("vertical_slash", "striped", hierarchy))
+            cases.insert(1, ("vertical_slash", "striped", hierarchy, "ring"))
         if seq <= args.dense_max:
-            cases.insert(0, ("dense", "zigzag", None))
+            cases.insert(0, ("dense", "zigzag", None, "ring"))
         single = None
         if not args.no_single:
             single = single_gpu(seq, sparse, gen, args)
-        for kind, layout_kind, h in cases:
+        for kind, layout_kind, h, exchange in cases:
             index = DenseIndex(1, HQ, seq, device="cuda") if kind == "dense" else sparse
-            r = bench(seq, kind, layout_kind, h, index, args, rank, world, gen)
+            r = bench(seq, kind, layout_kind, h, exchange, index, args, rank, world, gen)
             if single is not None and kind != "dense":
                 flops = 4 * float(sparse.attended_area().sum()) * D
                 r["single_fwd_ms"], r["single_bwd_ms"], r["single_fwd_ms_back_to_back"] = single

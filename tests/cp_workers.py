@@ -43,7 +43,7 @@ def _global_index(kind, q, k, gen):
     return msa_select_blocks(q_idx, k_idx, cfg, hq), MSAPattern(q_idx, k_idx, cfg)
 
 
-def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kinds=PATTERNS):
+def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kinds=PATTERNS, kv_exchange="auto"):
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 2, 4, 2, 8
     hierarchy = new_hierarchy(inner_size) if inner_size else None
@@ -57,7 +57,7 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
         grads = torch.autograd.grad((out * g_out).sum() + (lse.double() * g_lse).sum(), (qr, kr, vr))
         for layout_kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
-            where = f"cp={world} inner={inner_size} rank={rank} {kind} {layout_kind}"
+            where = f"cp={world} inner={inner_size} {kv_exchange} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
             local_pattern = pattern
             if isinstance(pattern, MSAPattern):  # each rank has its tokens' index queries and keys
@@ -72,7 +72,9 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
                     mine = layout.positions(rank)
                     assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
             stats = RingStats(time_kernels=True)
-            l_out, l_lse = ring_attention(lq, lk, lv, local_pattern, layout, None, hierarchy=hierarchy, stats=stats)
+            l_out, l_lse = ring_attention(
+                lq, lk, lv, local_pattern, layout, None, hierarchy=hierarchy, stats=stats, kv_exchange=kv_exchange
+            )
             torch.testing.assert_close(
                 l_out, layout.shard(out, rank), atol=1e-12, rtol=0, msg=lambda m, where=where: f"{where}: {m}"
             )
@@ -117,13 +119,17 @@ def check_hierarchy_errors(rank, world):
         ring_attention(q, kv, kv, "dense", ContextParallelLayout("striped", 2, 64, stripe=4), None)
     with pytest.raises(ValueError, match=r"pattern='dict'"):
         ring_attention(q, kv, kv, {}, layout, None)
+    with pytest.raises(ValueError, match=r"kv_exchange='p2p'.*auto, ring, allgather"):
+        ring_attention(q, kv, kv, "dense", layout, None, kv_exchange="p2p")
+    with pytest.raises(ValueError, match=r"kv_exchange='allgather'.*with a hierarchy"):
+        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(inner, outer), kv_exchange="allgather")
 
 
-def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32):
-    """The ring on the Triton kernels (CUDA, or the interpreter on CPU) in ``dtype``
-    against single-device fp64 attention: every step's kernel layout, the local bar pass
-    and the gradients that travel back. Kernel outputs are poisoned with NaN, so a row
-    left unwritten by the in-kernel accumulation shows."""
+def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32, kv_exchange="ring"):
+    """The ring (or the all-gather) on the Triton kernels (CUDA, or the interpreter on CPU)
+    in ``dtype`` against single-device fp64 attention: every step's kernel layout, the
+    local bar pass and the gradients that travel back. Kernel outputs are poisoned with
+    NaN, so a row left unwritten by the in-kernel accumulation shows."""
     from megatron_mtraining.context_parallel import ring_work
     from megatron_mtraining.context_parallel.layout import TokenPositions
     from megatron_mtraining.context_parallel.step_layout import StepLayouts
@@ -154,7 +160,7 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
         grads = torch.autograd.grad((out * g_out).sum(), (qr, kr, vr))
         for layout_kind in ("striped", "zigzag"):
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
-            where = f"kernels cp={world} inner={inner_size} {dtype} rank={rank} {kind} {layout_kind}"
+            where = f"kernels cp={world} inner={inner_size} {kv_exchange} {dtype} rank={rank} {kind} {layout_kind}"
             # Every step has a kernel layout (no silent fallback) whose tables hold every list.
             mine = layout.token_positions(rank, "cpu")
             for src in range(world):
@@ -168,12 +174,21 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
             lq, lk, lv = (layout.shard(t, rank).to(device, dtype).requires_grad_() for t in (q, k, v))
             launches.clear()
             l_out, l_lse = ring_attention(
-                lq, lk, lv, index.to(device), layout, None, hierarchy=hierarchy, backend="triton"
+                lq,
+                lk,
+                lv,
+                index.to(device),
+                layout,
+                None,
+                hierarchy=hierarchy,
+                backend="triton",
+                kv_exchange=kv_exchange,
             )
-            # The columns ride the last step's launch: one launch per ring step, no column piece.
+            # The columns ride the last step's launch: one launch per ring step (one in all for
+            # the all-gather), no column piece.
             has_columns = isinstance(index, VerticalSlashIndex) and bool((index.vertical >= 0).any())
             assert launches[-1] == has_columns and not any(launches[:-1]), (where, launches)
-            assert len(launches) <= world, (where, launches)
+            assert len(launches) <= (world if kv_exchange == "ring" else 1), (where, launches)
             assert l_out.dtype == dtype and l_lse.dtype == torch.float32, where
             torch.testing.assert_close(l_out.double().cpu(), layout.shard(out, rank), atol=tol, rtol=0)
             torch.testing.assert_close(l_lse.double().cpu(), layout.shard(lse, rank, dim=2).double(), atol=tol, rtol=0)
@@ -240,10 +255,10 @@ def check_host_reads(rank, world, seq_lens):
                 assert (fwd.count, bwd.count) == (reads, 0), (where, fwd.count, bwd.count)
 
 
-def check_ring_with_nothing_attended(rank, world, backend):
-    """An index that attends nothing (no diagonal, no column): no piece of the ring runs,
-    and every row gets what a row with no visible key gets on one device, out 0 and lse
-    -inf, with zero gradients, never NaN."""
+def check_ring_with_nothing_attended(rank, world, backend, kv_exchange):
+    """An index that attends nothing (no diagonal, no column): no piece of the ring runs
+    (the all-gather's one piece finds no tile), and every row gets what a row with no
+    visible key gets on one device, out 0 and lse -inf, with zero gradients, never NaN."""
     from megatron_mtraining.sparse import VerticalSlashIndex
 
     seq, hq, hkv, d = 64, 4, 2, 16
@@ -253,7 +268,7 @@ def check_ring_with_nothing_attended(rank, world, backend):
     ).to(device)
     layout = ContextParallelLayout("striped", world, seq, stripe=16)
     q, k, v = (torch.randn(1, layout.local_len, h, d, device=device).requires_grad_() for h in (hq, hkv, hkv))
-    out, lse = ring_attention(q, k, v, index, layout, None, backend=backend)
+    out, lse = ring_attention(q, k, v, index, layout, None, backend=backend, kv_exchange=kv_exchange)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all()), rank
     for g in torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v)):
         assert torch.equal(g, torch.zeros_like(g)), rank

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from cp_workers import (
+    PATTERNS,
     check_hierarchy_errors,
     check_host_reads,
     check_ring_equals_single_device,
@@ -33,12 +34,15 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_flat_ring_equals_single_device(world, rng):
-    """Every layout and pattern: out, lse, dq/dk/dv on every rank equal the single-process
-    result on the whole sequence; the distributed index equals the single-device one."""
+@pytest.mark.parametrize(
+    "world,kv_exchange", [(2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather"), (8, "ring")]
+)
+def test_flat_ring_equals_single_device(world, kv_exchange, rng):
+    """Every layout and pattern, on the ring and on the all-gathered K/V: out, lse,
+    dq/dk/dv on every rank equal the single-process result on the whole sequence; the
+    distributed index equals the single-device one."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    run(world, check_ring_equals_single_device, seed, 256)
+    run(world, check_ring_equals_single_device, seed, 256, None, PATTERNS, kv_exchange)
 
 
 @pytest.mark.parametrize("world,inner", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "4x2", "2x4"])
@@ -50,23 +54,29 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "world,inner,dtype",
-    [(2, None, torch.float32), (2, None, torch.float16), (4, 2, torch.float32)],
-    ids=["flat-fp32", "flat-fp16", "2x2-fp32"],
+    "world,inner,dtype,kv_exchange",
+    [
+        (2, None, torch.float32, "ring"),
+        (2, None, torch.float16, "ring"),
+        (2, None, torch.float32, "allgather"),
+        (4, 2, torch.float32, "ring"),
+    ],
+    ids=["flat-fp32", "flat-fp16", "allgather-fp32", "2x2-fp32"],
 )
-def test_ring_on_kernels(world, inner, dtype, rng):
+def test_ring_on_kernels(world, inner, dtype, kv_exchange, rng):
     """Ring steps and the local vertical-column pass on the Triton kernels (positions),
-    accumulating in the kernels: flat, and the hierarchical ring; in fp16 the last piece
-    writes the output and dQ in the inputs' dtype."""
+    accumulating in the kernels: flat, hierarchical, and over all-gathered K/V; in fp16
+    the last piece writes the output and dQ in the inputs' dtype."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    run_on_device(world, check_ring_with_kernels, seed, 128, inner, dtype)
+    run_on_device(world, check_ring_with_kernels, seed, 128, inner, dtype, kv_exchange)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_ring_with_nothing_attended(backend):
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_ring_with_nothing_attended(backend, kv_exchange):
     """No piece attends: zeros and -inf, zero gradients, on the reference path and where
     the kernels would run (none launches)."""
-    run_on_device(2, check_ring_with_nothing_attended, backend)
+    run_on_device(2, check_ring_with_nothing_attended, backend, kv_exchange)
 
 
 @needs_kernels
@@ -75,7 +85,8 @@ def test_ring_on_kernels_reads_nothing_on_host(world):
     """Step layouts and the column gather read nothing from the device (each read would
     stall the host until the GPU's queue drains, exposing the layout building): per
     forward and backward at two lengths, nothing for vertical-slash and dense, one read
-    for a top-k index's table widths."""
+    for a top-k index's table widths; on 2 ranks over the all-gathered K/V (what ``auto``
+    picks there), on 4 over the ring."""
     run_on_device(world, check_host_reads, (128, 256))
 
 

@@ -67,6 +67,11 @@ def test_config_from_dict_builds_the_pattern_sections():
         ({"mtraining": {"block_size": 24}}, r"VerticalSlashConfig\.block_size=24.*power of two"),
         ({"moba": [1, 2]}, r"MTrainingAttentionConfig\.moba='list'.*MoBAConfig"),
         ({"tyep": "msa"}, r"attention\.tyep='msa'.*attention settings"),
+        ({"kv_exchange": "p2p"}, r"MTrainingAttentionConfig\.kv_exchange='p2p'.*auto, ring, allgather"),
+        (
+            {"kv_exchange": "allgather", "hierarchy": 2},
+            r"MTrainingAttentionConfig\.kv_exchange='allgather'.*'ring' or 'auto' with hierarchy=2",
+        ),
     ],
 )
 def test_bad_config_names_the_field(values, match):

@@ -78,6 +78,10 @@ class ContextParallelLayout:
         layouts, rank and device, so the tables derived from it are built once."""
         return _token_positions(self, rank, torch.device(device))
 
+    def whole_sequence(self, device) -> TokenPositions:
+        """Every position, in order: the keys of K/V gathered from all ranks."""
+        return _token_positions(ContextParallelLayout("contiguous", 1, self.seq_len), 0, torch.device(device))
+
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full-sequence tensor ``x`` (sequence along ``dim``)."""
         if x.shape[dim] != self.seq_len:
@@ -88,10 +92,25 @@ class ContextParallelLayout:
         """Inverse of :meth:`shard`: the full sequence from every rank's part, in rank order."""
         if len(parts) != self.cp_size:
             fail("len(parts)", len(parts), f"cp_size ({self.cp_size}) parts, one per rank")
-        order = torch.cat([self.positions(r) for r in range(self.cp_size)])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(self.seq_len)
-        return torch.cat(parts, dim).index_select(dim, inverse.to(parts[0].device))
+        return torch.cat(parts, dim).index_select(dim, self.global_order(parts[0].device))
+
+    def rank_major_order(self, device) -> torch.Tensor:
+        """Every rank's positions, rank after rank: what ``shard`` of each rank, concatenated,
+        gathers."""
+        return _orders(self, torch.device(device))[0]
+
+    def global_order(self, device) -> torch.Tensor:
+        """The inverse of ``rank_major_order``: where each global position lies among the
+        ranks' parts concatenated in rank order."""
+        return _orders(self, torch.device(device))[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _orders(layout: ContextParallelLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.cat([layout.positions(r) for r in range(layout.cp_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(layout.seq_len)
+    return order.to(device), inverse.to(device)
 
 
 class TokenPositions:

@@ -1,4 +1,4 @@
-"""Sparse ring attention over a context-parallel group, flat or hierarchical.
+"""Sparse context-parallel attention: the ring (flat or hierarchical) and its entry point.
 
 Q and O stay on their rank; K/V chunks travel around the ring (inside a node, and
 from node to node for the hierarchical ring), each rank attending its queries to
@@ -11,11 +11,12 @@ ring's, against their gathered K/V rather than on the ring, which keeps the ring
 work balanced; on the kernels, in the launch of the last ring step, so that its tiles
 and the columns share one program per query block, and the host builds the columns'
 layout while earlier steps run.
+
+``ring_attention`` also runs the all-gather exchange (``kv_allgather``), which ``auto``
+picks for a flat group of two ranks.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -23,92 +24,19 @@ from torch.profiler import record_function
 
 from ..sparse.attention import backend_choice, sparse_attention
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
-from ..sparse.kernels.layout import KernelLayout
-from ..sparse.reference import backward_partial, combine, compute_dtype, forward_partial
-from ..sparse.validation import check_qkv, check_softmax_scale, fail
+from ..sparse.reference import compute_dtype
+from ..sparse.validation import check_choice, check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
 from .distributed_index import build_distributed_index, build_local_index, scatter_rows
 from .hierarchy import hierarchy_ranks
-from .imbalance import KernelTimer, RingStats, timed
+from .imbalance import RingStats
+from .kv_allgather import AllGatherAttention, GatheredKV
 from .layout import ContextParallelLayout, TokenPositions
+from .pieces import Piece, last_attending, nothing_attended
 from .step_index import StepIndex
 from .step_layout import StepLayouts
 
-
-class _Step:
-    """One piece of a rank's attention work (a ring step, or the local vertical-column
-    pass): its index view, whether it has anything to compute (``attends``) and, where the
-    kernels serve it (``layouts`` given), its kernel layout (built once, used by the
-    forward and the backward); with a ``timer`` its computations are timed (``RingStats``).
-
-    Each piece adds its part into the running result of the pieces before it: the
-    forward into ``(out, lse)``, the backward into ``dq``. On the kernels the sum is fp32
-    and added inside the kernel (no merge or accumulation pass of its own over the
-    rows), and the ``last`` piece writes it in q's dtype (no cast pass). The reference
-    path merges with ``combine`` and keeps the compute dtype, as single-device
-    ``sparse_attention`` does.
-
-    ``columns``: the local column piece, whose keys (the gathered columns, passed to
-    ``forward`` / ``backward`` as ``cols``) this step's kernels attend as bars beside its
-    tiles (``ColumnKeys``); the step then also returns the columns' gradients."""
-
-    def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None, attends: bool):
-        self.index, self.layouts, self.timer, self.attends = index, layouts, timer, attends
-        self.columns: _Step | None = None
-
-    @functools.cached_property
-    def layout(self) -> KernelLayout | None:
-        # Built when the forward reaches the step: building it reads nothing from the device,
-        # so the host does it while the previous step's kernel runs.
-        if self.layouts is None:
-            return None
-        with record_function("mtraining.ring.step_layout"):
-            return self.layouts.of(self.index.keys)
-
-    def _column_keys(self, cols):
-        if self.columns is None:
-            return None
-        if self.layout is None or self.columns.layout is None:
-            # ``StepLayouts.whole_blocks`` promised both layouts before they were built.
-            raise RuntimeError("a ring step attending the vertical columns has no kernel layout")
-        from ..sparse.kernels.attention import ColumnKeys  # imports Triton
-
-        return ColumnKeys(*cols, self.columns.layout)
-
-    def forward(self, q, k, v, scale, running, last: bool, cols=None):
-        """``running`` (out, lse) with this piece's keys added (this piece's alone when
-        ``running`` is None)."""
-        if not self.attends:
-            return running
-        with timed(self.timer, "fwd"):
-            columns = self._column_keys(cols)
-            if self.layout is None:
-                partial = forward_partial(q, k, v, self.index, scale)
-                return partial if running is None else combine(*running, *partial)
-            from ..sparse.kernels.attention import kernel_forward  # imports Triton
-
-            out_dtype = q.dtype if last else torch.float32
-            return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=columns)
-
-    def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool, cols=None):
-        """(``dq`` with this piece's added (its own when ``dq`` is None), (dk, dv), the
-        columns' (dk, dv) or None), given the final ``out`` / ``lse``, which is all a
-        piece's gradient needs."""
-        if not self.attends:
-            return dq, (torch.zeros_like(k), torch.zeros_like(v)), None
-        with timed(self.timer, "bwd"):
-            columns = self._column_keys(cols)
-            if self.layout is None:
-                dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
-                dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
-                return (dq_s if dq is None else dq.add_(dq_s)), (dk, dv), None
-            from ..sparse.kernels.attention import kernel_backward  # imports Triton
-
-            dq_dtype = q.dtype if last else torch.float32
-            dq, *grads = kernel_backward(
-                q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype, columns=columns
-            )
-            return dq, tuple(grads[:2]), (tuple(grads[2:]) if self.columns is not None else None)
+KV_EXCHANGES = ("auto", "ring", "allgather")
 
 
 class _RingAttention(torch.autograd.Function):
@@ -118,7 +46,7 @@ class _RingAttention(torch.autograd.Function):
     ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step
     ``i``. Each outer step posts the inter-node transfer of the chunk it started with,
     then runs the whole inner ring, so that transfer overlaps the inner compute. A flat
-    ring is the case of one outer step (one node). Every piece adds into one running result (``_Step``).
+    ring is the case of one outer step (one node). Every piece adds into one running result (``Piece``).
 
     Backward: each piece is recomputed from the final out / lse, so no piece keeps its
     own result. The column gradients go back to ``_GatherColumns``; dK/dV accumulators
@@ -128,7 +56,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, k_cols, v_cols, local, steps, inner, outer, scale: float, comm_timer):
-        last = _last_attending(local, steps)
+        last = last_attending([local, *(s for row in steps for s in row)])
         result = None
         if local is not None:
             result = local.forward(q, k_cols, v_cols, scale, result, local is last)
@@ -146,13 +74,7 @@ class _RingAttention(torch.autograd.Function):
                     kv = tuple(inner_x.wait())
             if o + 1 < len(steps):
                 outer_kv = tuple(outer_x.wait())
-        if result is None:  # no piece attends: every row sees nothing
-            b, s, h, _ = q.shape
-            result = (
-                torch.zeros_like(q),
-                torch.full((b, h, s), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device),
-            )
-        out, lse = result
+        out, lse = result if result is not None else nothing_attended(q)
         ctx.save_for_backward(q, k, v, k_cols, v_cols, out, lse)
         ctx.local, ctx.steps, ctx.last = local, steps, last
         ctx.rings, ctx.scale, ctx.comm_timer = (inner, outer), scale, comm_timer
@@ -206,12 +128,6 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), *col_grads, None, None, None, None, None, None
 
 
-def _last_attending(local: _Step | None, steps: list[list[_Step]]) -> _Step | None:
-    """The piece that completes the result (the forward's and backward's order), if any attends."""
-    attending = [p for p in (local, *(s for row in steps for s in row)) if p is not None and p.attends]
-    return attending[-1] if attending else None
-
-
 class _GatherColumns(torch.autograd.Function):
     """K/V at global token positions ``columns`` on every rank (zeros at -1 padding): each
     owner fills in its tokens and one sum assembles them (exact: one owner per column).
@@ -258,13 +174,22 @@ def vertical_columns(index: VerticalSlashIndex) -> torch.Tensor:
     return compact(ordered, first & (ordered >= 0), min(len(ordered), index.seq_len))[0]
 
 
-def _local_columns(k, v, index: VerticalSlashIndex, queries: TokenPositions, group, use_kernels: bool, timer):
-    """(the local piece: this rank's queries over the vertical columns, the columns' K, V)."""
-    columns = vertical_columns(index)
-    k_cols, v_cols = _GatherColumns.apply(k, v, columns, queries, index.seq_len, group)
-    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, columns)
-    # Taken as attending: asking (``may_attend``) would read the gathered positions from the device.
-    return _Step(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer, True), k_cols, v_cols
+def _column_piece(index: VerticalSlashIndex, queries: TokenPositions, keys, use_kernels: bool, timer) -> Piece:
+    """This rank's queries over the vertical columns, whose K/V rows are at ``keys`` (the
+    gathered columns, or the whole sequence)."""
+    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, keys)
+    # Taken as attending: asking (``may_attend``) would read gathered positions from the device.
+    return Piece(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer, True)
+
+
+def _ride_along(columns: Piece | None, carrier: Piece) -> Piece | None:
+    """The column piece left to run on its own: None where ``carrier``'s kernel launch
+    attends the columns beside its tiles (``ColumnKeys``), which needs both as kernel
+    layouts; tiles and bars in programs of their own cost about 14% on one GPU."""
+    if columns is not None and columns.layouts is not None and columns.layouts.whole_blocks():
+        carrier.columns, carrier.attends = columns, True
+        return None
+    return columns
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -273,6 +198,21 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
     if hierarchy is None:
         return members, [members[rank]]
     return hierarchy_ranks(members, rank, hierarchy)
+
+
+def _exchange(kv_exchange: str, hierarchy, group_size: int) -> str:
+    """The K/V exchange to run. ``auto``: the all-gather on a flat group of two (whose ring
+    has a single transfer, which the index build then hides instead of a kernel), the ring
+    otherwise (larger groups overlap more transfers with compute, and across nodes the
+    all-gather's bytes would be exposed)."""
+    check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
+    if kv_exchange == "allgather" and hierarchy is not None:
+        fail(
+            "kv_exchange", kv_exchange, "'ring' or 'auto' with a hierarchy (the all-gather has no inner or outer ring)"
+        )
+    if kv_exchange == "auto":
+        return "allgather" if hierarchy is None and group_size == 2 else "ring"
+    return kv_exchange
 
 
 def ring_attention(
@@ -286,6 +226,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     stats: RingStats | None = None,
     backend: str | None = None,
+    kv_exchange: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of this rank's tokens over the whole sequence.
 
@@ -298,11 +239,13 @@ def ring_attention(
     ``hierarchy``: None (flat ring) or ``(inner_group, outer_group)`` for the
     hierarchical ring (inner ring inside a node, outer ring across nodes, the
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
-    local kernel. ``stats``: filled with the attended area per ring step (outer-major)
-    and of the local vertical-column pass, and with ``time_kernels`` their kernel times
-    and the exposed transfer wait (imbalance accounting). ``backend``: as for
-    ``sparse_attention``; a step whose tokens are not whole kernel blocks runs on the
-    reference path.
+    local kernel. ``kv_exchange``: ``ring``, ``allgather`` (every rank gathers the
+    whole K/V and attends it in one piece, ``kv_allgather``; flat groups only) or
+    ``auto`` (see ``_exchange``). ``stats``: filled with the attended area per ring
+    step (outer-major; one step for the all-gather) and of the local vertical-column
+    pass, and with ``time_kernels`` their kernel times and the exposed transfer wait
+    (imbalance accounting). ``backend``: as for ``sparse_attention``; a step whose
+    tokens are not whole kernel blocks runs on the reference path.
     """
     check_qkv(q, k, v)
     group_size = dist.get_world_size(cp_group) if dist.is_initialized() else 1
@@ -311,51 +254,63 @@ def ring_attention(
     if q.shape[1] != layout.local_len:
         fail("q.shape[1]", q.shape[1], f"the layout's tokens per rank ({layout.local_len})")
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    exchange = _exchange(kv_exchange, hierarchy, group_size)
     if group_size == 1:
         index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
         return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
     rank = dist.get_rank(cp_group)
     members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
     inner, outer = _rings(members, rank, hierarchy)
-    n_inner, n_outer = len(inner), len(outer)
+    n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
+    # Posted before the index build, which the transfer then overlaps.
+    gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
     index = (
         pattern if isinstance(pattern, SparseIndex) else build_distributed_index(pattern, q, k, layout, cp_group, scale)
     )
     queries = layout.token_positions(rank, q.device)
-    # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
-    # chunk of node (node - o), local (local - i).
-    node, local_rank = divmod(rank, n_inner)
     work = ring_work(index)
     use_kernels = backend_choice(q, backend) == "triton"
     layouts = StepLayouts(work, queries) if use_kernels else None
-
-    n_steps = n_outer * n_inner
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
-        rank, n_steps, q.device
+        rank, n_outer * n_inner, q.device
     )
-
-    def step(o: int, i: int) -> _Step:
-        source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
-        view = StepIndex(work, queries, layout.token_positions(source, q.device))
-        return _Step(view, layouts, step_timers[o * n_inner + i], view.may_attend())
+    has_columns = isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
     # Nothing here reads the device (bar a top-k index's table widths, once), so the host
     # runs ahead of the GPU: it builds each ring step's layout while the kernel of the
     # step before runs (the first's before any launch).
-    columns, k_cols, v_cols = None, None, None
-    if isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]:
-        with record_function("mtraining.ring.local_columns"):
-            columns, k_cols, v_cols = _local_columns(k, v, index, queries, cp_group, use_kernels, local_timer)
-    steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
-    local, carrier = columns, steps[-1][-1]
-    # On the kernels the last step attends the columns too (``ColumnKeys``). The last: a
-    # layout built before the first launch leaves the GPU idle meanwhile (a column piece
-    # in the first step's launch added 2-4 ms of non-kernel time to a 2 x H200 forward).
-    if columns is not None and columns.layouts is not None and columns.layouts.whole_blocks():
-        local, carrier.columns, carrier.attends = None, columns, True
-    with record_function("mtraining.ring.steps"):
-        out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
+    if gathered is not None:
+        keys = layout.whole_sequence(q.device)
+        whole = Piece(StepIndex(work, queries, keys), layouts, step_timers[0], True)
+        columns = _column_piece(index, queries, keys, use_kernels, local_timer) if has_columns else None
+        pieces = [p for p in (_ride_along(columns, whole), whole) if p is not None]
+        with record_function("mtraining.allgather.attention"):
+            out, lse = AllGatherAttention.apply(q, k, v, gathered, pieces, scale, comm_timer)
+        steps = [[whole]]
+    else:
+        # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
+        # chunk of node (node - o), local (local - i).
+        node, local_rank = divmod(rank, n_inner)
+
+        def step(o: int, i: int) -> Piece:
+            source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
+            view = StepIndex(work, queries, layout.token_positions(source, q.device))
+            return Piece(view, layouts, step_timers[o * n_inner + i], view.may_attend())
+
+        columns, k_cols, v_cols = None, None, None
+        if has_columns:
+            with record_function("mtraining.ring.local_columns"):
+                positions = vertical_columns(index)
+                k_cols, v_cols = _GatherColumns.apply(k, v, positions, queries, index.seq_len, cp_group)
+                columns = _column_piece(index, queries, positions, use_kernels, local_timer)
+        steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
+        # The last step carries the columns: a layout built before the first launch leaves the
+        # GPU idle meanwhile (a column piece in the first step's launch added 2-4 ms of
+        # non-kernel time to a 2 x H200 forward).
+        local = _ride_along(columns, steps[-1][-1])
+        with record_function("mtraining.ring.steps"):
+            out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
     if stats is not None:
         per_step = [int(s.index.attended_area().sum()) if s.attends else 0 for row in steps for s in row]
         stats.record(rank, per_step, int(columns.index.attended_area().sum()) if columns is not None else 0)

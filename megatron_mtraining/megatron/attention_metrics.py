@@ -80,6 +80,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             self.softmax_scale,
             stats=stats,
             backend=self.attention_config.backend,
+            kv_exchange=self.attention_config.kv_exchange,
         )
         rank = dist.get_rank(self.cp_group)
         mine = sum(stats.ring[rank]) + stats.local[rank]

@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..context_parallel.layout import KINDS
+from ..context_parallel.ring import KV_EXCHANGES
 from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
 
@@ -69,7 +70,9 @@ class MTrainingAttentionConfig(ValidatedConfig):
     its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
     ring, or None for the flat ring; it must match Megatron's
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
-    the groups. ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
+    the groups. ``kv_exchange`` is how K/V reach a rank's queries under context parallelism
+    (``ring_attention``'s: ``auto``, the all-gather on a flat group of two ranks and the ring
+    otherwise; ``ring``; ``allgather``, flat only). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
     ``auto``: flash-attn for dense attention where it is installed and serves the inputs,
     else Triton kernels for CUDA inputs, the PyTorch reference otherwise); ``flash_attn``
     only for ``type="dense"`` without context parallelism, the one case flash-attn computes.
@@ -82,6 +85,7 @@ class MTrainingAttentionConfig(ValidatedConfig):
     layout: str = setting("zigzag", check_choice, choices=KINDS)
     stripe: int = setting(128, check_int, minimum=1)
     hierarchy: int | None = setting(None, _check_hierarchy)
+    kv_exchange: str = setting("auto", check_choice, choices=KV_EXCHANGES)
     backend: str | None = setting(None, _check_backend)
 
     def __post_init__(self):
@@ -91,6 +95,12 @@ class MTrainingAttentionConfig(ValidatedConfig):
                 where = f"{type(self).__name__}.{section}"
                 object.__setattr__(self, section, _pattern_from_dict(cls, value, where))
         super().__post_init__()
+        if self.kv_exchange == "allgather" and self.hierarchy is not None:
+            fail(
+                f"{type(self).__name__}.kv_exchange",
+                self.kv_exchange,
+                f"'ring' or 'auto' with hierarchy={self.hierarchy} (the all-gather has no inner or outer ring)",
+            )
         if self.backend == "flash_attn" and self.type != "dense":
             fail(
                 f"{type(self).__name__}.backend",

@@ -47,8 +47,8 @@ class SparseCoreAttention(MegatronModule):
 
     ``attention`` (from the layer spec's params) is the type the spec was built for; it must
     equal the attached config's ``type``. Dropout is not supported (``attention_dropout``
-    must be 0). ``cp_comm_type`` is accepted and unused: context parallelism always runs the
-    plugin's ring. Parameters exist only for MSA (``index_branch``); this class derives from
+    must be 0). ``cp_comm_type`` is accepted and unused: context parallelism runs the plugin's
+    ring or all-gather, as ``MTrainingAttentionConfig.kv_exchange`` says. Parameters exist only for MSA (``index_branch``); this class derives from
     ``MegatronModule`` rather than ``DotProductAttention``, so the default
     ``sharded_state_dict`` already checkpoints them (``DotProductAttention``'s override would
     emit only ``softmax_offset``).
@@ -210,7 +210,10 @@ class SparseCoreAttention(MegatronModule):
             index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
             out, _ = sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
         else:
-            out, _ = ring_attention(q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend)
+            exchange = self.attention_config.kv_exchange
+            out, _ = ring_attention(
+                q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange
+            )
         return out
 
     def _msa(self, q, k, v, hidden, layout) -> torch.Tensor:
