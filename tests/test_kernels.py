@@ -347,9 +347,31 @@ def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
     assert torch.equal(torch.maximum(*(p.row_max() for p in ranks)), row_max)
     row_sum = whole.row_sum(row_max)
     torch.testing.assert_close(sum(p.row_sum(row_max) for p in ranks), row_sum, rtol=1e-14, atol=0)
-    split = [p.totals(*p.mass(row_max, row_sum)) for p in ranks]
-    for i, full in enumerate(whole.totals(*whole.mass(row_max, row_sum))):
+    split = [p.totals(*p.mass(row_max, row_sum), 16) for p in ranks]
+    for i, full in enumerate(whole.totals(*whole.mass(row_max, row_sum), 16)):
         torch.testing.assert_close((split[0][i] + split[1][i]).float(), full.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seq,w,block_size", [(2100, 24, 16), (2100, 40, 512), (100, 24, 32)])
+def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, rng, stats_kernels):
+    """The mass pass's runs added up and pooled into block diagonals in one launch, against
+    their sum pooled by ``_pool_diagonals`` (the reference's pooling): random runs, nonzero
+    outside the window that holds the token diagonals too, lengths that are no multiple of
+    the block, several programs, a block wider than a program's usual span."""
+    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+    from megatron_mtraining.sparse.vertical_slash import _pool_diagonals
+
+    q = torch.randn(1, seq, 4, 16, generator=rng).half().to(stats_kernels)
+    k = torch.randn(1, seq, 2, 16, generator=rng).half().to(stats_kernels)
+    parts = WindowKernels(q[:, -w:], k, None, seq, 0.3)
+    shape = (1, 4, parts.n_tiles * 2, (parts.n_blocks + parts.n_tiles) * parts.block)
+    runs = torch.rand(shape, generator=rng, dtype=torch.float64).to(stats_kernels)
+    vertical = torch.rand(1, 4, seq, generator=rng).to(stats_kernels)
+    start = parts.n_blocks * parts.block - seq + w - 1  # token diagonal 0's slot (``totals``)
+    want = _pool_diagonals(runs[..., start : start + seq].sum(2), block_size)
+    got_vertical, got = parts.totals(vertical, runs, block_size)
+    assert got_vertical is vertical
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
 
 
 def test_window_statistics_kernels_give_the_reference_index(rng, stats_kernels, monkeypatch):

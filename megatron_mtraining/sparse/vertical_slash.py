@@ -124,10 +124,11 @@ def _key_passes(
 
 def _from_mass(parts, mass: tuple, config: VerticalSlashConfig, all_reduce_sum=single_device) -> WindowStatistics:
     """The statistics from the mass pass's outputs, which is where the graphed build's graph
-    starts (see ``build_vertical_slash_index``)."""
-    vertical, token_slash = (all_reduce_sum(t) for t in parts.totals(*mass))
-    w = parts.w
-    return WindowStatistics((vertical / w).float(), (_pool_diagonals(token_slash, config.block_size) / w).float())
+    starts (see ``build_vertical_slash_index``). The diagonals are pooled before they are
+    reduced across devices (pooling is linear): a context-parallel build sums
+    ``[B, Hq, n_blocks]``, not the ``[B, Hq, S]`` token profile."""
+    vertical, slash = (all_reduce_sum(t) for t in parts.totals(*mass, config.block_size))
+    return WindowStatistics((vertical / parts.w).float(), (slash / parts.w).float())
 
 
 class _ReferenceParts:
@@ -179,9 +180,9 @@ class _ReferenceParts:
         return vertical, token_slash
 
     @staticmethod
-    def totals(vertical: torch.Tensor, token_slash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mass``'s outputs are already the totals (the kernels' need adding up)."""
-        return vertical, token_slash
+    def totals(vertical: torch.Tensor, token_slash: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mass per key and per block diagonal."""
+        return vertical, _pool_diagonals(token_slash, block_size)
 
 
 def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -192,8 +193,6 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
         token_slash = torch.nn.functional.pad(token_slash, (0, n_blocks * block_size - seq))
     blocks = token_slash.unflatten(-1, (n_blocks, block_size))
     t = torch.arange(block_size, device=token_slash.device, dtype=token_slash.dtype)
-    # Weighted sums rather than one matrix product: cuBLAS sets up a workspace for each
-    # stream it runs on, the captured index build's warm-up and capture streams too.
     pooled = (blocks * (block_size - t)).sum(-1)
     spill = (blocks * t).sum(-1)  # goes to diagonal d + 1
     pooled[..., 1:] += spill[..., :-1]

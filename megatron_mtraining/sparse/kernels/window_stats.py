@@ -14,12 +14,18 @@ log2 units (``logit * log2 e``):
    probabilities summed per key (vertical) and along the token diagonals of each
    (row tile, key block) tile. The diagonals come from a circular skew of the
    tile's rows (``tl.gather``); a tile covers a contiguous run of ``2 * BLOCK``
-   token offsets, and the runs are added up outside the kernel (``WindowKernels.totals``).
-   The graphed index build keeps the kernel's outputs as its graph's input buffers and
-   has each call's kernel write over them without clearing them (``WindowKernels.mass``).
+   token offsets, and the runs are added up outside the kernel. The graphed index
+   build keeps the kernel's outputs as its graph's input buffers and has each call's
+   kernel write over them without clearing them (``WindowKernels.mass``).
+
+Then, no longer reading K: the runs added up and pooled into the index's block
+diagonals in one pass (``_pool_kernel``, ``WindowKernels.totals``), which reads the
+runs once and writes ``[B, Hq, n_blocks]``; in torch the sum wrote the ``[B, Hq, S]``
+fp64 token profile (16 MiB at 128K) and the pooling read it twice through two
+temporaries of its size.
 
 Determinism: every output element has one writer that adds in a fixed order (runs
-that overlap go to separate buffers, added by torch), so results are bitwise
+that overlap go to separate buffers, added by the pooling), so results are bitwise
 independent of launch order. Sums over keys, tiles or devices add fp32 terms in
 fp64, and no term depends on how the keys are split (exponents use the global row
 maxima, not running ones), so a context-parallel split moves the statistics only
@@ -29,8 +35,8 @@ Floor at 128K, Qwen2.5-3B shape (Hq 16, Hkv 2, D 128, w 64) on an H100: each pas
 is a 1024-row x 128K-key x 128 bf16 matmul, 34 GFLOP, so 103 GFLOP in all (0.13 ms
 at 800 TFLOP/s); passes 2 and 3 take 134M exponentials each (0.07 ms for both on
 the SFUs); each pass reads K (64 MiB) and the mass pass writes 67 MB of fp64 runs
-(32-key tiles) that the totals read again, ~0.35 GB in all (0.12 ms at 3 TB/s): about
-0.25 ms.
+(32-key tiles) that the pooling reads again, ~0.35 GB in all (0.12 ms at 3 TB/s):
+about 0.25 ms.
 Measured (H100, 64-key tiles on 4 warps): 0.11 ms row maxima, 0.16 ms normalisers,
 0.65 ms mass: the skew and the fp64 sums cost ~5x the matmul, which the row-max pass
 does in 0.11 ms. On an H200 the mass pass took 0.59 ms so, and ~0.15 ms less with
@@ -186,6 +192,31 @@ def _mass_kernel(
             tl.store(VERT + bh * seq_len + key_pos, vertical, mask=held)
 
 
+@triton.jit
+def _pool_kernel(RUNS, OUT, start, seq_len, run_len, n_diagonals, N_RUNS: tl.constexpr, BS: tl.constexpr,
+                 DB: tl.constexpr):  # fmt: skip
+    """Block-diagonal scores of ``DB`` block diagonals ``d`` of one (batch, head) from the
+    mass pass's runs: the token-diagonal mass ``x[o]``, slot ``start + o`` of every run
+    summed, pooled as ``vertical_slash._pool_diagonals`` does (its maths of record):
+    ``(sum_t (BS - t) x[d BS + t] + sum_t t x[(d - 1) BS + t]) / BS``, the last block
+    diagonal also keeping its own spill ``sum_t t x[d BS + t]``; offsets past the sequence
+    hold no mass."""
+    bh = tl.program_id(1).to(tl.int64)
+    d = tl.program_id(0) * DB + tl.arange(0, DB)
+    t = tl.arange(0, BS)
+    o = d[:, None] * BS + t[None, :]
+    here = tl.zeros([DB, BS], tl.float64)
+    before = tl.zeros([DB, BS], tl.float64)  # block diagonal d - 1
+    for r in tl.static_range(N_RUNS):
+        run = RUNS + (bh * N_RUNS + r) * run_len + start
+        here += tl.load(run + o, mask=o < seq_len, other=0.0)
+        before += tl.load(run + o - BS, mask=(o >= BS) & (o - BS < seq_len), other=0.0)
+    spill = t.to(tl.float64)[None, :]
+    pooled = tl.sum(here * (BS - spill), 1) + tl.sum(before * spill, 1)
+    pooled += tl.where(d == n_diagonals - 1, tl.sum(here * spill, 1), 0.0)  # no diagonal beyond the last
+    tl.store(OUT + bh * n_diagonals + d, pooled / BS, mask=d < n_diagonals)
+
+
 def _pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
@@ -263,12 +294,19 @@ class WindowKernels:
         )  # fmt: skip
         return vertical, runs
 
-    def totals(self, vertical: torch.Tensor, runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vertical, token-diagonal) window mass ``[B, Hq, seq_len]``, summed over the rows,
-        from ``mass``'s outputs: the token diagonals fp64. Row tile ``j`` x key block ``p``
+    def totals(self, vertical: torch.Tensor, runs: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window mass per key ``[B, Hq, seq_len]`` (fp32) and per block diagonal of
+        ``block_size`` ``[B, Hq, n_diagonals]`` (fp64) from ``mass``'s outputs, the runs
+        added up and pooled in one pass (``_pool_kernel``). Row tile ``j`` x key block ``p``
         has its slot ``t`` at ``L = (n_blocks - 1 - p + j) * BLOCK + t``, offset
         ``(seq_len - w + j * BLOCK + r) - (p * BLOCK + c)`` with ``t = r - c + BLOCK - 1``,
-        that is ``L - n_blocks * BLOCK + seq_len - w + 1``: the same for every run, which add
-        up (fp64, in a fixed order)."""
+        that is ``L - n_blocks * BLOCK + seq_len - w + 1``: the same for every run."""
+        bsz, hq, n_runs, run_len = runs.shape
+        n_diagonals = triton.cdiv(self.seq_len, block_size)
+        pooled = torch.empty(bsz, hq, n_diagonals, dtype=torch.float64, device=runs.device)
+        db = max(1, 1024 // block_size)  # block diagonals per program: 1024 offsets, 2 x 8 KiB of fp64
         start = self.n_blocks * self.block - self.seq_len + self.w - 1
-        return vertical, runs[..., start : start + self.seq_len].sum(2)
+        _pool_kernel[(triton.cdiv(n_diagonals, db), bsz * hq)](
+            runs, pooled, start, self.seq_len, run_len, n_diagonals, N_RUNS=n_runs, BS=block_size, DB=db
+        )
+        return vertical, pooled
