@@ -1,10 +1,12 @@
 """One context-parallel rank's attention work, emulated on one GPU: the kernel time of
 each piece (every ring step, the last attending the gathered vertical columns too, as
 the ring does; with ``--separate-columns`` the columns as a piece of their own, as the
-ring did before) against the single-GPU kernel on the whole sequence, with no process
-group and no transfer.
+ring did before; with ``--allgather`` the one piece over the whole sequence's K/V that
+``kv_exchange="allgather"`` runs) against the single-GPU kernel on the whole sequence,
+with no process group and no transfer.
 
-    python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped] [--separate-columns] [--out r.json]
+    python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped]
+        [--separate-columns | --allgather] [--out r.json]
 
 Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
 head dim 128, bf16, vertical-slash at density ``--density``). The pieces run as the
@@ -13,12 +15,15 @@ into it inside the kernel, the last writes bf16 (the backward likewise for dQ).
 ``kernel bound`` is (single-GPU time / cp) over the sum of a rank's pieces: the
 ring-over-single throughput the 2-GPU benchmark would reach with free, hidden
 transfers. The single-GPU time is also split into its tiles and its bars (the index
-without vertical columns, and without slash diagonals), which the pieces divide.
+without vertical columns, and without slash diagonals), which the pieces divide, and
+timed with the block-id positions a rank's layouts carry (``KernelLayout.query_blocks`` /
+``key_blocks``, here every block), which isolates what the positions cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -91,6 +96,16 @@ def rank_pieces(
     return pieces
 
 
+def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
+    """Kernel time of ``rank``'s one piece over the whole sequence's K/V, the vertical
+    columns read from them beside the tiles (``kv_exchange="allgather"``)."""
+    queries, keys = layout.token_positions(rank, q.device), layout.whole_sequence(q.device)
+    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, keys)
+    columns = ColumnKeys(k, v, StepLayouts(bars.index, queries).of(keys))
+    tiles = StepLayouts(ring_work(index), queries).of(keys)
+    return {"whole": piece_times(layout.shard(q, rank), k, v, tiles, scale, rep_ms, columns=columns)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=524288)
@@ -100,6 +115,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="*", default=None, help="ranks to emulate (default: all)")
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--separate-columns", action="store_true", help="the columns as a piece of their own")
+    p.add_argument("--allgather", action="store_true", help="one piece over the whole K/V (kv_exchange='allgather')")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     seq, dev = args.seq_len, torch.device("cuda")
@@ -113,14 +129,21 @@ def main() -> None:
         name: piece_times(q, k, v, kernel_layout(ix), scale, args.rep_ms)
         for name, ix in (("whole", index), ("tiles", no_columns), ("bars", no_slash))
     }
+    blocks = torch.arange(seq // 128, device=dev, dtype=torch.int32)
+    with_ids = dataclasses.replace(kernel_layout(index), query_blocks=blocks, key_blocks=blocks)
+    single["positions"] = piece_times(q, k, v, with_ids, scale, args.rep_ms)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {seq} tokens, cp {args.cp} {args.layout}")
     for name, r in single.items():
-        print(f"  single GPU, {name:<6} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
+        print(f"  single GPU, {name:<9} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
     layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=128)
     result = {"seq": seq, "cp": args.cp, "layout": args.layout, "device": torch.cuda.get_device_name(),
-              "separate_columns": args.separate_columns, "single": single, "ranks": {}}  # fmt: skip
+              "separate_columns": args.separate_columns, "allgather": args.allgather, "single": single,
+              "ranks": {}}  # fmt: skip
     for rank in args.ranks if args.ranks is not None else range(args.cp):
-        pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms, args.separate_columns)
+        if args.allgather:
+            pieces = allgather_piece(q, k, v, index, layout, rank, scale, args.rep_ms)
+        else:
+            pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms, args.separate_columns)
         total = {ph: sum(r[f"{ph}_ms"] for r in pieces.values()) for ph in ("fwd", "bwd")}
         bound = {ph: single["whole"][f"{ph}_ms"] / args.cp / total[ph] for ph in ("fwd", "bwd")}
         result["ranks"][rank] = {"pieces": pieces, "total": total, "kernel_bound": bound}

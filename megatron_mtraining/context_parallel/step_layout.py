@@ -43,6 +43,11 @@ def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None
     return positions.derived(("global blocks", block), make)
 
 
+def _whole_sequence(positions: TokenPositions) -> bool:
+    """Whether the positions are 0, 1, 2, ... (all-gathered K/V), from the host copy, once."""
+    return positions.derived("whole sequence", lambda p: bool(torch.equal(p.host, torch.arange(len(p.host)))))
+
+
 def _tiles_per_index_block(positions: TokenPositions, block: int, ratio: int) -> int:
     """The most ``block``-token blocks of ``positions`` inside one index block of ``ratio``
     of them."""
@@ -86,7 +91,9 @@ class StepLayouts:
         block, gq, gk = next(((b, q, k) for b, q, k in aligned if q is not None and k is not None), (None,) * 3)
         if block is None:
             return None
-        fields = {"query_blocks": gq, "key_blocks": gk}
+        # Keys that are the whole sequence are their own positions: the kernels then skip a
+        # load per tile (``block_bar``'s ``HAS_KPOS``).
+        fields = {"query_blocks": gq, "key_blocks": None if _whole_sequence(keys) else gk}
         if isinstance(work, VerticalSlashPart):
             return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
         causal = gq.view(-1, 1) >= gk.view(1, -1)

@@ -71,14 +71,14 @@ def _row_selection(layout: KernelLayout) -> dict:
 
 
 def _positions(layout: KernelLayout) -> dict:
-    """Global block ids of the query and key blocks, for context-parallel steps. A bars-only
-    layout has no key blocks: its tile count table (``n_kvblocks`` entries or more) stands
-    in, read at the start of a dK/dV program and never used, since no tile follows."""
-    has = layout.query_blocks is not None
+    """Global block ids of the query and key blocks, for context-parallel steps (each side
+    its own: all-gathered keys are their own positions). Absent ids get a placeholder
+    pointer, never read: the tile count table, whose entries outnumber the blocks."""
     return {
-        "QBLK": layout.query_blocks if has else layout.tile_count,
+        "QBLK": layout.query_blocks if layout.query_blocks is not None else layout.tile_count,
         "KBLK": layout.key_blocks if layout.key_blocks is not None else layout.tile_t_count,
-        "HAS_POS": has,
+        "HAS_QPOS": layout.query_blocks is not None,
+        "HAS_KPOS": layout.key_blocks is not None,
     }
 
 
@@ -233,7 +233,7 @@ def kernel_backward(
             q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_layout.active, partials[0],
             partials[1], bar_common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=bar_layout.active.shape[-1], V_MAX=v_max,
             qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=bar_common["D_PAD"], BLOCK=bar_layout.block,
-            HAS_POS=bar_common["HAS_POS"], PRECISION=bar_common["PRECISION"], **bar_opts,
+            HAS_QPOS=bar_common["HAS_QPOS"], PRECISION=bar_common["PRECISION"], **bar_opts,
         )  # fmt: skip
     if columns is None:
         return dq, *_key_grads(q, k, v, layout, common, dout, lse, delta, partials, scale)

@@ -33,9 +33,12 @@ All statistics are fp32; exponentials are base 2 with the scale folded in.
 
 Loads use local row and column indices; causality compares global positions,
 which are the indices themselves on one device. When the rows are a
-context-parallel rank's tokens and the keys another rank's chunk (``HAS_POS``),
-both are whole global blocks: ``QBLK`` / ``KBLK`` hold the global block id of each
-local block (ascending for the rows), so a step's positions cost one scalar load.
+context-parallel rank's tokens (``HAS_QPOS``) or the keys another rank's chunk
+(``HAS_KPOS``), they are whole global blocks: ``QBLK`` / ``KBLK`` hold the global block
+id of each local block (ascending for the rows), so a step's positions cost one scalar
+load. Keys that are the whole sequence (all-gathered K/V) are their own positions: the
+key-side load, one per tile and dependent on the tile list's, cost the forward 6-11% on
+an H100 at 256K tokens when given anyway (``scripts/bench_ring_pieces.py``).
 Gathered vertical columns carry their positions in ``BAR_POS``.
 """
 
@@ -242,14 +245,14 @@ def _fwd_kernel(
     S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """Output and LSE of the rows over their listed keys; with ``ACCUMULATE``, over those
     keys and the keys of the running fp32 result ``O_RUN`` / ``LSE_RUN`` of the same rows
     (``O`` / ``LSE`` may be those very buffers: each row is read and written by its own
     program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QBLK, qb, rows, HAS_POS, BLOCK)
+    row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -268,10 +271,10 @@ def _fwd_kernel(
     # the branch), and a loop of its own for the diagonal tile ran 4% slower on an H100.
     for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
         )
         acc, m_i, l_i = _online_step(
-            acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS),
+            acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS),
             qk_scale, True, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
@@ -320,13 +323,13 @@ def _dq_kernel(
     QBLK, KBLK, S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
     be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
-    row_pos = _positions(QBLK, qb, rows, HAS_POS, BLOCK)
+    row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -345,15 +348,15 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
     sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
-    own = _global_block(QBLK, qb, HAS_POS)
-    split, n_steps = _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_POS, HAS_ROWSEL)
+    own = _global_block(QBLK, qb, HAS_QPOS)
+    split, n_steps = _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_KPOS, HAS_ROWSEL)
     for j in range(n_steps):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_POS
+            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
         )
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
-            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), qk_scale, j >= split, PRECISION,
+            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), qk_scale, j >= split, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
@@ -412,7 +415,7 @@ def _bar_dkdv_kernel(
     Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QBLK,
     S, H, NQB, N_ACTIVE, V_MAX, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_N`` of a head's vertical columns against ``BLOCK_M`` query rows a step
     (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The partials
@@ -437,11 +440,11 @@ def _bar_dkdv_kernel(
         # Rows before the chunk's first column see none of it: start at the first that can.
         first_col = tl.min(tl.where(col_ok, col_pos, 2147483647), 0)
         first = first_col // BLOCK_M * BLOCK_M
-        if HAS_POS:
+        if HAS_QPOS:
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         for r0 in range(first, S, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
-            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_POS, BLOCK)
+            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
             in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
@@ -481,7 +484,7 @@ def _tile_dkdv_kernel(
     S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_N`` key rows of KV block ``kb`` against ``BLOCK_M`` rows of a reading query
     block a step."""
@@ -494,7 +497,7 @@ def _tile_dkdv_kernel(
     group = H // HKV
     cols = first + tl.arange(0, BLOCK_N)
     col_ok = cols < SK
-    col_pos = _positions(KBLK, kb, cols, HAS_POS, BLOCK)
+    col_pos = _positions(KBLK, kb, cols, HAS_KPOS, BLOCK)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_stride = H * HEAD_DIM
@@ -508,20 +511,20 @@ def _tile_dkdv_kernel(
         for g in range(group):
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
-    own = _global_block(KBLK, kb, HAS_POS)
+    own = _global_block(KBLK, kb, HAS_KPOS)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
         lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
         n_tiles = tl.load(TILE_T_CNT + lay)
         # The reading query blocks ascend: the diagonal one, if listed, is first.
-        n_masked = _diagonal_tiles(TILES_T + lay * T_MAX, n_tiles, QBLK, own, HAS_POS, HAS_ROWSEL) * (BLOCK // BLOCK_M)
+        n_masked = _diagonal_tiles(TILES_T + lay * T_MAX, n_tiles, QBLK, own, HAS_QPOS, HAS_ROWSEL) * (BLOCK // BLOCK_M)
         for j in range(n_tiles * (BLOCK // BLOCK_M)):
-            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_POS)
+            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
-                _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_POS), q_stride, d, d_ok, qk_scale,
+                _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), q_stride, d, d_ok, qk_scale,
                 col_ok[:, None], j < n_masked, PRECISION,
             )  # fmt: skip
     _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
