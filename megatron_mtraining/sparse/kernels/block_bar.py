@@ -36,9 +36,10 @@ which are the indices themselves on one device. When the rows are a
 context-parallel rank's tokens (``HAS_QPOS``) or the keys another rank's chunk
 (``HAS_KPOS``), they are whole global blocks: ``QBLK`` / ``KBLK`` hold the global block
 id of each local block (ascending for the rows), so a step's positions cost one scalar
-load. Keys that are the whole sequence (all-gathered K/V) are their own positions: the
-key-side load, one per tile and dependent on the tile list's, cost the forward 6-11% on
-an H100 at 256K tokens when given anyway (``scripts/bench_ring_pieces.py``).
+load. Keys that are the whole sequence (all-gathered K/V) are their own positions, and
+key positions cost: given anyway, the forward ran 6-11% slower on an H100 at 256K tokens
+(``scripts/bench_ring_pieces.py``). Not the load waiting on the tile entry's: a table of
+the entries' global ids, read beside them, measured the same.
 Gathered vertical columns carry their positions in ``BAR_POS``.
 """
 
