@@ -4,13 +4,14 @@ Every rank gathers the whole sequence's K/V, attends its own queries to it in on
 piece (one kernel launch with the vertical columns beside the tiles), and returns
 the K/V gradients to their owners with one reduce-scatter. Under GQA the K/V are a
 small share of the activations (Qwen2.5-3B: 2 of 16 heads), so holding them whole is
-cheap. What it buys over the ring: one launch per rank instead of one per ring step,
-each program with its query block's whole work, as on one device; on a ring of two
-the two launches cost 22% more kernel time than the single-GPU share at 256K tokens
-on 2 H200s (``docs/benchmarks.md``). What it gives up: the transfer overlaps the
-index build and the host's layout work instead of attention kernels, and the
-backward's reduce-scatter is exposed, which is why ``auto`` keeps the ring beyond two
-ranks and across nodes.
+cheap. What it buys over the ring: one piece per rank, each program with its query
+block's whole work, as on one device, and keys that are their own positions (the
+kernels skip the key-position arithmetic, ``block_bar``'s ``HAS_KPOS``). On 2 H200s the
+forward went from 0.80 to 0.86 of the single GPU's throughput at 256K tokens, 0.85 to
+0.94 at 512K (``docs/benchmarks.md``). What it gives up: the transfer overlaps the index
+build and the host's layout work instead of attention kernels, the gathered K/V grow
+with the group, and the backward's reduce-scatter is exposed, which is why ``auto``
+keeps the ring beyond two ranks and across nodes.
 """
 
 from __future__ import annotations

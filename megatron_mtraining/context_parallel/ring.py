@@ -201,10 +201,10 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
 
 
 def _exchange(kv_exchange: str, hierarchy, group_size: int) -> str:
-    """The K/V exchange to run. ``auto``: the all-gather on a flat group of two (whose ring
-    has a single transfer, which the index build then hides instead of a kernel), the ring
-    otherwise (larger groups overlap more transfers with compute, and across nodes the
-    all-gather's bytes would be exposed)."""
+    """The K/V exchange to run. ``auto``: the all-gather on a flat group of two (measured
+    faster there, ``kv_allgather``; its one transfer hides behind the index build instead
+    of a kernel), the ring otherwise (larger groups overlap more transfers with compute,
+    and across nodes the all-gather's bytes would be exposed)."""
     check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
     if kv_exchange == "allgather" and hierarchy is not None:
         fail(
