@@ -148,9 +148,9 @@ def test_16k_tokens_vertical_slash_on_sampled_rows(rng):
 
 
 def test_top_k_loop_order_follows_the_measurements():
-    """KV-outer kernels for MSA's selections at 128K (1.6% of the keys); the union of tiles for
-    the same selection at 32K (6.25%), for MoBA's 4096-token chunks and for other index
-    types (docs/benchmarks.md has the measurements behind the two limits)."""
+    """KV-outer kernels for MSA's selections at 128K (1.6% of the keys) and MoBA's at 256K
+    (19%); the union of tiles for MSA's at 32K (6.25%), MoBA's at 128K (37.5%) and other
+    index types (docs/benchmarks.md has the measurements behind the limits)."""
     from megatron_mtraining.sparse.attention import kv_outer_preferred
 
     def topk(s, k, block):
@@ -158,5 +158,6 @@ def test_top_k_loop_order_follows_the_measurements():
 
     assert kv_outer_preferred(topk(131072, 16, 128))
     assert not kv_outer_preferred(topk(32768, 16, 128))
-    assert not kv_outer_preferred(topk(131072, 2, 4096))
+    assert kv_outer_preferred(topk(262144, 12, 4096))
+    assert not kv_outer_preferred(topk(131072, 12, 4096))
     assert not kv_outer_preferred(DenseIndex(1, 1, 1024))

@@ -66,18 +66,23 @@ def sparse_attention(
 # blocks. KV-outer wins where the selections are a small share of the keys (MSA k=16, block
 # 128: 1.6% of them at 128K, fwd+bwd 2x faster; 3.1% at 64K, 1.8x); the union wins at 6.25%
 # (the same MSA at 32K) and for MoBA's 4096-token chunks, whose rows of a query block mostly agree.
+# Measured crossovers (H100, 16 query / 2 KV heads, docs/benchmarks.md): MSA's 128-token
+# blocks at k=16 ran faster on KV-outer at 1.6% of the keys (128K) and 3.1% (64K), not at
+# 6.25% (32K); MoBA's 4096-token chunks at k=12 at 19% (256K), not at 37.5% (128K).
 KV_OUTER_MAX_BLOCK = 128
-KV_OUTER_MAX_SHARE = 1 / 16
+KV_OUTER_MAX_SHARE = 1 / 16  # blocks of at most KV_OUTER_MAX_BLOCK tokens
+KV_OUTER_MAX_SHARE_WIDE = 1 / 4  # wider blocks
 
 
 def kv_outer_preferred(index: SparseIndex) -> bool:
     """Whether a top-k ``index`` runs on the KV-outer kernels rather than the union of tiles:
-    key blocks of at most ``KV_OUTER_MAX_BLOCK`` tokens, each query selecting under
-    ``KV_OUTER_MAX_SHARE`` of the sequence."""
+    each query selecting under ``KV_OUTER_MAX_SHARE`` of the sequence in blocks of at most
+    ``KV_OUTER_MAX_BLOCK`` tokens, or under ``KV_OUTER_MAX_SHARE_WIDE`` in wider blocks
+    (the union's waste grows as the selections spread)."""
     if not isinstance(index, BlockTopKIndex):
         return False
-    selected = index.blocks.shape[-1] * index.block_size
-    return index.block_size <= KV_OUTER_MAX_BLOCK and selected < KV_OUTER_MAX_SHARE * index.seq_len
+    share = index.blocks.shape[-1] * index.block_size / index.seq_len
+    return share < (KV_OUTER_MAX_SHARE if index.block_size <= KV_OUTER_MAX_BLOCK else KV_OUTER_MAX_SHARE_WIDE)
 
 
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
