@@ -226,7 +226,7 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def check_host_reads(rank, world, seq_lens):
+def check_host_reads(rank, world, seq_lens, kv_exchange):
     """Host reads per ring_attention forward and backward on the kernels (striped), after a
     first call has cached the layout's position facts: none for a vertical-slash or dense
     index, nor for a vertical-slash config (the distributed index build included), one (the
@@ -247,9 +247,9 @@ def check_host_reads(rank, world, seq_lens):
                 expected.append((pattern, 0))
             for pat, reads in expected:
                 where = f"cp={world} rank={rank} seq={seq} {kind} {type(pat).__name__}"
-                ring_attention(lq, lk, lv, pat, layout, None, backend="triton")
+                ring_attention(lq, lk, lv, pat, layout, None, backend="triton", kv_exchange=kv_exchange)
                 with HostReads() as fwd:
-                    out, _ = ring_attention(lq, lk, lv, pat, layout, None, backend="triton")
+                    out, _ = ring_attention(lq, lk, lv, pat, layout, None, backend="triton", kv_exchange=kv_exchange)
                 with HostReads() as bwd:
                     torch.autograd.grad(out.sum(), (lq, lk, lv))
                 assert (fwd.count, bwd.count) == (reads, 0), (where, fwd.count, bwd.count)

@@ -80,14 +80,27 @@ def test_ring_with_nothing_attended(backend, kv_exchange):
 
 
 @needs_kernels
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_on_kernels_reads_nothing_on_host(world):
+@pytest.mark.parametrize("world,kv_exchange", [(2, "allgather"), (4, "ring")])
+def test_ring_on_kernels_reads_nothing_on_host(world, kv_exchange):
     """Step layouts and the column gather read nothing from the device (each read would
     stall the host until the GPU's queue drains, exposing the layout building): per
     forward and backward at two lengths, nothing for vertical-slash and dense, one read
-    for a top-k index's table widths; on 2 ranks over the all-gathered K/V (what ``auto``
-    picks there), on 4 over the ring."""
-    run_on_device(world, check_host_reads, (128, 256))
+    for a top-k index's table widths; on 2 ranks over the all-gathered K/V, on 4 over the ring."""
+    run_on_device(world, check_host_reads, (128, 256), kv_exchange)
+
+
+def test_auto_exchange_is_the_all_gather_on_one_node_only():
+    """``auto``: the all-gather for a flat group on one host, the ring across hosts or with
+    a hierarchy; explicit choices are kept, ``allgather`` with a hierarchy is refused."""
+    from megatron_mtraining.context_parallel.ring import _exchange
+
+    assert _exchange("auto", None, one_node=True) == "allgather"
+    assert _exchange("auto", None, one_node=False) == "ring"
+    assert _exchange("auto", ("inner", "outer"), one_node=True) == "ring"
+    assert _exchange("ring", None, one_node=True) == "ring"
+    assert _exchange("allgather", None, one_node=False) == "allgather"
+    with pytest.raises(ValueError, match=r"kv_exchange='allgather'.*with a hierarchy"):
+        _exchange("allgather", ("inner", "outer"), one_node=True)
 
 
 def test_hierarchy_and_group_errors():

@@ -13,10 +13,12 @@ and the columns share one program per query block, and the host builds the colum
 layout while earlier steps run.
 
 ``ring_attention`` also runs the all-gather exchange (``kv_allgather``), which ``auto``
-picks for a flat group of two ranks.
+picks for a flat group on one node.
 """
 
 from __future__ import annotations
+
+import socket
 
 import torch
 import torch.distributed as dist
@@ -200,19 +202,34 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
     return hierarchy_ranks(members, rank, hierarchy)
 
 
-def _exchange(kv_exchange: str, hierarchy, group_size: int) -> str:
-    """The K/V exchange to run. ``auto``: the all-gather on a flat group of two (measured
-    faster there, ``kv_allgather``; its one transfer hides behind the index build instead
-    of a kernel), the ring otherwise (larger groups overlap more transfers with compute,
-    and across nodes the all-gather's bytes would be exposed)."""
-    check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
+def _exchange(kv_exchange: str, hierarchy, one_node: bool) -> str:
+    """The K/V exchange to run. ``auto``: the all-gather on a flat group whose ranks share a
+    node (``one_node``), the ring otherwise. Measured on one node (``docs/benchmarks.md``):
+    the all-gather's forward was 0.86-0.88 of single-GPU throughput on 2 H200s at 256K
+    against the ring's 0.78-0.80, and 0.79 against 0.58 on 8 H200s at 512K. Across nodes
+    its K/V bytes would cross the slow link with nothing to hide them but the index build,
+    where the ring overlaps every transfer with a step's kernel."""
     if kv_exchange == "allgather" and hierarchy is not None:
         fail(
             "kv_exchange", kv_exchange, "'ring' or 'auto' with a hierarchy (the all-gather has no inner or outer ring)"
         )
     if kv_exchange == "auto":
-        return "allgather" if hierarchy is None and group_size == 2 else "ring"
+        return "allgather" if hierarchy is None and one_node else "ring"
     return kv_exchange
+
+
+_ONE_NODE: dict[tuple[int, ...], bool] = {}
+
+
+def _on_one_node(members: list[int], group) -> bool:
+    """Whether every rank of the group runs on one host: asked once per group and process
+    (one small all-gather of host names), then remembered."""
+    key = tuple(members)
+    if key not in _ONE_NODE:
+        hosts = [None] * len(members)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        _ONE_NODE[key] = len(set(hosts)) == 1
+    return _ONE_NODE[key]
 
 
 def ring_attention(
@@ -241,7 +258,7 @@ def ring_attention(
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
     local kernel. ``kv_exchange``: ``ring``, ``allgather`` (every rank gathers the
     whole K/V and attends it in one piece, ``kv_allgather``; flat groups only) or
-    ``auto`` (see ``_exchange``). ``stats``: filled with the attended area per ring
+    ``auto`` (the all-gather for a flat group on one node, else the ring; ``_exchange``). ``stats``: filled with the attended area per ring
     step (outer-major; one step for the all-gather) and of the local vertical-column
     pass, and with ``time_kernels`` their kernel times and the exposed transfer wait
     (imbalance accounting). ``backend``: as for ``sparse_attention``; a step whose
@@ -254,12 +271,14 @@ def ring_attention(
     if q.shape[1] != layout.local_len:
         fail("q.shape[1]", q.shape[1], f"the layout's tokens per rank ({layout.local_len})")
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    exchange = _exchange(kv_exchange, hierarchy, group_size)
+    check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
     if group_size == 1:
         index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
         return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
     rank = dist.get_rank(cp_group)
     members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
+    one_node = kv_exchange == "auto" and hierarchy is None and _on_one_node(members, cp_group)
+    exchange = _exchange(kv_exchange, hierarchy, one_node)
     inner, outer = _rings(members, rank, hierarchy)
     n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
     # Posted before the index build, which the transfer then overlaps.

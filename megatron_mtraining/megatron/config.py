@@ -71,8 +71,8 @@ class MTrainingAttentionConfig(ValidatedConfig):
     ring, or None for the flat ring; it must match Megatron's
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
     the groups. ``kv_exchange`` is how K/V reach a rank's queries under context parallelism
-    (``ring_attention``'s: ``auto``, the all-gather on a flat group of two ranks and the ring
-    otherwise; ``ring``; ``allgather``, flat only). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
+    (``ring_attention``'s: ``auto``, the all-gather on a flat group whose ranks share a node
+    and the ring otherwise; ``ring``; ``allgather``, flat only). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
     ``auto``: flash-attn for dense attention where it is installed and serves the inputs,
     else Triton kernels for CUDA inputs, the PyTorch reference otherwise); ``flash_attn``
     only for ``type="dense"`` without context parallelism, the one case flash-attn computes.
