@@ -258,10 +258,11 @@ def ring_attention(
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
     local kernel. ``kv_exchange``: ``ring``, ``allgather`` (every rank gathers the
     whole K/V and attends it in one piece, ``kv_allgather``; flat groups only) or
-    ``auto`` (the all-gather for a flat group on one node, else the ring; ``_exchange``). ``stats``: filled with the attended area per ring
-    step (outer-major; one step for the all-gather) and of the local vertical-column
-    pass, and with ``time_kernels`` their kernel times and the exposed transfer wait
-    (imbalance accounting). ``backend``: as for ``sparse_attention``; a step whose
+    ``auto`` (the all-gather for a flat group on one node, else the ring; see
+    ``_exchange``). ``stats``: filled with the attended area per ring step (outer-major;
+    one step for the all-gather) and of the local vertical-column pass, and with
+    ``time_kernels`` their kernel times and the exposed transfer wait (imbalance
+    accounting). ``backend``: as for ``sparse_attention``; a step whose
     tokens are not whole kernel blocks runs on the reference path.
     """
     check_qkv(q, k, v)
