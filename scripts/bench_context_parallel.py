@@ -174,22 +174,26 @@ def bench(seq, kind, layout_kind, hierarchy, exchange, index, args, rank, world,
 
 def profile(ring, out, grad, inputs, rank: int, trace_dir: str, tag: str) -> None:
     """Host and device time per op and named range of one forward and one backward (every
-    rank runs them; rank 0 prints, and writes Chrome traces into ``trace_dir`` if named)."""
+    rank runs them; rank 0 prints, by host time and by device time; every rank writes
+    its forward's Chrome trace into ``trace_dir`` if named)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
+    def tables(prof, rows: int) -> None:
+        if rank == 0:
+            for key in ("cpu_time_total", "self_device_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         ring()
         torch.cuda.synchronize()
-    if rank == 0:
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30), flush=True)
-        if trace_dir:
-            prof.export_chrome_trace(os.path.join(trace_dir, f"ring_fwd_{tag}.json"))
+    tables(prof, 30)
+    if trace_dir:
+        prof.export_chrome_trace(os.path.join(trace_dir, f"ring_fwd_{tag}_rank{rank}.json"))
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(out, inputs, grad, retain_graph=True)
         torch.cuda.synchronize()
-    if rank == 0:
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
+    tables(prof, 20)
 
 
 def report(r: dict) -> None:

@@ -97,13 +97,11 @@ def rank_pieces(
 
 
 def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
-    """Kernel time of ``rank``'s one piece over the whole sequence's K/V, the vertical
-    columns read from them beside the tiles (``kv_exchange="allgather"``)."""
+    """Kernel time of ``rank``'s one piece over the whole sequence's K/V, under one layout of
+    tiles and vertical columns (``kv_exchange="allgather"``)."""
     queries, keys = layout.token_positions(rank, q.device), layout.whole_sequence(q.device)
-    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, keys)
-    columns = ColumnKeys(k, v, StepLayouts(bars.index, queries).of(keys))
-    tiles = StepLayouts(ring_work(index), queries).of(keys)
-    return {"whole": piece_times(layout.shard(q, rank), k, v, tiles, scale, rep_ms, columns=columns)}
+    whole = StepLayouts(index, queries).of(keys)
+    return {"whole": piece_times(layout.shard(q, rank), k, v, whole, scale, rep_ms)}
 
 
 def main() -> None:

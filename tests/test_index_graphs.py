@@ -258,6 +258,44 @@ def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, 
             assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
 
 
+@pytest.mark.parametrize("kind,world", [("striped", 2), ("striped", 4), ("zigzag", 2), ("zigzag", 4)])
+def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rng, device):
+    """The one-launch layout of context-parallel pieces against the torch composition,
+    entry for entry: every rank's tiles over every chunk (query and key block ids mapped
+    through ``BlockMap``s), and its whole piece over whole-sequence keys with the bars
+    (the all-gather's). Unsorted, duplicated diagonals and more of them than one chunk (64)."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.context_parallel import ContextParallelLayout
+    from megatron_mtraining.sparse.kernels.layout import BlockMap
+    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+
+    block, seq, heads = 16, 16 * 48, 3
+    n = seq // block
+    # Random diagonals: most of them, unsorted, some twice, -1 padding among them.
+    slash = torch.stack([torch.randperm(n, generator=rng)[: 3 * n // 4] for _ in range(heads)])
+    slash = torch.cat([slash, slash[:, :10], torch.full((heads, 5), -1)], -1).int().unsqueeze(0)
+    vertical = torch.stack([torch.randperm(seq, generator=rng)[:50].sort().values for _ in range(heads)])
+    index = VerticalSlashIndex(vertical.int().unsqueeze(0), slash, seq, block)
+    layout = ContextParallelLayout(kind, world, seq, stripe=block)
+
+    def blocks(rank, dev):
+        return BlockMap.of(layout.positions(rank, dev)[::block] // block, n)
+
+    for rank in range(world):
+        cases = [(blocks(src, "cpu"), blocks(src, device), False) for src in range(world)] + [(None, None, True)]
+        for keys, keys_dev, bars in cases:
+            want = vertical_slash_layout(index, blocks(rank, "cpu"), keys, bars)
+            got = vertical_slash_tables(index.to(device), blocks(rank, device), keys_dev, bars)
+            names = {"tiles", "tile_count", "tiles_t", "tile_t_count"} | (
+                {"bar_count", "vertical_ptr", "active"} if bars else set()
+            )
+            assert set(got) == names
+            for name, t in got.items():
+                assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
+            assert int(want.tile_count.sum()) > 0
+
+
 @pytest.mark.parametrize("n,cap,forced", [(3000, 1500, 5), (50, 64, 0), (40, 8, 60)])
 def test_top_p_kernel_equals_the_torch_take(n, cap, forced, rng, device):
     """The one-launch top-p take against the torch one on random scores with zero-mass

@@ -1,7 +1,7 @@
 """Context-parallel attention over all-gathered K/V (``ring_attention(kv_exchange="allgather")``).
 
 Every rank gathers the whole sequence's K/V, attends its own queries to it in one
-piece (one kernel launch with the vertical columns beside the tiles), and returns
+piece (one kernel launch, under one layout of tiles and vertical columns), and returns
 the K/V gradients to their owners with one reduce-scatter. Under GQA the K/V are a
 small share of the activations (Qwen2.5-3B: 2 of 16 heads), so holding them whole is
 cheap. What it buys over the ring: one piece per rank, each program with its query
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..sparse.reference import compute_dtype
 from .imbalance import KernelTimer, timed
 from .layout import ContextParallelLayout
-from .pieces import Piece, last_attending, nothing_attended
+from .pieces import Piece, nothing_attended
 
 # torch 2.13 renamed the tensor collectives (the old names warn); the GPU image's 2.11 has
 # only the old ones.
@@ -75,38 +75,29 @@ def reduce_scatter_to_owners(grads, layout: ContextParallelLayout, group, timer:
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """A rank's queries over the gathered K/V: the pieces (the local vertical-column piece
-    on the reference path, then the whole-sequence piece, which on the kernels attends
-    the columns in its own launch) add into one running result, as the ring's do.
+    """A rank's queries over the gathered K/V, in one piece: the whole index over the whole
+    sequence's keys (on the kernels one layout, tiles and vertical columns, as on one
+    device).
 
-    Backward: the pieces' gradients over the whole sequence are summed in the compute
-    dtype and reduce-scattered to the owners; the gathered K/V are kept from the forward
-    (2 x the rank's K/V), not gathered again."""
+    Backward: the piece's gradients over the whole sequence are reduce-scattered to the
+    owners; the gathered K/V are kept from the forward (2 x the rank's K/V), not
+    gathered again."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gathered: GatheredKV, pieces: list[Piece], scale: float, comm_timer):
+    def forward(ctx, q, k, v, gathered: GatheredKV, piece: Piece, scale: float, comm_timer):
         k_all, v_all = gathered.wait(comm_timer)
-        last = last_attending(pieces)
-        result = None
-        for piece in pieces:
-            result = piece.forward(q, k_all, v_all, scale, result, piece is last, (k_all, v_all))
+        result = piece.forward(q, k_all, v_all, scale, None, True)
         out, lse = result if result is not None else nothing_attended(q)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.pieces, ctx.last, ctx.scale = pieces, last, scale
+        ctx.piece, ctx.scale = piece, scale
         ctx.layout, ctx.group, ctx.comm_timer = gathered.layout, gathered.group, comm_timer
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k_all, v_all, out, lse = ctx.saved_tensors
+        dq, grads, _ = ctx.piece.backward(q, k_all, v_all, ctx.scale, out, lse, dout, dlse, None, True)
         dt = compute_dtype(q.dtype)
-        dq, dkv = None, None
-        for piece in ctx.pieces:
-            dq, grads, cols = piece.backward(
-                q, k_all, v_all, ctx.scale, out, lse, dout, dlse, dq, piece is ctx.last, (k_all, v_all)
-            )
-            for g in (grads, cols) if cols is not None else (grads,):
-                dkv = [x.to(dt) for x in g] if dkv is None else [acc.add_(x) for acc, x in zip(dkv, g, strict=True)]
-        dk, dv = reduce_scatter_to_owners(dkv, ctx.layout, ctx.group, ctx.comm_timer)
+        dk, dv = reduce_scatter_to_owners([g.to(dt) for g in grads], ctx.layout, ctx.group, ctx.comm_timer)
         dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
         return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None

@@ -6,11 +6,12 @@ every chunk under the per-step view of one global sparse index (``StepIndex``) a
 adding each chunk's part into one running (out, lse), inside the attention kernel
 where the kernels run. Transfers are posted before the compute they overlap. In the
 backward, dK/dV accumulators travel with their chunk back to its owner. A
-vertical-slash index's vertical columns are attended in one local piece, before the
-ring's, against their gathered K/V rather than on the ring, which keeps the ring's
-work balanced; on the kernels, in the launch of the last ring step, so that its tiles
-and the columns share one program per query block, and the host builds the columns'
-layout while earlier steps run.
+vertical-slash index's vertical columns are attended locally, against their gathered
+K/V rather than on the ring, which keeps the ring's work balanced; on the kernels, in
+the launch of the last ring step, so that its tiles and the columns share one program
+per query block. Their K/V are taken from the chunks as they pass, and the host builds
+their layout once the first step's kernel is launched, so that no host work but that
+step's one-launch layout (``layout_kernel``) precedes the GPU's first attention kernel.
 
 ``ring_attention`` also runs the all-gather exchange (``kv_allgather``), which ``auto``
 picks for a flat group on one node.
@@ -42,26 +43,31 @@ KV_EXCHANGES = ("auto", "ring", "allgather")
 
 
 class _RingAttention(torch.autograd.Function):
-    """All of a rank's attention as one result. First the local vertical-column piece
-    (``local``, against the gathered column K/V ``k_cols`` / ``v_cols``; None when the
-    index has no columns, or when the last ring step attends them), then the two-level
-    ring: ``steps[o][i]`` is the view of the chunk held at outer step ``o``, inner step
-    ``i``. Each outer step posts the inter-node transfer of the chunk it started with,
-    then runs the whole inner ring, so that transfer overlaps the inner compute. A flat
-    ring is the case of one outer step (one node). Every piece adds into one running result (``Piece``).
+    """All of a rank's attention as one result: the two-level ring, ``steps[o][i]`` the view
+    of the chunk held at outer step ``o``, inner step ``i``, then the vertical columns
+    (``columns``; None when the index has none). Each outer step posts the inter-node
+    transfer of the chunk it started with, then runs the whole inner ring, so that transfer
+    overlaps the inner compute. A flat ring is the case of one outer step (one node).
+    Every piece adds into one running result (``Piece``). The columns' K/V are taken from
+    each chunk as it passes, and their piece is made once the first step's kernel is
+    launched, so that the host's column work overlaps it; they ride along in the last
+    step's launch where the kernels allow, else run as a piece of their own after the
+    ring.
 
     Backward: each piece is recomputed from the final out / lse, so no piece keeps its
-    own result. The column gradients go back to ``_GatherColumns``; dK/dV accumulators
-    travel the inner ring back to the rank that brought the chunk into the node, then
-    the outer ring back to the owning node.
+    own result. dK/dV accumulators travel the inner ring back to the rank that brought
+    the chunk into the node, then the outer ring back to the owning node; the columns'
+    gradients go back to their owners by one sum over ranks.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, k_cols, v_cols, local, steps, inner, outer, scale: float, comm_timer):
-        last = last_attending([local, *(s for row in steps for s in row)])
+    def forward(ctx, q, k, v, columns, steps, inner, outer, group, scale: float, comm_timer):
+        carrier = steps[-1][-1]
+        if columns is not None and columns.rides:
+            carrier.attends = True
+        own_piece = columns is not None and not columns.rides  # the columns' piece ends the result
+        last = None if own_piece else last_attending([s for row in steps for s in row])
         result = None
-        if local is not None:
-            result = local.forward(q, k_cols, v_cols, scale, result, local is last)
         inner_x, outer_x = RingExchange(inner, comm_timer, "fwd"), RingExchange(outer, comm_timer, "fwd")
         outer_kv = (k, v)
         for o, inner_steps in enumerate(steps):
@@ -71,15 +77,21 @@ class _RingAttention(torch.autograd.Function):
             for i, step in enumerate(inner_steps):
                 if i + 1 < len(inner_steps):
                     inner_x.start(list(kv))
-                result = step.forward(q, *kv, scale, result, step is last, (k_cols, v_cols))
+                if columns is not None and (o, i) != (0, 0):  # another rank's chunk
+                    columns.take(step.index.keys, *kv)
+                result = step.forward(q, *kv, scale, result, step is last, columns.kv if columns else None)
+                if columns is not None and (o, i) == (0, 0):  # our own chunk
+                    columns.start(k, v)
                 if i + 1 < len(inner_steps):
                     kv = tuple(inner_x.wait())
             if o + 1 < len(steps):
                 outer_kv = tuple(outer_x.wait())
+        if own_piece:
+            result = columns.piece.forward(q, *columns.kv, scale, result, True)
         out, lse = result if result is not None else nothing_attended(q)
-        ctx.save_for_backward(q, k, v, k_cols, v_cols, out, lse)
-        ctx.local, ctx.steps, ctx.last = local, steps, last
-        ctx.rings, ctx.scale, ctx.comm_timer = (inner, outer), scale, comm_timer
+        ctx.save_for_backward(q, k, v, *(columns.kv if columns else (None, None)), out, lse)
+        ctx.columns, ctx.steps, ctx.last = columns, steps, columns.piece if own_piece else last
+        ctx.rings, ctx.group, ctx.scale, ctx.comm_timer = (inner, outer), group, scale, comm_timer
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -97,13 +109,7 @@ class _RingAttention(torch.autograd.Function):
         def piece(step, kv, dq):
             return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last, (k_cols, v_cols))
 
-        def column_grads(grads):
-            return grads[0].to(k_cols.dtype), grads[1].to(v_cols.dtype)
-
-        dq, col_grads = None, (None, None)
-        if ctx.local is not None:
-            dq, grads, _ = piece(ctx.local, (k_cols, v_cols), dq)
-            col_grads = column_grads(grads)
+        dq, col_grads = None, None
         outer_kv = (k, v)
         for o, inner_steps in enumerate(ctx.steps):
             if o + 1 < len(ctx.steps):
@@ -114,7 +120,7 @@ class _RingAttention(torch.autograd.Function):
                     inner_x.start(list(kv))
                 dq, grads, cols = piece(step, kv, dq)
                 if cols is not None:  # the step that attended the columns
-                    col_grads = column_grads(cols)
+                    col_grads = cols
                 # The accumulator of the chunk held now arrived from the inner predecessor.
                 acc = inner_g.wait() if i else zeros()
                 inner_g.start([a + g for a, g in zip(acc, grads, strict=True)])
@@ -125,37 +131,68 @@ class _RingAttention(torch.autograd.Function):
             outer_g.start([a + g for a, g in zip(acc, node_grads, strict=True)])
             if o + 1 < len(ctx.steps):
                 outer_kv = tuple(outer_x.wait())
+        if ctx.columns is not None and not ctx.columns.rides:
+            dq, col_grads, _ = piece(ctx.columns.piece, (k_cols, v_cols), dq)
         dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
+        if col_grads is not None:
+            dk, dv = ctx.columns.add_grads(col_grads, dk, dv, ctx.group)
         dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), *col_grads, None, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
-class _GatherColumns(torch.autograd.Function):
-    """K/V at global token positions ``columns`` on every rank (zeros at -1 padding): each
-    owner fills in its tokens and one sum assembles them (exact: one owner per column).
-    The gradient is summed over ranks and returned to the owners."""
+class _VerticalColumns:
+    """A vertical-slash index's vertical columns, which every rank attends locally against
+    their K/V gathered from every rank (balanced, where on the ring a chunk holding sink
+    columns would load one rank per step). ``rides``: whether the ring's last step attends
+    them in its own launch (``ColumnKeys``, both as kernel layouts; tiles and bars in
+    programs of their own cost about 14% on one GPU), else they are a piece of their own.
 
-    @staticmethod
-    def forward(ctx, k, v, columns, queries: TokenPositions, seq_len, group):
-        # Masks rather than boolean indexing: the sizes come from shapes, not from the device.
-        local = queries.index_of(columns, seq_len)  # -1: another rank's column, or padding
-        mine = (local >= 0).view(1, -1, 1, 1)
-        ctx.local, ctx.group, ctx.shapes = local, group, (k.shape, v.shape)
-        gathered = []
-        for x in (k, v):
-            buf = torch.where(mine, x.index_select(1, local.clamp(min=0)), 0)
-            dist.all_reduce(buf, group=group)
-            gathered.append(buf)
-        return tuple(gathered)
+    Forward: ``take`` copies the columns held in each chunk as it passes this rank: every
+    chunk passes every rank, so the column K/V are whole by the last step, at the cost of
+    one small copy per step and no collective of their own (a sum over ranks after the
+    first step's kernel waited for that kernel and for the other rank, 0.7 ms of a 26 ms
+    forward on 2 H200s). ``start`` takes this rank's own chunk's and makes the columns'
+    piece and its layout while the first step's kernel runs. Backward, ``add_grads``: the
+    columns' gradients, summed over ranks, added to the owners' dK/dV."""
 
-    @staticmethod
-    def backward(ctx, dk_cols, dv_cols):
-        grads = []
-        for g, shape in zip((dk_cols, dv_cols), ctx.shapes, strict=True):
-            g = g.contiguous().clone()
-            dist.all_reduce(g, group=ctx.group)
-            grads.append(scatter_rows(g, ctx.local, shape[1]))
-        return grads[0], grads[1], None, None, None, None
+    def __init__(self, index: VerticalSlashIndex, queries: TokenPositions, use_kernels: bool, timer, carrier):
+        self.index, self.queries, self.use_kernels, self.timer = index, queries, use_kernels, timer
+        self.carrier = carrier
+        self.rides = use_kernels and StepLayouts(VerticalSlashPart(index, "bars"), queries).whole_blocks()
+        self.positions = vertical_columns(index)
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.piece: Piece | None = None
+
+    def take(self, keys: TokenPositions, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Adds the columns among the chunk's keys (at ``keys``) to the column K/V."""
+        with record_function("mtraining.ring.take_columns"):
+            # Masks rather than boolean indexing: the sizes come from shapes, not from the device.
+            found = keys.index_of(self.positions, self.index.seq_len)  # -1: in another chunk, or padding
+            held = (found >= 0).view(1, -1, 1, 1)
+            rows = [x.index_select(1, found.clamp(min=0)) for x in (k, v)]
+            before = self.kv if self.kv is not None else (0, 0)
+            self.kv = tuple(torch.where(held, r, b) for r, b in zip(rows, before, strict=True))
+
+    def start(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Once the first step's kernel is launched: this rank's own columns, and the
+        columns' piece and its layout, which the host builds while that kernel runs."""
+        if self.piece is not None:
+            return
+        self.take(self.queries, k, v)
+        with record_function("mtraining.ring.column_piece"):
+            self.piece = _column_piece(self.index, self.queries, self.positions, self.use_kernels, self.timer)
+            if self.rides:
+                self.carrier.columns = self.piece
+                _ = self.piece.layout
+
+    def add_grads(self, grads, dk: torch.Tensor, dv: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = self.queries.index_of(self.positions, self.index.seq_len)
+        out = []
+        for g, acc in zip(grads, (dk, dv), strict=True):
+            g = g.to(acc.dtype).contiguous().clone()
+            dist.all_reduce(g, group=group)
+            out.append(acc + scatter_rows(g, mine, acc.shape[1]))
+        return out[0], out[1]
 
 
 def ring_work(index: SparseIndex) -> SparseIndex:
@@ -182,16 +219,6 @@ def _column_piece(index: VerticalSlashIndex, queries: TokenPositions, keys, use_
     bars = StepIndex(VerticalSlashPart(index, "bars"), queries, keys)
     # Taken as attending: asking (``may_attend``) would read gathered positions from the device.
     return Piece(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer, True)
-
-
-def _ride_along(columns: Piece | None, carrier: Piece) -> Piece | None:
-    """The column piece left to run on its own: None where ``carrier``'s kernel launch
-    attends the columns beside its tiles (``ColumnKeys``), which needs both as kernel
-    layouts; tiles and bars in programs of their own cost about 14% on one GPU."""
-    if columns is not None and columns.layouts is not None and columns.layouts.whole_blocks():
-        carrier.columns, carrier.attends = columns, True
-        return None
-    return columns
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -301,13 +328,15 @@ def ring_attention(
     # runs ahead of the GPU: it builds each ring step's layout while the kernel of the
     # step before runs (the first's before any launch).
     if gathered is not None:
+        # One piece: the whole index (tiles and vertical columns) over the whole sequence's
+        # keys, in one layout, as on one device.
         keys = layout.whole_sequence(q.device)
-        whole = Piece(StepIndex(work, queries, keys), layouts, step_timers[0], True)
-        columns = _column_piece(index, queries, keys, use_kernels, local_timer) if has_columns else None
-        pieces = [p for p in (_ride_along(columns, whole), whole) if p is not None]
+        whole = Piece(
+            StepIndex(index, queries, keys), StepLayouts(index, queries) if use_kernels else None, step_timers[0], True
+        )
         with record_function("mtraining.allgather.attention"):
-            out, lse = AllGatherAttention.apply(q, k, v, gathered, pieces, scale, comm_timer)
-        steps = [[whole]]
+            out, lse = AllGatherAttention.apply(q, k, v, gathered, whole, scale, comm_timer)
+        steps, column_piece = [[whole]], None
     else:
         # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
         # chunk of node (node - o), local (local - i).
@@ -318,20 +347,14 @@ def ring_attention(
             view = StepIndex(work, queries, layout.token_positions(source, q.device))
             return Piece(view, layouts, step_timers[o * n_inner + i], view.may_attend())
 
-        columns, k_cols, v_cols = None, None, None
-        if has_columns:
-            with record_function("mtraining.ring.local_columns"):
-                positions = vertical_columns(index)
-                k_cols, v_cols = _GatherColumns.apply(k, v, positions, queries, index.seq_len, cp_group)
-                columns = _column_piece(index, queries, positions, use_kernels, local_timer)
         steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
-        # The last step carries the columns: a layout built before the first launch leaves the
-        # GPU idle meanwhile (a column piece in the first step's launch added 2-4 ms of
-        # non-kernel time to a 2 x H200 forward).
-        local = _ride_along(columns, steps[-1][-1])
+        # The last step carries the columns: its layout is built while earlier steps run.
+        columns = _VerticalColumns(index, queries, use_kernels, local_timer, steps[-1][-1]) if has_columns else None
         with record_function("mtraining.ring.steps"):
-            out, lse = _RingAttention.apply(q, k, v, k_cols, v_cols, local, steps, inner, outer, scale, comm_timer)
+            out, lse = _RingAttention.apply(q, k, v, columns, steps, inner, outer, cp_group, scale, comm_timer)
+        column_piece = columns.piece if columns is not None else None
     if stats is not None:
         per_step = [int(s.index.attended_area().sum()) if s.attends else 0 for row in steps for s in row]
-        stats.record(rank, per_step, int(columns.index.attended_area().sum()) if columns is not None else 0)
+        local_area = int(column_piece.index.attended_area().sum()) if column_piece is not None else 0
+        stats.record(rank, per_step, local_area)
     return out, lse.float()

@@ -20,8 +20,15 @@ import functools
 
 import torch
 
-from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashPart, compact
-from ..sparse.kernels.layout import KernelLayout, layout_from_membership, selection_union, slash_tiles, vertical_counts
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
+from ..sparse.kernels.layout import (
+    BlockMap,
+    KernelLayout,
+    layout_from_membership,
+    selection_union,
+    vertical_counts,
+    vertical_slash_layout,
+)
 from .layout import TokenPositions
 
 
@@ -41,6 +48,17 @@ def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None
         return (p.values[::block] // block).int() if aligned and ascending else None
 
     return positions.derived(("global blocks", block), make)
+
+
+def _block_map(positions: TokenPositions, block: int, n_blocks: int) -> BlockMap | None:
+    """The positions' ``BlockMap`` (global ids of their blocks and its inverse), once; None
+    where ``_global_blocks`` is."""
+
+    def make(p: TokenPositions) -> BlockMap | None:
+        ids = _global_blocks(p, block)
+        return None if ids is None else BlockMap.of(ids, n_blocks)
+
+    return positions.derived(("block map", block, n_blocks), make)
 
 
 def _whole_sequence(positions: TokenPositions) -> bool:
@@ -77,11 +95,11 @@ class StepLayouts:
         cannot serve it (the tokens are not whole blocks, or the index type has no kernel
         form)."""
         work, queries = self.work, self.queries
-        if isinstance(work, VerticalSlashPart):
-            if work.part == "bars":
-                return self._bars(keys) if _global_blocks(queries, work.index.block_size) is not None else None
-            candidates = (work.index.block_size,)
-        elif isinstance(work, BlockTopKIndex):
+        if isinstance(work, VerticalSlashPart) and work.part == "bars":
+            return self._bars(keys) if _global_blocks(queries, work.index.block_size) is not None else None
+        if isinstance(work, VerticalSlashIndex | VerticalSlashPart):
+            return self._vertical_slash(keys)
+        if isinstance(work, BlockTopKIndex):
             candidates = (min(work.block_size, 128),)
         elif isinstance(work, DenseIndex):
             candidates = (128, 64, 32, 16)
@@ -94,8 +112,6 @@ class StepLayouts:
         # Keys that are the whole sequence are their own positions: the kernels then skip the
         # key-position arithmetic, which cost the forward 6-11% (``block_bar``'s ``HAS_KPOS``).
         fields = {"query_blocks": gq, "key_blocks": None if _whole_sequence(keys) else gk}
-        if isinstance(work, VerticalSlashPart):
-            return KernelLayout(block, *slash_tiles(work.index.slash, gq, gk, work.index.num_blocks), **fields)
         causal = gq.view(-1, 1) >= gk.view(1, -1)
         if isinstance(work, DenseIndex):
             # One table for every head, and the latest query block reads about every key
@@ -107,6 +123,20 @@ class StepLayouts:
         # A query block's tiles lie in the index blocks it chose; a tile's readers chose its block.
         widths = (min(len(gk), most_chosen * _tiles_per_index_block(keys, block, ratio)), min(len(gq), most_readers))
         return layout_from_membership(member, block, widths, rowsel=rowsel, rowsel_ratio=ratio, **fields)
+
+    def _vertical_slash(self, keys: TokenPositions) -> KernelLayout | None:
+        """A vertical-slash step's layout (one launch on CUDA, ``layout_kernel``): the tiles
+        of the ring's part between the rows and the chunk, or the whole index (tiles and
+        bars) over whole-sequence keys (the all-gather's one piece)."""
+        work = self.work
+        index = work if isinstance(work, VerticalSlashIndex) else work.index
+        block, n = index.block_size, index.num_blocks
+        rows, chunk = _block_map(self.queries, block, n), _block_map(keys, block, n)
+        whole = _whole_sequence(keys)
+        bars = isinstance(work, VerticalSlashIndex)
+        if rows is None or chunk is None or (bars and not whole):
+            return None
+        return vertical_slash_layout(index, rows, None if whole else chunk, bars)
 
     @functools.cached_property
     def _selections(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:

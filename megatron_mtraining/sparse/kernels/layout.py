@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
+from ..validation import fail
 from . import triton_available
 
 
@@ -59,6 +60,23 @@ class KernelLayout:
     @property
     def has_bars(self) -> bool:
         return self.vertical is not None and self.vertical.shape[-1] > 0
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Which of a sequence's blocks a context-parallel side holds (a rank's query rows, a
+    ring step's chunk): ``ids`` [n] int32, the global block id of each local block,
+    ascending; ``local`` [n_blocks] int32, the local index of each global block, -1 where
+    not held (the inverse, so that a lookup costs one load)."""
+
+    ids: torch.Tensor
+    local: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, n_blocks: int) -> BlockMap:
+        local = torch.full((n_blocks,), -1, dtype=torch.int32, device=ids.device)
+        local[ids.long()] = torch.arange(len(ids), dtype=torch.int32, device=ids.device)
+        return cls(ids.int().contiguous(), local)
 
 
 def transpose_tiles(
@@ -112,25 +130,39 @@ def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, righ
     return torch.searchsorted(sortable.contiguous(), wanted, right=right).to(torch.int32)
 
 
-def vertical_slash_layout(index: VerticalSlashIndex) -> KernelLayout:
-    """The layout of a vertical-slash index on one device: in one Triton launch for CUDA
-    indices (``layout_kernel``), else composed from the context-parallel helpers below."""
-    if index.precomputed_layout is not None:
+def vertical_slash_layout(
+    index: VerticalSlashIndex, queries: BlockMap | None = None, keys: BlockMap | None = None, bars: bool = True
+) -> KernelLayout:
+    """The layout of a vertical-slash index between the query blocks and the key blocks
+    held (``BlockMap``s: a context-parallel rank's rows, a ring step's chunk), each the
+    whole sequence's where None; with ``bars``, which needs whole-sequence keys, the
+    vertical columns' tables too. In one Triton launch for CUDA indices
+    (``layout_kernel``), else composed from the torch helpers below."""
+    if keys is not None and bars:
+        fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
+    if queries is None and keys is None and bars and index.precomputed_layout is not None:
         return index.precomputed_layout
+    ids = {"query_blocks": None if queries is None else queries.ids, "key_blocks": None if keys is None else keys.ids}
+    vertical = {"vertical": index.vertical} if bars else {}
     if index.device.type == "cuda" and triton_available():
         from .layout_kernel import vertical_slash_tables  # imports Triton
 
-        return KernelLayout(index.block_size, vertical=index.vertical, **vertical_slash_tables(index))
+        return KernelLayout(index.block_size, **vertical, **vertical_slash_tables(index, queries, keys, bars), **ids)
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
-    last_rows = torch.clamp(blocks[1:] * bs, max=index.seq_len) - 1
+    gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
+    tiles = slash_tiles(index.slash, gq, gk, n)
+    if not bars:
+        return KernelLayout(bs, *tiles, **ids)
+    last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
     return KernelLayout(
         bs,
-        *slash_tiles(index.slash, blocks[:-1], blocks[:-1], n),
-        vertical=index.vertical,
+        *tiles,
+        **vertical,
         bar_count=vertical_counts(index.vertical, last_rows, right=True),
         vertical_ptr=vertical_counts(index.vertical, blocks * bs),
         active=index.active_diagonals().to(torch.int8),
+        **ids,
     )
 
 

@@ -1,19 +1,23 @@
-"""A vertical-slash index's single-device kernel layout in one Triton launch (CUDA inputs).
+"""A vertical-slash index's kernel layout in one Triton launch (CUDA inputs), on one
+device or for a context-parallel piece.
 
-``layout.vertical_slash_layout`` composes ``slash_tiles``, ``vertical_counts`` and
-``active_diagonals``: about 55 small torch operations, each a kernel launch and ~5-10 us of
-host time (0.8 ms at 128K on an H200), and each a node of the index build's CUDA graph.
-This kernel writes the same tables, equal entry for entry (the tests compare them), one
-program per (group of block ids, batch x head):
+``layout.vertical_slash_layout`` (one device) and ``StepLayouts`` (a ring step) compose
+``slash_tiles``, ``vertical_counts`` and ``active_diagonals``: about 55 small torch
+operations, each a kernel launch and ~5-10 us of host time (0.8 ms at 128K on an H200),
+each a node of the index build's CUDA graph, and on a context-parallel rank host time
+spent before its first attention kernel. This kernel writes the same tables, equal entry
+for entry (the tests compare them), one program per (group of block ids, batch x head).
+Query block ``g`` and key block ``h`` are global ids (a rank's rows and a step's chunk
+map local blocks to them, ``BlockMap``; on one device local is global):
 
-* tiles of query block ``g``: key blocks ``g - d`` for the listed diagonals ``d <= g``,
-  ascending (``d`` descending); tiles of KV block ``g``: query blocks ``g + d < n``,
-  ascending. Each entry's slot is its rank among the block's entries, so the slash list
-  need not be sorted; slots past the count hold -1;
-* ``bar_count[g]``: vertical columns at or before query block ``g``'s last row;
-  ``vertical_ptr[g]``: columns before KV block ``g`` (``g <= n``); by bisection of the
-  ascending vertical list, as ``vertical_counts`` (``torch.searchsorted``) does;
-* ``active[g]``: whether diagonal ``g`` is listed.
+* tiles of query block ``g``: the held key blocks ``g - d`` for the listed diagonals
+  ``d <= g``, ascending (``d`` descending); tiles of key block ``h``: the held query
+  blocks ``h + d < n``, ascending. Each entry's slot is its rank among the block's
+  entries, so the slash list need not be sorted; slots past the count hold -1;
+* with whole-sequence keys, the bars: ``bar_count``, vertical columns at or before
+  query block ``g``'s last row; ``vertical_ptr[h]``, columns before key block ``h``
+  (``h <= n``); by bisection of the ascending vertical list, as ``vertical_counts``
+  (``torch.searchsorted``) does; ``active[d]``, whether diagonal ``d`` is listed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..index import VerticalSlashIndex
+from .layout import BlockMap
 
 
 @triton.jit
@@ -50,101 +55,146 @@ def _counts_below(VERT, row, n_vert, bound_a, bound_b, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _diagonals(SLASH, row, n_slash, j0, g, n_blocks, SDC: tl.constexpr):
+def _local(LOC, glob, ok, HAS_MAP: tl.constexpr):
+    """Local block index of global block ids ``glob`` where ``ok`` (-1 where the block is
+    not held, or not ``ok``): the map ``LOC``'s entry, or the id itself (whole sequence)."""
+    if HAS_MAP:
+        return tl.load(LOC + glob, mask=ok, other=-1)
+    return tl.where(ok, glob, -1)
+
+
+@triton.jit
+def _diagonals(SLASH, row, n_slash, j0, g, h, n_blocks, QLOC, KLOC, SDC: tl.constexpr,
+               HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr):  # fmt: skip
     """Entries ``j0 .. j0 + SDC`` of the row's slash list: (their indices, diagonals,
-    listed, ``[G, SDC]`` query block g reads key block g - d, key block g is read by g + d)."""
+    listed, ``[G, SDC]`` the local key block that global query block ``g`` reads on each
+    diagonal (``g - d``) or -1, and the local query block that reads global key block
+    ``h`` (``h + d``) or -1)."""
     j = j0 + tl.arange(0, SDC)
     d = tl.load(SLASH + row * n_slash + j, mask=j < n_slash, other=-1)
     listed = d >= 0
-    into = listed[None, :] & (d[None, :] <= g[:, None])
-    out_of = listed[None, :] & (d[None, :] + g[:, None] < n_blocks)
+    key = g[:, None] - d[None, :]
+    reader = h[:, None] + d[None, :]
+    into = _local(KLOC, key, listed[None, :] & (key >= 0), HAS_KPOS)
+    out_of = _local(QLOC, reader, listed[None, :] & (reader < n_blocks), HAS_QPOS)
     return j, d, listed, into, out_of
 
 
 @triton.jit
+def _global(BLK, r, ok, HAS_POS: tl.constexpr):
+    """Global block ids of local blocks ``r``: the table's entries, or ``r`` (whole sequence)."""
+    if HAS_POS:
+        return tl.load(BLK + r, mask=ok, other=0)
+    return r
+
+
+@triton.jit
 def _layout_kernel(
-    SLASH, VERT, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
-    n_slash, n_vert, n_blocks, seq_len, width,
-    BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, STEPS: tl.constexpr,
+    SLASH, VERT, QBLK, QLOC, KBLK, KLOC, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
+    n_slash, n_vert, n_blocks, n_q, n_k, seq_len, width, width_t,
+    BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, WP_T: tl.constexpr,
+    STEPS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_BARS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(1)  # batch x head
-    g = tl.program_id(0) * G + tl.arange(0, G)
-    in_range = g < n_blocks
-    base = (row * n_blocks + g)[:, None] * width
+    r = tl.program_id(0) * G + tl.arange(0, G)  # local query block, local key block, diagonal
+    q_ok = r < n_q
+    k_ok = r < n_k
+    g = _global(QBLK, r, q_ok, HAS_QPOS)
+    h = _global(KBLK, r, k_ok, HAS_KPOS)
+    base = (row * n_q + r)[:, None] * width
+    base_t = (row * n_k + r)[:, None] * width_t
     count = tl.zeros([G], tl.int32)
     count_t = tl.zeros([G], tl.int32)
     active = tl.zeros([G], tl.int32)
     # The slash list in chunks of SDC entries, so that the pairwise tables below stay
     # SDC x SDC whatever the list's length (a 256 x 256 table does not fit in registers).
     for b0 in range(0, n_slash, SDC):
-        jb, db, listed_b, into_b, out_of_b = _diagonals(SLASH, row, n_slash, b0, g, n_blocks, SDC)
+        jb, db, listed_b, tile_b, tile_t_b = _diagonals(
+            SLASH, row, n_slash, b0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
+        )
+        into_b = tile_b >= 0
+        out_of_b = tile_t_b >= 0
         # Slots: an entry's rank among its block's entries, by d descending for the tiles
-        # (key blocks ascending) and ascending for their transpose, ties in list order. As
-        # matrix products of 0/1 values (exact in the fp32 sums):
-        # slot[g, j] = sum over j' of in_g(j') * before(j', j).
+        # (key blocks ascending: local order is global order) and ascending for their
+        # transpose, ties in list order. As matrix products of 0/1 values (exact in the
+        # fp32 sums): slot[r, j] = sum over j' of in_r(j') * before(j', j).
         slot = tl.zeros([G, SDC], tl.float32)
         slot_t = tl.zeros([G, SDC], tl.float32)
         for a0 in range(0, n_slash, SDC):
-            ja, da, listed_a, into_a, out_of_a = _diagonals(SLASH, row, n_slash, a0, g, n_blocks, SDC)
+            ja, da, listed_a, tile_a, tile_t_a = _diagonals(
+                SLASH, row, n_slash, a0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
+            )
             tie = (da[:, None] == db[None, :]) & (ja[:, None] < jb[None, :])
             before = (listed_a[:, None] & ((da[:, None] > db[None, :]) | tie)).to(tl.float16)
             before_t = (listed_a[:, None] & ((da[:, None] < db[None, :]) | tie)).to(tl.float16)
-            slot = tl.dot(into_a.to(tl.float16), before, slot)
-            slot_t = tl.dot(out_of_a.to(tl.float16), before_t, slot_t)
+            slot = tl.dot((tile_a >= 0).to(tl.float16), before, slot)
+            slot_t = tl.dot((tile_t_a >= 0).to(tl.float16), before_t, slot_t)
         slot = slot.to(tl.int32)
         slot_t = slot_t.to(tl.int32)
         # A slot past the width only with repeated diagonals: dropped, as compact trims.
-        tl.store(TILES + base + slot, g[:, None] - db[None, :], mask=into_b & in_range[:, None] & (slot < width))
-        tl.store(
-            TILES_T + base + slot_t, g[:, None] + db[None, :], mask=out_of_b & in_range[:, None] & (slot_t < width)
-        )
+        tl.store(TILES + base + slot, tile_b, mask=into_b & q_ok[:, None] & (slot < width))
+        tl.store(TILES_T + base_t + slot_t, tile_t_b, mask=out_of_b & k_ok[:, None] & (slot_t < width_t))
         count += tl.sum(into_b.to(tl.int32), 1)
         count_t += tl.sum(out_of_b.to(tl.int32), 1)
-        active = tl.maximum(active, tl.max(((db[None, :] == g[:, None]) & listed_b[None, :]).to(tl.int32), 1))
+        if HAS_BARS:
+            active = tl.maximum(active, tl.max(((db[None, :] == r[:, None]) & listed_b[None, :]).to(tl.int32), 1))
     s = tl.arange(0, WP)[None, :]
-    pad_ok = in_range[:, None] & (s < width)
-    tl.store(TILES + base + s, -1, mask=pad_ok & (s >= count[:, None]))
-    tl.store(TILES_T + base + s, -1, mask=pad_ok & (s >= count_t[:, None]))
-    tl.store(COUNT + row * n_blocks + g, count, mask=in_range)
-    tl.store(COUNT_T + row * n_blocks + g, count_t, mask=in_range)
-    tl.store(ACTIVE + row * n_blocks + g, active.to(tl.int8), mask=in_range)
-    # Bars up to the block's last row (a column <= last row: below last row + 1); columns
-    # before KV block g.
-    bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), g * BLOCK, STEPS)
-    tl.store(BAR_COUNT + row * n_blocks + g, bars, mask=in_range)
-    tl.store(VERT_PTR + row * (n_blocks + 1) + g, before_block, mask=g <= n_blocks)
+    tl.store(TILES + base + s, -1, mask=q_ok[:, None] & (s < width) & (s >= count[:, None]))
+    s_t = tl.arange(0, WP_T)[None, :]
+    tl.store(TILES_T + base_t + s_t, -1, mask=k_ok[:, None] & (s_t < width_t) & (s_t >= count_t[:, None]))
+    tl.store(COUNT + row * n_q + r, count, mask=q_ok)
+    tl.store(COUNT_T + row * n_k + r, count_t, mask=k_ok)
+    if HAS_BARS:  # keys are the whole sequence: local key block r is global block r
+        tl.store(ACTIVE + row * n_blocks + r, active.to(tl.int8), mask=r < n_blocks)
+        # Bars up to the query block's last row (a column <= last row: below last row + 1);
+        # columns before KV block r.
+        n_bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), r * BLOCK, STEPS)
+        tl.store(BAR_COUNT + row * n_q + r, n_bars, mask=q_ok)
+        tl.store(VERT_PTR + row * (n_k + 1) + r, before_block, mask=r <= n_k)
 
 
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def vertical_slash_tables(index: VerticalSlashIndex) -> dict[str, torch.Tensor]:
-    """The fields of ``layout.vertical_slash_layout(index)`` other than ``block`` and
-    ``vertical``, by name."""
+def vertical_slash_tables(
+    index: VerticalSlashIndex,
+    query_blocks: BlockMap | None = None,
+    key_blocks: BlockMap | None = None,
+    bars: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The tables of ``layout.vertical_slash_layout(index, query_blocks, key_blocks, bars)``
+    (``KernelLayout``'s fields by name, but ``block``, ``vertical`` and the block ids):
+    the tiles, and with ``bars`` (whole-sequence keys only) ``bar_count``,
+    ``vertical_ptr`` and ``active``."""
     b, h, n_slash = index.slash.shape
     n, dev = index.num_blocks, index.device
-    width = min(n_slash, n)  # a block meets each diagonal once: the bound slash_tiles uses
+    n_q = n if query_blocks is None else len(query_blocks.ids)
+    n_k = n if key_blocks is None else len(key_blocks.ids)
+    # A block meets each diagonal once: the bounds slash_tiles uses.
+    width, width_t = min(n_slash, n_k), min(n_slash, n_q)
 
     def table(*shape, dtype=torch.int32):
         return torch.empty(b, h, *shape, dtype=dtype, device=dev)
 
-    out = {
-        "tiles": table(n, width),
-        "tile_count": table(n),
-        "tiles_t": table(n, width),
-        "tile_t_count": table(n),
-        "bar_count": table(n),
-        "vertical_ptr": table(n + 1),
-        "active": table(n, dtype=torch.int8),
-    }
+    out = {"tiles": table(n_q, width), "tile_count": table(n_q), "tiles_t": table(n_k, width_t),
+           "tile_t_count": table(n_k)}  # fmt: skip
+    if bars:
+        out |= {"bar_count": table(n_q), "vertical_ptr": table(n_k + 1), "active": table(n, dtype=torch.int8)}
+    placeholder = out["tile_count"]  # never read where a flag is off
+    qblk, qloc = (placeholder, placeholder) if query_blocks is None else (query_blocks.ids, query_blocks.local)
+    kblk, kloc = (placeholder, placeholder) if key_blocks is None else (key_blocks.ids, key_blocks.local)
     # Block ids per program and diagonals per chunk: the slot products hold G x SDC and
     # SDC x SDC tables, which fit in registers at these sizes (sm90).
     g, sdc = 32, min(_pow2(n_slash), 64)
-    _layout_kernel[(triton.cdiv(n + 1, g), b * h)](
-        index.slash.contiguous(), index.vertical.contiguous(), out["tiles"], out["tile_count"], out["tiles_t"],
-        out["tile_t_count"], out["bar_count"], out["vertical_ptr"], out["active"],
-        n_slash, index.vertical.shape[-1], n, index.seq_len, width,
-        BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), STEPS=index.vertical.shape[-1].bit_length(),
+    rows = max(n_q, n_k + 1 if bars else n_k, n if bars else 0)
+    _layout_kernel[(triton.cdiv(rows, g), b * h)](
+        index.slash.contiguous(), index.vertical.contiguous(), qblk, qloc, kblk, kloc, out["tiles"],
+        out["tile_count"], out["tiles_t"], out["tile_t_count"], out.get("bar_count", placeholder),
+        out.get("vertical_ptr", placeholder), out.get("active", placeholder),
+        n_slash, index.vertical.shape[-1], n, n_q, n_k, index.seq_len, width, width_t,
+        BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), WP_T=_pow2(width_t),
+        STEPS=index.vertical.shape[-1].bit_length(), HAS_QPOS=query_blocks is not None,
+        HAS_KPOS=key_blocks is not None, HAS_BARS=bars,
     )  # fmt: skip
     return out
