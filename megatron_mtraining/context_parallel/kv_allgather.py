@@ -6,9 +6,9 @@ the K/V gradients to their owners with one reduce-scatter. Under GQA the K/V are
 small share of the activations (Qwen2.5-3B: 2 of 16 heads), so holding them whole is
 cheap. What it buys over the ring: one piece per rank, each program with its query
 block's whole work, as on one device, and keys that are their own positions (the
-kernels skip the key-position arithmetic, ``block_bar``'s ``HAS_KPOS``). On 2 H200s the
-forward went from 0.80 to 0.86 of the single GPU's throughput at 256K tokens, 0.85 to
-0.94 at 512K (``docs/benchmarks.md``). What it gives up: the transfer overlaps the index
+kernels skip the key-position arithmetic, ``block_bar``'s ``HAS_KPOS``). On 2 H200s its
+forward reaches 0.95 of the single GPU's throughput at 256K tokens (the ring's 0.82-0.84)
+and 0.97 at 512K (``docs/benchmarks.md``). What it gives up: the transfer overlaps the index
 build and the host's layout work instead of attention kernels, the gathered K/V grow
 with the group, and the backward's reduce-scatter is exposed: across nodes, where
 those bytes cross the slow link, ``auto`` keeps the ring. On 8 H200s of one node at

@@ -232,8 +232,8 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
 def _exchange(kv_exchange: str, hierarchy, one_node: bool) -> str:
     """The K/V exchange to run. ``auto``: the all-gather on a flat group whose ranks share a
     node (``one_node``), the ring otherwise. Measured on one node (``docs/benchmarks.md``):
-    the all-gather's forward was 0.86-0.88 of single-GPU throughput on 2 H200s at 256K
-    against the ring's 0.78-0.80, and 0.79 against 0.58 on 8 H200s at 512K. Across nodes
+    the all-gather's forward was 0.95-0.96 of single-GPU throughput on 2 H200s at 256K
+    against the ring's 0.82-0.84, and 0.79 against 0.58 on 8 H200s at 512K. Across nodes
     its K/V bytes would cross the slow link with nothing to hide them but the index build,
     where the ring overlaps every transfer with a step's kernel."""
     if kv_exchange == "allgather" and hierarchy is not None:
