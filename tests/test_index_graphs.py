@@ -294,6 +294,8 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
             for name, t in got.items():
                 assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
             assert int(want.tile_count.sum()) > 0
+    with pytest.raises(ValueError, match=r"bars=True is not accepted.*whole-sequence keys"):
+        vertical_slash_layout(index, blocks(0, "cpu"), blocks(1, "cpu"), True)
 
 
 @pytest.mark.parametrize("n,cap,forced", [(3000, 1500, 5), (50, 64, 0), (40, 8, 60)])

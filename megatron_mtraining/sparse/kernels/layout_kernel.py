@@ -187,7 +187,7 @@ def vertical_slash_tables(
     # Block ids per program and diagonals per chunk: the slot products hold G x SDC and
     # SDC x SDC tables, which fit in registers at these sizes (sm90).
     g, sdc = 32, min(_pow2(n_slash), 64)
-    rows = max(n_q, n_k + 1 if bars else n_k, n if bars else 0)
+    rows = max(n_q, n_k + 1 if bars else n_k)  # with bars, keys are every block: n_k = n
     _layout_kernel[(triton.cdiv(rows, g), b * h)](
         index.slash.contiguous(), index.vertical.contiguous(), qblk, qloc, kblk, kloc, out["tiles"],
         out["tile_count"], out["tiles_t"], out["tile_t_count"], out.get("bar_count", placeholder),
