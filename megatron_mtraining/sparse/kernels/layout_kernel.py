@@ -75,7 +75,7 @@ def _diagonals(SLASH, row, n_slash, j0, g, h, n_blocks, QLOC, KLOC, SDC: tl.cons
     listed = d >= 0
     key = g[:, None] - d[None, :]
     reader = h[:, None] + d[None, :]
-    into = _local(KLOC, key, listed[None, :] & (key >= 0), HAS_KPOS)
+    into = _local(KLOC, key, listed[None, :] & (key >= 0) & (key < n_blocks), HAS_KPOS)
     out_of = _local(QLOC, reader, listed[None, :] & (reader < n_blocks), HAS_QPOS)
     return j, d, listed, into, out_of
 
