@@ -262,8 +262,10 @@ def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, 
 def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rng, device):
     """The one-launch layout of context-parallel pieces against the torch composition,
     entry for entry: every rank's tiles over every chunk (query and key block ids mapped
-    through ``BlockMap``s), and its whole piece over whole-sequence keys with the bars
-    (the all-gather's). Unsorted, duplicated diagonals and more of them than one chunk (64)."""
+    through ``BlockMap``s), its whole piece over whole-sequence keys with the bars (the
+    all-gather's), and its bars over gathered column keys (the ring's column piece).
+    Unsorted, duplicated diagonals and more of them than one chunk (64); padded vertical
+    lists."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.context_parallel import ContextParallelLayout
@@ -275,25 +277,37 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
     # Random diagonals: most of them, unsorted, some twice, -1 padding among them.
     slash = torch.stack([torch.randperm(n, generator=rng)[: 3 * n // 4] for _ in range(heads)])
     slash = torch.cat([slash, slash[:, :10], torch.full((heads, 5), -1)], -1).int().unsqueeze(0)
-    vertical = torch.stack([torch.randperm(seq, generator=rng)[:50].sort().values for _ in range(heads)])
-    index = VerticalSlashIndex(vertical.int().unsqueeze(0), slash, seq, block)
+    vertical = torch.stack([torch.randperm(seq, generator=rng)[:50].sort().values for _ in range(heads)]).int()
+    vertical = torch.cat([vertical[:, :-4], torch.full((heads, 4), -1, dtype=torch.int32)], -1).unsqueeze(0)
+    index = VerticalSlashIndex(vertical, slash, seq, block)
     layout = ContextParallelLayout(kind, world, seq, stripe=block)
 
     def blocks(rank, dev):
         return BlockMap.of(layout.positions(rank, dev)[::block] // block, n)
 
+    # The ring's gathered column keys: every column once, ascending, padded at the end.
+    columns = vertical[vertical >= 0].unique().int()
+    columns = torch.cat([columns, torch.full((7,), -1, dtype=torch.int32)])
     for rank in range(world):
-        cases = [(blocks(src, "cpu"), blocks(src, device), False) for src in range(world)] + [(None, None, True)]
-        for keys, keys_dev, bars in cases:
-            want = vertical_slash_layout(index, blocks(rank, "cpu"), keys, bars)
-            got = vertical_slash_tables(index.to(device), blocks(rank, device), keys_dev, bars)
+        cases = [(blocks(src, "cpu"), blocks(src, device), False, None) for src in range(world)]
+        cases += [(None, None, True, None), (None, None, True, columns)]
+        for keys, keys_dev, bars, cols in cases:
+            want = vertical_slash_layout(index, blocks(rank, "cpu"), keys, bars, cols)
+            got = vertical_slash_tables(
+                index.to(device), blocks(rank, device), keys_dev, bars, None if cols is None else cols.to(device)
+            )
             names = {"tiles", "tile_count", "tiles_t", "tile_t_count"} | (
                 {"bar_count", "vertical_ptr", "active"} if bars else set()
             )
-            assert set(got) == names
+            assert set(got) == names | ({"vertical"} if cols is not None else set())
             for name, t in got.items():
                 assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
-            assert int(want.tile_count.sum()) > 0
+            if cols is None:
+                assert int(want.tile_count.sum()) > 0
+            else:  # no tiles; the bars index the columns, which are where the positions say
+                assert int(want.tile_count.sum()) == 0 and torch.equal(want.bar_positions, index.vertical)
+                assert torch.equal(cols[want.vertical.clamp(min=0).long()].masked_fill(want.vertical < 0, -1), vertical)
+                assert torch.equal(want.vertical_ptr[..., -1], (vertical >= 0).sum(-1).int())
     with pytest.raises(ValueError, match=r"bars=True is not accepted.*whole-sequence keys"):
         vertical_slash_layout(index, blocks(0, "cpu"), blocks(1, "cpu"), True)
 

@@ -20,13 +20,12 @@ import functools
 
 import torch
 
-from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart
 from ..sparse.kernels.layout import (
     BlockMap,
     KernelLayout,
     layout_from_membership,
     selection_union,
-    vertical_counts,
     vertical_slash_layout,
 )
 from .layout import TokenPositions
@@ -155,29 +154,8 @@ class StepLayouts:
 
     def _bars(self, keys: TokenPositions) -> KernelLayout:
         """No tiles; each local query block reads a prefix of its head's vertical columns,
-        as indices into the gathered keys at ``keys`` (see ``KernelLayout.bar_count``)."""
+        as indices into the gathered keys at ``keys`` (see ``KernelLayout.bar_count``),
+        which hold every column in position order."""
         index = self.work.index
-        block, dev = index.block_size, keys.values.device
-        n_qb = len(self.queries.values) // block
-        n_kb = -(-len(keys.values) // block)
-        # The gathered keys are the vertical columns in position order, so each head's list
-        # maps to ascending local indices and a prefix by position is a prefix of the list.
-        local = keys.index_of(index.vertical, index.seq_len)
-        vertical, _ = compact(local.int(), local >= 0, index.vertical.shape[-1])
-        last_rows = self.queries.values.view(n_qb, block).amax(-1)
-        bounds = torch.arange(n_kb + 1, device=dev, dtype=torch.int32) * block
-        none = torch.full((1, 1, n_qb, 1), -1, dtype=torch.int32, device=dev)
-        none_t = torch.full((1, 1, n_kb, 1), -1, dtype=torch.int32, device=dev)
-        return KernelLayout(
-            block=block,
-            tiles=none,
-            tile_count=torch.zeros(1, 1, n_qb, dtype=torch.int32, device=dev),
-            tiles_t=none_t,
-            tile_t_count=torch.zeros(1, 1, n_kb, dtype=torch.int32, device=dev),
-            vertical=vertical,
-            bar_count=vertical_counts(index.vertical, last_rows, right=True),
-            vertical_ptr=vertical_counts(vertical, bounds),
-            active=index.active_diagonals().to(torch.int8),
-            query_blocks=_global_blocks(self.queries, block),
-            bar_positions=torch.where(vertical >= 0, keys.int32[vertical.clamp(min=0)], -1),
-        )
+        rows = _block_map(self.queries, index.block_size, index.num_blocks)
+        return vertical_slash_layout(index, rows, columns=keys.int32)

@@ -131,38 +131,72 @@ def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, righ
 
 
 def vertical_slash_layout(
-    index: VerticalSlashIndex, queries: BlockMap | None = None, keys: BlockMap | None = None, bars: bool = True
+    index: VerticalSlashIndex,
+    queries: BlockMap | None = None,
+    keys: BlockMap | None = None,
+    bars: bool = True,
+    columns: torch.Tensor | None = None,
 ) -> KernelLayout:
     """The layout of a vertical-slash index between the query blocks and the key blocks
     held (``BlockMap``s: a context-parallel rank's rows, a ring step's chunk), each the
     whole sequence's where None; with ``bars``, which needs whole-sequence keys, the
-    vertical columns' tables too. In one Triton launch for CUDA indices
+    vertical columns' tables too. With ``columns`` (int32 positions, ascending, -1 padded
+    at the end, holding every vertical column: a rank's gathered column keys) the keys are
+    those columns: bars only, no tiles. In one Triton launch for CUDA indices
     (``layout_kernel``), else composed from the torch helpers below."""
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
-    if queries is None and keys is None and bars and index.precomputed_layout is not None:
+    if columns is not None and (keys is not None or not bars):
+        fail("columns", "given", "None unless keys=None and bars=True (the columns are the keys)")
+    if queries is None and keys is None and columns is None and bars and index.precomputed_layout is not None:
         return index.precomputed_layout
     ids = {"query_blocks": None if queries is None else queries.ids, "key_blocks": None if keys is None else keys.ids}
     vertical = {"vertical": index.vertical} if bars else {}
+    if columns is not None:  # the bars' keys are the columns: positions beside their indices
+        vertical = {"bar_positions": index.vertical}
     if index.device.type == "cuda" and triton_available():
         from .layout_kernel import vertical_slash_tables  # imports Triton
 
-        return KernelLayout(index.block_size, **vertical, **vertical_slash_tables(index, queries, keys, bars), **ids)
+        tables = vertical_slash_tables(index, queries, keys, bars, columns)
+        return KernelLayout(index.block_size, **vertical, **tables, **ids)
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
-    tiles = slash_tiles(index.slash, gq, gk, n)
+    if columns is None:
+        tiles = slash_tiles(index.slash, gq, gk, n)
+    else:
+        tiles = _no_tiles(index, len(gq), -(-len(columns) // bs))
     if not bars:
         return KernelLayout(bs, *tiles, **ids)
     last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
+    if columns is None:
+        key_vertical, key_starts = index.vertical, blocks * bs
+    else:
+        # Each column's index among the gathered ones (all of them are there).
+        sortable = torch.where(columns >= 0, columns, torch.iinfo(torch.int32).max)
+        found = torch.searchsorted(sortable, index.vertical.contiguous())
+        key_vertical = torch.where(index.vertical >= 0, found, -1).int()
+        key_starts = torch.arange(tiles[2].shape[2] + 1, device=index.device, dtype=torch.int32) * bs
+        vertical["vertical"] = key_vertical
     return KernelLayout(
         bs,
         *tiles,
         **vertical,
         bar_count=vertical_counts(index.vertical, last_rows, right=True),
-        vertical_ptr=vertical_counts(index.vertical, blocks * bs),
+        vertical_ptr=vertical_counts(key_vertical, key_starts),
         active=index.active_diagonals().to(torch.int8),
         **ids,
+    )
+
+
+def _no_tiles(index: VerticalSlashIndex, n_q: int, n_k: int) -> tuple[torch.Tensor, ...]:
+    """Empty tile tables (one -1 slot, count 0) of ``n_q`` query and ``n_k`` key blocks."""
+    b, h, dev = index.batch_size, index.num_heads, index.device
+    return (
+        torch.full((b, h, n_q, 1), -1, dtype=torch.int32, device=dev),
+        torch.zeros(b, h, n_q, dtype=torch.int32, device=dev),
+        torch.full((b, h, n_k, 1), -1, dtype=torch.int32, device=dev),
+        torch.zeros(b, h, n_k, dtype=torch.int32, device=dev),
     )
 
 

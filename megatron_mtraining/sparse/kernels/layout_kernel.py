@@ -17,7 +17,9 @@ map local blocks to them, ``BlockMap``; on one device local is global):
 * with whole-sequence keys, the bars: ``bar_count``, vertical columns at or before
   query block ``g``'s last row; ``vertical_ptr[h]``, columns before key block ``h``
   (``h <= n``); by bisection of the ascending vertical list, as ``vertical_counts``
-  (``torch.searchsorted``) does; ``active[d]``, whether diagonal ``d`` is listed.
+  (``torch.searchsorted``) does; ``active[d]``, whether diagonal ``d`` is listed;
+* with the gathered vertical columns as keys (a ring rank's column piece): no tiles, the
+  bars as above over blocks of those columns, and each vertical entry's index among them.
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def _global(BLK, r, ok, HAS_POS: tl.constexpr):
 
 @triton.jit
 def _layout_kernel(
-    SLASH, VERT, QBLK, QLOC, KBLK, KLOC, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
-    n_slash, n_vert, n_blocks, n_q, n_k, seq_len, width, width_t,
+    SLASH, VERT, QBLK, QLOC, KBLK, KLOC, COLS, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
+    VERT_LOCAL, n_slash, n_vert, n_blocks, n_q, n_k, n_cols, seq_len, width, width_t,
     BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, WP_T: tl.constexpr,
-    STEPS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_BARS: tl.constexpr,
+    STEPS: tl.constexpr, STEPS_C: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    HAS_TILES: tl.constexpr, HAS_BARS: tl.constexpr, COLUMN_KEYS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(1)  # batch x head
     r = tl.program_id(0) * G + tl.arange(0, G)  # local query block, local key block, diagonal
@@ -112,30 +115,31 @@ def _layout_kernel(
         jb, db, listed_b, tile_b, tile_t_b = _diagonals(
             SLASH, row, n_slash, b0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
         )
-        into_b = tile_b >= 0
-        out_of_b = tile_t_b >= 0
-        # Slots: an entry's rank among its block's entries, by d descending for the tiles
-        # (key blocks ascending: local order is global order) and ascending for their
-        # transpose, ties in list order. As matrix products of 0/1 values (exact in the
-        # fp32 sums): slot[r, j] = sum over j' of in_r(j') * before(j', j).
-        slot = tl.zeros([G, SDC], tl.float32)
-        slot_t = tl.zeros([G, SDC], tl.float32)
-        for a0 in range(0, n_slash, SDC):
-            ja, da, listed_a, tile_a, tile_t_a = _diagonals(
-                SLASH, row, n_slash, a0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
-            )
-            tie = (da[:, None] == db[None, :]) & (ja[:, None] < jb[None, :])
-            before = (listed_a[:, None] & ((da[:, None] > db[None, :]) | tie)).to(tl.float16)
-            before_t = (listed_a[:, None] & ((da[:, None] < db[None, :]) | tie)).to(tl.float16)
-            slot = tl.dot((tile_a >= 0).to(tl.float16), before, slot)
-            slot_t = tl.dot((tile_t_a >= 0).to(tl.float16), before_t, slot_t)
-        slot = slot.to(tl.int32)
-        slot_t = slot_t.to(tl.int32)
-        # A slot past the width only with repeated diagonals: dropped, as compact trims.
-        tl.store(TILES + base + slot, tile_b, mask=into_b & q_ok[:, None] & (slot < width))
-        tl.store(TILES_T + base_t + slot_t, tile_t_b, mask=out_of_b & k_ok[:, None] & (slot_t < width_t))
-        count += tl.sum(into_b.to(tl.int32), 1)
-        count_t += tl.sum(out_of_b.to(tl.int32), 1)
+        if HAS_TILES:
+            into_b = tile_b >= 0
+            out_of_b = tile_t_b >= 0
+            # Slots: an entry's rank among its block's entries, by d descending for the tiles
+            # (key blocks ascending: local order is global order) and ascending for their
+            # transpose, ties in list order. As matrix products of 0/1 values (exact in the
+            # fp32 sums): slot[r, j] = sum over j' of in_r(j') * before(j', j).
+            slot = tl.zeros([G, SDC], tl.float32)
+            slot_t = tl.zeros([G, SDC], tl.float32)
+            for a0 in range(0, n_slash, SDC):
+                ja, da, listed_a, tile_a, tile_t_a = _diagonals(
+                    SLASH, row, n_slash, a0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
+                )
+                tie = (da[:, None] == db[None, :]) & (ja[:, None] < jb[None, :])
+                before = (listed_a[:, None] & ((da[:, None] > db[None, :]) | tie)).to(tl.float16)
+                before_t = (listed_a[:, None] & ((da[:, None] < db[None, :]) | tie)).to(tl.float16)
+                slot = tl.dot((tile_a >= 0).to(tl.float16), before, slot)
+                slot_t = tl.dot((tile_t_a >= 0).to(tl.float16), before_t, slot_t)
+            slot = slot.to(tl.int32)
+            slot_t = slot_t.to(tl.int32)
+            # A slot past the width only with repeated diagonals: dropped, as compact trims.
+            tl.store(TILES + base + slot, tile_b, mask=into_b & q_ok[:, None] & (slot < width))
+            tl.store(TILES_T + base_t + slot_t, tile_t_b, mask=out_of_b & k_ok[:, None] & (slot_t < width_t))
+            count += tl.sum(into_b.to(tl.int32), 1)
+            count_t += tl.sum(out_of_b.to(tl.int32), 1)
         if HAS_BARS:
             active = tl.maximum(active, tl.max(((db[None, :] == r[:, None]) & listed_b[None, :]).to(tl.int32), 1))
     s = tl.arange(0, WP)[None, :]
@@ -144,13 +148,25 @@ def _layout_kernel(
     tl.store(TILES_T + base_t + s_t, -1, mask=k_ok[:, None] & (s_t < width_t) & (s_t >= count_t[:, None]))
     tl.store(COUNT + row * n_q + r, count, mask=q_ok)
     tl.store(COUNT_T + row * n_k + r, count_t, mask=k_ok)
-    if HAS_BARS:  # keys are the whole sequence: local key block r is global block r
+    if HAS_BARS:
         tl.store(ACTIVE + row * n_blocks + r, active.to(tl.int8), mask=r < n_blocks)
+        # The keys' block r starts at position r * BLOCK (whole sequence), or at gathered
+        # column r * BLOCK (past the last column: every column lies before it).
+        if COLUMN_KEYS:
+            first = tl.load(COLS + r * BLOCK, mask=r * BLOCK < n_cols, other=-1)
+            key_start = tl.where(first >= 0, first, seq_len)
+        else:
+            key_start = r * BLOCK
         # Bars up to the query block's last row (a column <= last row: below last row + 1);
-        # columns before KV block r.
-        n_bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), r * BLOCK, STEPS)
+        # columns before the keys' block r.
+        n_bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), key_start, STEPS)
         tl.store(BAR_COUNT + row * n_q + r, n_bars, mask=q_ok)
         tl.store(VERT_PTR + row * (n_k + 1) + r, before_block, mask=r <= n_k)
+        if COLUMN_KEYS:  # entry r of the vertical list: its index among the gathered columns
+            listed = r < n_vert
+            column = tl.load(VERT + row * n_vert + r, mask=listed, other=-1)
+            at, _ = _counts_below(COLS, 0, n_cols, column, column, STEPS_C)
+            tl.store(VERT_LOCAL + row * n_vert + r, tl.where(column >= 0, at, -1), mask=listed)
 
 
 def _pow2(n: int) -> int:
@@ -162,17 +178,22 @@ def vertical_slash_tables(
     query_blocks: BlockMap | None = None,
     key_blocks: BlockMap | None = None,
     bars: bool = True,
+    columns: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tables of ``layout.vertical_slash_layout(index, query_blocks, key_blocks, bars)``
-    (``KernelLayout``'s fields by name, but ``block``, ``vertical`` and the block ids):
-    the tiles, and with ``bars`` (whole-sequence keys only) ``bar_count``,
-    ``vertical_ptr`` and ``active``."""
+    """The tables of ``layout.vertical_slash_layout(index, query_blocks, key_blocks, bars,
+    columns)`` (``KernelLayout``'s fields by name, but ``block``, ``bar_positions`` and the
+    block ids): the tiles, and with ``bars`` (whole-sequence keys only) ``bar_count``,
+    ``vertical_ptr`` and ``active``. With ``columns`` (the gathered vertical columns'
+    positions as keys) no tiles, and ``vertical``: the columns' indices among them."""
     b, h, n_slash = index.slash.shape
-    n, dev = index.num_blocks, index.device
+    n, dev, n_vert = index.num_blocks, index.device, index.vertical.shape[-1]
     n_q = n if query_blocks is None else len(query_blocks.ids)
     n_k = n if key_blocks is None else len(key_blocks.ids)
+    n_cols = 0 if columns is None else len(columns)
     # A block meets each diagonal once: the bounds slash_tiles uses.
     width, width_t = min(n_slash, n_k), min(n_slash, n_q)
+    if columns is not None:
+        n_k, width, width_t = -(-n_cols // index.block_size), 1, 1
 
     def table(*shape, dtype=torch.int32):
         return torch.empty(b, h, *shape, dtype=dtype, device=dev)
@@ -181,20 +202,23 @@ def vertical_slash_tables(
            "tile_t_count": table(n_k)}  # fmt: skip
     if bars:
         out |= {"bar_count": table(n_q), "vertical_ptr": table(n_k + 1), "active": table(n, dtype=torch.int8)}
+    if columns is not None:
+        out["vertical"] = table(n_vert)
     placeholder = out["tile_count"]  # never read where a flag is off
     qblk, qloc = (placeholder, placeholder) if query_blocks is None else (query_blocks.ids, query_blocks.local)
     kblk, kloc = (placeholder, placeholder) if key_blocks is None else (key_blocks.ids, key_blocks.local)
     # Block ids per program and diagonals per chunk: the slot products hold G x SDC and
     # SDC x SDC tables, which fit in registers at these sizes (sm90).
     g, sdc = 32, min(_pow2(n_slash), 64)
-    rows = max(n_q, n_k + 1 if bars else n_k)  # with bars, keys are every block: n_k = n
+    rows = max(n_q, n_k + 1 if bars else n_k, n if bars else 0, n_vert if columns is not None else 0)
     _layout_kernel[(triton.cdiv(rows, g), b * h)](
-        index.slash.contiguous(), index.vertical.contiguous(), qblk, qloc, kblk, kloc, out["tiles"],
-        out["tile_count"], out["tiles_t"], out["tile_t_count"], out.get("bar_count", placeholder),
-        out.get("vertical_ptr", placeholder), out.get("active", placeholder),
-        n_slash, index.vertical.shape[-1], n, n_q, n_k, index.seq_len, width, width_t,
+        index.slash.contiguous(), index.vertical.contiguous(), qblk, qloc, kblk, kloc,
+        placeholder if columns is None else columns.contiguous(), out["tiles"], out["tile_count"], out["tiles_t"],
+        out["tile_t_count"], out.get("bar_count", placeholder), out.get("vertical_ptr", placeholder),
+        out.get("active", placeholder), out.get("vertical", placeholder),
+        n_slash, n_vert, n, n_q, n_k, n_cols, index.seq_len, width, width_t,
         BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), WP_T=_pow2(width_t),
-        STEPS=index.vertical.shape[-1].bit_length(), HAS_QPOS=query_blocks is not None,
-        HAS_KPOS=key_blocks is not None, HAS_BARS=bars,
+        STEPS=n_vert.bit_length(), STEPS_C=n_cols.bit_length(), HAS_QPOS=query_blocks is not None,
+        HAS_KPOS=key_blocks is not None, HAS_TILES=columns is None, HAS_BARS=bars, COLUMN_KEYS=columns is not None,
     )  # fmt: skip
     return out
