@@ -162,9 +162,11 @@ class _VerticalColumns:
         self.positions = vertical_columns(index)
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.piece: Piece | None = None
+        self.mine: torch.Tensor | None = None  # each column's row in this rank's chunk, or -1
 
-    def take(self, keys: TokenPositions, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Adds the columns among the chunk's keys (at ``keys``) to the column K/V."""
+    def take(self, keys: TokenPositions, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Adds the columns among the chunk's keys (at ``keys``) to the column K/V; returns
+        each column's row in the chunk (-1 where it is not there)."""
         with record_function("mtraining.ring.take_columns"):
             # Masks rather than boolean indexing: the sizes come from shapes, not from the device.
             found = keys.index_of(self.positions, self.index.seq_len)  # -1: in another chunk, or padding
@@ -172,13 +174,14 @@ class _VerticalColumns:
             rows = [x.index_select(1, found.clamp(min=0)) for x in (k, v)]
             before = self.kv if self.kv is not None else (0, 0)
             self.kv = tuple(torch.where(held, r, b) for r, b in zip(rows, before, strict=True))
+        return found
 
     def start(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Once the first step's kernel is launched: this rank's own columns, and the
         columns' piece and its layout, which the host builds while that kernel runs."""
         if self.piece is not None:
             return
-        self.take(self.queries, k, v)
+        self.mine = self.take(self.queries, k, v)
         with record_function("mtraining.ring.column_piece"):
             self.piece = _column_piece(self.index, self.queries, self.positions, self.use_kernels, self.timer)
             if self.rides:
@@ -186,12 +189,11 @@ class _VerticalColumns:
                 _ = self.piece.layout
 
     def add_grads(self, grads, dk: torch.Tensor, dv: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-        mine = self.queries.index_of(self.positions, self.index.seq_len)
         out = []
         for g, acc in zip(grads, (dk, dv), strict=True):
             g = g.to(acc.dtype).contiguous().clone()
             dist.all_reduce(g, group=group)
-            out.append(acc + scatter_rows(g, mine, acc.shape[1]))
+            out.append(acc + scatter_rows(g, self.mine, acc.shape[1]))
         return out[0], out[1]
 
 

@@ -95,7 +95,7 @@ class StepLayouts:
         form)."""
         work, queries = self.work, self.queries
         if isinstance(work, VerticalSlashPart) and work.part == "bars":
-            return self._bars(keys) if _global_blocks(queries, work.index.block_size) is not None else None
+            return self._bars(keys)
         if isinstance(work, VerticalSlashIndex | VerticalSlashPart):
             return self._vertical_slash(keys)
         if isinstance(work, BlockTopKIndex):
@@ -152,10 +152,10 @@ class StepLayouts:
         most_chosen, most_readers = torch.stack([chosen.sum(-1).amax(), chosen.sum(-2).amax()]).tolist()
         return rowsel, chosen, most_chosen, most_readers
 
-    def _bars(self, keys: TokenPositions) -> KernelLayout:
+    def _bars(self, keys: TokenPositions) -> KernelLayout | None:
         """No tiles; each local query block reads a prefix of its head's vertical columns,
         as indices into the gathered keys at ``keys`` (see ``KernelLayout.bar_count``),
-        which hold every column in position order."""
+        which hold every column in position order. None unless the rows are whole blocks."""
         index = self.work.index
         rows = _block_map(self.queries, index.block_size, index.num_blocks)
-        return vertical_slash_layout(index, rows, columns=keys.int32)
+        return None if rows is None else vertical_slash_layout(index, rows, columns=keys.int32)

@@ -164,20 +164,19 @@ def vertical_slash_layout(
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
     if columns is None:
         tiles = slash_tiles(index.slash, gq, gk, n)
-    else:
-        tiles = _no_tiles(index, len(gq), -(-len(columns) // bs))
-    if not bars:
-        return KernelLayout(bs, *tiles, **ids)
-    last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
-    if columns is None:
+        if not bars:
+            return KernelLayout(bs, *tiles, **ids)
         key_vertical, key_starts = index.vertical, blocks * bs
     else:
+        n_column_blocks = -(-len(columns) // bs)
+        tiles = _no_tiles(index, len(gq), n_column_blocks)
         # Each column's index among the gathered ones (all of them are there).
         sortable = torch.where(columns >= 0, columns, torch.iinfo(torch.int32).max)
         found = torch.searchsorted(sortable, index.vertical.contiguous())
         key_vertical = torch.where(index.vertical >= 0, found, -1).int()
-        key_starts = torch.arange(tiles[2].shape[2] + 1, device=index.device, dtype=torch.int32) * bs
+        key_starts = torch.arange(n_column_blocks + 1, device=index.device, dtype=torch.int32) * bs
         vertical["vertical"] = key_vertical
+    last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
     return KernelLayout(
         bs,
         *tiles,

@@ -96,7 +96,7 @@ def _layout_kernel(
     VERT_LOCAL, n_slash, n_vert, n_blocks, n_q, n_k, n_cols, seq_len, width, width_t,
     BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, WP_T: tl.constexpr,
     STEPS: tl.constexpr, STEPS_C: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
-    HAS_TILES: tl.constexpr, HAS_BARS: tl.constexpr, COLUMN_KEYS: tl.constexpr,
+    HAS_BARS: tl.constexpr, COLUMN_KEYS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(1)  # batch x head
     r = tl.program_id(0) * G + tl.arange(0, G)  # local query block, local key block, diagonal
@@ -115,7 +115,7 @@ def _layout_kernel(
         jb, db, listed_b, tile_b, tile_t_b = _diagonals(
             SLASH, row, n_slash, b0, g, h, n_blocks, QLOC, KLOC, SDC, HAS_QPOS, HAS_KPOS
         )
-        if HAS_TILES:
+        if not COLUMN_KEYS:  # the gathered columns' keys have no tiles
             into_b = tile_b >= 0
             out_of_b = tile_t_b >= 0
             # Slots: an entry's rank among its block's entries, by d descending for the tiles
@@ -219,6 +219,6 @@ def vertical_slash_tables(
         n_slash, n_vert, n, n_q, n_k, n_cols, index.seq_len, width, width_t,
         BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), WP_T=_pow2(width_t),
         STEPS=n_vert.bit_length(), STEPS_C=n_cols.bit_length(), HAS_QPOS=query_blocks is not None,
-        HAS_KPOS=key_blocks is not None, HAS_TILES=columns is None, HAS_BARS=bars, COLUMN_KEYS=columns is not None,
+        HAS_KPOS=key_blocks is not None, HAS_BARS=bars, COLUMN_KEYS=columns is not None,
     )  # fmt: skip
     return out
