@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -46,3 +47,19 @@ def poisoned_outputs(monkeypatch):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(kernels, "new_buffer", poisoned)
+
+
+@pytest.fixture
+def kernel_backward_calls(monkeypatch):
+    """Counts the dense Triton backward's calls (the LSE gradient's path)."""
+    from megatron_mtraining.sparse.kernels import attention as kernels
+
+    calls = collections.Counter()
+    real = kernels.kernel_backward
+
+    def counted(*args, **kwargs):
+        calls["kernel_backward"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "kernel_backward", counted)
+    return calls

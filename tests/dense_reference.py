@@ -2,6 +2,11 @@
 
 import torch
 
+from megatron_mtraining.sparse import DenseIndex, sparse_attention
+
+# Relative tolerance of 16-bit attention against the fp64 reference.
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
 
 def dense_attention(q, k, v, mask, softmax_scale=None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], mask [B, Hq, Sq, Sk] (True = attended).
@@ -24,3 +29,45 @@ def dense_attention(q, k, v, mask, softmax_scale=None):
 def finite(lse):
     """lse with -inf rows zeroed, for use inside a loss."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def make_inputs(rng, shape, dtype, device):
+    b, s, hq, hkv, d = shape
+
+    def t(h):
+        return torch.randn(b, s, h, d, generator=rng).to(device, dtype).requires_grad_()
+
+    return t(hq), t(hkv), t(hkv)
+
+
+def assert_close_rel(got, want, tol, what):
+    """max |got - want| <= tol * max(1, max |want|)."""
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(1.0, want.double().abs().max().item())
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
+
+
+def check_against_dense(q, k, v, scale, grads, rng, backend, lse_tol=1e-5):
+    """``sparse_attention`` on a DenseIndex against fp64 dense attention: out, lse, and dq /
+    dk / dv of a random loss on ``grads`` ("out", "lse" or both). The stand-in's LSE is fp64
+    rounded to fp32, hence the default ``lse_tol``; ``backend`` as ``sparse_attention``'s."""
+    index = DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    out, lse = sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
+    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]), softmax_scale=scale)
+    tol = TOLERANCE[q.dtype]
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert_close_rel(out, ref_out, tol, "out")
+    assert_close_rel(lse, ref_lse, lse_tol, "lse")
+    g_out = torch.randn(out.shape, generator=rng).to(q.device)
+    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
+    loss = (out.float() * g_out).sum() if "out" in grads else 0
+    ref_loss = (ref_out * g_out.double()).sum() if "out" in grads else 0
+    if "lse" in grads:
+        loss = loss + (lse * g_lse).sum()
+        ref_loss = ref_loss + (finite(ref_lse) * g_lse.double()).sum()
+    got = torch.autograd.grad(loss, (q, k, v))
+    # An LSE alone does not depend on v: its reference gradient is then None.
+    want = torch.autograd.grad(ref_loss, (q, k, v), allow_unused=True)
+    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == q.dtype and not a.isnan().any(), name
+        assert_close_rel(a, torch.zeros_like(a) if e is None else e, 2 * tol, name)

@@ -18,13 +18,11 @@ import types
 
 import pytest
 import torch
-from dense_reference import dense_attention, finite
+from dense_reference import TOLERANCE, check_against_dense, make_inputs
 
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex, sparse_attention
 from megatron_mtraining.sparse import attention as api
 from megatron_mtraining.sparse.kernels import flash_attn_backend as backend
-
-TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
 def _causal_scores(q, k, v, scale):
@@ -113,64 +111,6 @@ def fake_flash_attn(monkeypatch):
     backend.interface.cache_clear()
 
 
-@pytest.fixture
-def kernel_backward_calls(monkeypatch):
-    """Counts the dense Triton backward's calls (the LSE gradient's path)."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
-
-    calls = collections.Counter()
-    real = kernels.kernel_backward
-
-    def counted(*args, **kwargs):
-        calls["kernel_backward"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "kernel_backward", counted)
-    return calls
-
-
-def make_inputs(rng, shape, dtype, device):
-    b, s, hq, hkv, d = shape
-
-    def t(h):
-        return torch.randn(b, s, h, d, generator=rng).to(device, dtype).requires_grad_()
-
-    return t(hq), t(hkv), t(hkv)
-
-
-def assert_close_rel(got, want, tol, what):
-    """max |got - want| <= tol * max(1, max |want|)."""
-    err = (got.double() - want.double()).abs().max().item()
-    scale = max(1.0, want.double().abs().max().item())
-    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
-
-
-def check_against_dense(q, k, v, scale, grads, rng, lse_tol=1e-5):
-    """``sparse_attention`` on a DenseIndex against fp64 dense attention: out, lse, and dq /
-    dk / dv of a random loss on ``grads`` ("out", "lse" or both). The stand-in's LSE is fp64
-    rounded to fp32, hence the default ``lse_tol``."""
-    index = DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    out, lse = sparse_attention(q, k, v, index, softmax_scale=scale)
-    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]), softmax_scale=scale)
-    tol = TOLERANCE[q.dtype]
-    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == ref_lse.shape
-    assert_close_rel(out, ref_out, tol, "out")
-    assert_close_rel(lse, ref_lse, lse_tol, "lse")
-    g_out = torch.randn(out.shape, generator=rng).to(q.device)
-    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
-    loss = (out.float() * g_out).sum() if "out" in grads else 0
-    ref_loss = (ref_out * g_out.double()).sum() if "out" in grads else 0
-    if "lse" in grads:
-        loss = loss + (lse * g_lse).sum()
-        ref_loss = ref_loss + (finite(ref_lse) * g_lse.double()).sum()
-    got = torch.autograd.grad(loss, (q, k, v))
-    # An LSE alone does not depend on v: its reference gradient is then None.
-    want = torch.autograd.grad(ref_loss, (q, k, v), allow_unused=True)
-    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
-        assert a.dtype == q.dtype and not a.isnan().any(), name
-        assert_close_rel(a, torch.zeros_like(a) if e is None else e, 2 * tol, name)
-
-
 @pytest.mark.usefixtures("poisoned_outputs")
 @pytest.mark.parametrize("grads", [("out",), ("out", "lse"), ("lse",)], ids=["out", "out+lse", "lse"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -182,7 +122,7 @@ def test_matches_fp64_dense(shape, scale, dtype, grads, rng, kdevice, fake_flash
         pytest.skip("the LSE gradient runs on the Triton kernels, whose interpreter's bf16 is broken")
     calls = fake_flash_attn()
     q, k, v = make_inputs(rng, shape, dtype, kdevice)
-    check_against_dense(q, k, v, scale, grads, rng)
+    check_against_dense(q, k, v, scale, grads, rng, "flash_attn")
     # An LSE gradient takes the dense kernels' backward; without one, flash-attn's.
     assert calls["forward"] == 1
     assert calls["backward"] == (0 if "lse" in grads else 1)
@@ -224,22 +164,22 @@ def test_auto_uses_flash_attn_only_where_it_serves(change, reason, fake_flash_at
     fake_flash_attn()
     case = {"q": torch.zeros(1, 40, 4, 16, dtype=torch.bfloat16), "index": DenseIndex(1, 4, 40)}
     case.update(mp=monkeypatch, install=fake_flash_attn)
-    assert api.uses_flash_attn(case["q"], case["index"])
-    assert api.uses_flash_attn(case["q"], case["index"], "flash_attn")
+    assert api.dense_backend(case["q"], case["index"]) == "flash_attn"
+    assert api.dense_backend(case["q"], case["index"], "flash_attn") == "flash_attn"
     for forced in ("reference", "triton"):
-        assert not api.uses_flash_attn(case["q"], case["index"], forced)
+        assert api.dense_backend(case["q"], case["index"], forced) != "flash_attn"
         with monkeypatch.context() as env:
             env.setenv(api.BACKEND_ENV, forced)
-            assert not api.uses_flash_attn(case["q"], case["index"])
+            assert api.dense_backend(case["q"], case["index"]) != "flash_attn"
 
     change(case)
-    assert not api.uses_flash_attn(case["q"], case["index"])
+    assert api.dense_backend(case["q"], case["index"]) != "flash_attn"
     accepted = r"expected a DenseIndex on CUDA fp16/bf16 inputs .* flash-attn >= 2\.7 and Triton installed; "
     with pytest.raises(ValueError, match=rf"^backend='flash_attn' is not accepted: {accepted}{reason}"):
-        api.uses_flash_attn(case["q"], case["index"], "flash_attn")
+        api.dense_backend(case["q"], case["index"], "flash_attn")
     monkeypatch.setenv(api.BACKEND_ENV, "flash_attn")
     with pytest.raises(ValueError, match=rf"^MTRAINING_ATTENTION_BACKEND='flash_attn' is not accepted: {accepted}"):
-        api.uses_flash_attn(case["q"], case["index"])
+        api.dense_backend(case["q"], case["index"])
 
 
 def test_sparse_attention_follows_the_backend_setting(rng, fake_flash_attn, monkeypatch):
@@ -268,10 +208,10 @@ def test_other_work_runs_as_auto_under_flash_attn(monkeypatch):
 
 def test_bad_backend_values_name_the_setting_and_the_choices(monkeypatch):
     q = torch.zeros(1, 40, 4, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"^backend='flash' .*one of auto, reference, triton, flash_attn$"):
+    with pytest.raises(ValueError, match=r"^backend='flash' .*one of auto, reference, triton, flash_attn, sdpa$"):
         sparse_attention(q, q, q, DenseIndex(1, 4, 40), backend="flash")
     monkeypatch.setenv(api.BACKEND_ENV, "flash-attn")
-    with pytest.raises(ValueError, match=r"^MTRAINING_ATTENTION_BACKEND='flash-attn' .*triton, flash_attn$"):
+    with pytest.raises(ValueError, match=r"^MTRAINING_ATTENTION_BACKEND='flash-attn' .*triton, flash_attn, sdpa$"):
         sparse_attention(q, q, q, DenseIndex(1, 4, 40))
 
 
@@ -283,6 +223,6 @@ def test_real_flash_attn_matches_fp64_dense(grads, rng):
     pytest.importorskip("flash_attn")
     backend.interface.cache_clear()
     q, k, v = make_inputs(rng, (2, 1000, 8, 2, 128), torch.bfloat16, "cuda")
-    assert api.uses_flash_attn(q, DenseIndex(2, 8, 1000, device=q.device), "flash_attn")
+    assert api.dense_backend(q, DenseIndex(2, 8, 1000, device=q.device), "flash_attn") == "flash_attn"
     # Its scores are fp32 sums of bf16 products, like the Triton kernels'.
-    check_against_dense(q, k, v, None, grads, rng, lse_tol=TOLERANCE[q.dtype])
+    check_against_dense(q, k, v, None, grads, rng, "flash_attn", lse_tol=TOLERANCE[q.dtype])

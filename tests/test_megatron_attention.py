@@ -58,10 +58,13 @@ def test_config_from_dict_builds_the_pattern_sections():
         ({"layout": "ring"}, r"MTrainingAttentionConfig\.layout='ring'.*contiguous, zigzag, striped"),
         ({"stripe": 0}, r"MTrainingAttentionConfig\.stripe=0"),
         ({"hierarchy": 0}, r"MTrainingAttentionConfig\.hierarchy=0"),
-        ({"backend": "flash"}, r"MTrainingAttentionConfig\.backend='flash'.*'reference', 'triton' or 'flash_attn'"),
+        (
+            {"backend": "flash"},
+            r"MTrainingAttentionConfig\.backend='flash'.*'reference', 'triton', 'flash_attn' or 'sdpa'",
+        ),
         (
             {"type": "msa", "backend": "flash_attn"},
-            r"MTrainingAttentionConfig\.backend='flash_attn'.*for type 'msa' \(flash-attn computes dense attention only",
+            r"MTrainingAttentionConfig\.backend='flash_attn'.*for type 'msa' \(flash_attn computes dense attention only",
         ),
         ({"msa": {"blok_size": 64}}, r"attention\.msa\.blok_size=64.*MSAConfig fields"),
         ({"mtraining": {"block_size": 24}}, r"VerticalSlashConfig\.block_size=24.*power of two"),

@@ -24,7 +24,9 @@ from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
 
 ATTENTION_TYPES = ("dense", "mtraining", "msa", "moba")
-BACKENDS = (None, "reference", "triton", "flash_attn")
+BACKENDS = (None, "reference", "triton", "flash_attn", "sdpa")
+# Libraries that compute whole causal attention only: dense type, no context parallelism.
+DENSE_ONLY_BACKENDS = ("flash_attn", "sdpa")
 CONFIG_ATTRIBUTE = "mtraining_attention"
 
 # Section name -> pattern config class; a section is named after the attention type it serves.
@@ -41,8 +43,8 @@ def _check_backend(name: str, value) -> None:
         fail(
             name,
             value,
-            "None (automatic: flash-attn for dense attention where installed, else Triton kernels for CUDA inputs), "
-            "'reference', 'triton' or 'flash_attn'",
+            "None (automatic: for dense attention on a GPU flash-attn where installed, else PyTorch's fused "
+            "attention; Triton kernels for the other CUDA calls), 'reference', 'triton', 'flash_attn' or 'sdpa'",
         )
 
 
@@ -73,9 +75,10 @@ class MTrainingAttentionConfig(ValidatedConfig):
     the groups. ``kv_exchange`` is how K/V reach a rank's queries under context parallelism
     (``ring_attention``'s: ``auto``, the all-gather on a flat group whose ranks share a node
     and the ring otherwise; ``ring``; ``allgather``, flat only). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
-    ``auto``: flash-attn for dense attention where it is installed and serves the inputs,
-    else Triton kernels for CUDA inputs, the PyTorch reference otherwise); ``flash_attn``
-    only for ``type="dense"`` without context parallelism, the one case flash-attn computes.
+    ``auto``: for dense attention on CUDA flash-attn where it is installed, else PyTorch's
+    fused attention (cuDNN / FlashAttention-2); Triton kernels for the other CUDA calls,
+    the PyTorch reference otherwise); ``flash_attn`` and ``sdpa`` only for ``type="dense"``
+    without context parallelism, the one case those libraries compute.
     """
 
     type: str = setting("dense", check_choice, choices=ATTENTION_TYPES)
@@ -101,11 +104,11 @@ class MTrainingAttentionConfig(ValidatedConfig):
                 self.kv_exchange,
                 f"'ring' or 'auto' with hierarchy={self.hierarchy} (the all-gather has no inner or outer ring)",
             )
-        if self.backend == "flash_attn" and self.type != "dense":
+        if self.backend in DENSE_ONLY_BACKENDS and self.type != "dense":
             fail(
                 f"{type(self).__name__}.backend",
                 self.backend,
-                f"None, 'reference' or 'triton' for type '{self.type}' (flash-attn computes dense attention only)",
+                f"None, 'reference' or 'triton' for type '{self.type}' ({self.backend} computes dense attention only)",
             )
 
     @classmethod
@@ -144,9 +147,11 @@ class MTrainingAttentionConfig(ValidatedConfig):
             # need TP-sharded index heads and a TP all-reduce of the shared key projection.
             fail("TransformerConfig.tensor_model_parallel_size", config.tensor_model_parallel_size, "1 for type 'msa'")
         cp = config.context_parallel_size
-        if self.backend == "flash_attn" and cp > 1:
-            # flash-attn computes whole causal attention; the ring's steps attend parts of it.
-            fail("TransformerConfig.context_parallel_size", cp, f"1 with {type(self).__name__}.backend='flash_attn'")
+        if self.backend in DENSE_ONLY_BACKENDS and cp > 1:
+            # These compute whole causal attention; the ring's steps attend parts of it.
+            fail(
+                "TransformerConfig.context_parallel_size", cp, f"1 with {type(self).__name__}.backend={self.backend!r}"
+            )
         sizes = config.hierarchical_context_parallel_sizes
         if self.hierarchy is not None and cp > 1:
             want = [self.hierarchy, cp // self.hierarchy]

@@ -8,12 +8,12 @@ import torch
 
 from .index import BlockTopKIndex, SparseIndex
 from .kernels import triton_available
-from .kernels.flash_attn_backend import REQUIREMENTS, FlashAttention, unsupported
+from .kernels import flash_attn_backend, sdpa_backend
 from .kernels.layout import KernelLayout, kernel_layout
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
 
-BACKENDS = ("auto", "reference", "triton", "flash_attn")
+BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 
 
@@ -32,12 +32,14 @@ def sparse_attention(
     visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
     through ``lse``).
 
-    ``backend``: ``"auto"`` (default; flash-attn for a ``DenseIndex`` where it is
-    installed and serves the inputs, see ``uses_flash_attn``; else Triton kernels for
-    CUDA tensors in fp16, bf16 or fp32 with head dim <= 256, else the PyTorch
-    reference), ``"reference"``, ``"triton"`` or ``"flash_attn"``. The environment
-    variable ``MTRAINING_ATTENTION_BACKEND`` sets the default, e.g. ``reference`` to
-    rule the kernels out while debugging.
+    ``backend``: ``"auto"`` (default; for a ``DenseIndex`` on CUDA fp16/bf16 inputs
+    flash-attn where it is installed, else PyTorch's fused attention, see
+    ``dense_backend``; else Triton kernels for CUDA tensors in fp16, bf16 or fp32 with head
+    dim <= 256, else the PyTorch reference), ``"reference"``, ``"triton"``,
+    ``"flash_attn"`` or ``"sdpa"`` (PyTorch's fused attention: cuDNN on Hopper,
+    FlashAttention-2 on Ampere; also on a CPU). The environment variable
+    ``MTRAINING_ATTENTION_BACKEND`` sets the default, e.g. ``reference`` to rule the
+    kernels out while debugging.
     """
     check_qkv(q, k, v)
     if not isinstance(index, SparseIndex):
@@ -45,8 +47,11 @@ def sparse_attention(
     b, s, hq, d = q.shape
     index.check_compatible(b, hq, s, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
-    if uses_flash_attn(q, index, backend):
-        return FlashAttention.apply(q, k, v, scale)
+    dense = dense_backend(q, index, backend)
+    if dense == "flash_attn":
+        return flash_attn_backend.FlashAttention.apply(q, k, v, scale)
+    if dense == "sdpa":
+        return sdpa_backend.SDPAAttention.apply(q, k, v, scale)
     if kv_outer_preferred(index) and backend_choice(q, backend) == "triton":
         from .kernels.kv_outer_attention import KVOuterAttention  # imports Triton
 
@@ -88,9 +93,9 @@ def kv_outer_preferred(index: SparseIndex) -> bool:
 def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
     """``"triton"`` when the kernels run this call, else ``"reference"`` (``backend``, else
     ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve).
-    ``flash_attn`` counts as ``auto`` here: flash-attn computes whole dense attention only
-    (``uses_flash_attn``), so what else a run needs (index statistics, merges, the steps of
-    a context-parallel ring) goes where ``auto`` sends it."""
+    ``flash_attn`` and ``sdpa`` count as ``auto`` here: they compute whole dense attention
+    only (``dense_backend``), so what else a run needs (index statistics, merges, the steps
+    of a context-parallel ring) goes where ``auto`` sends it."""
     choice = _backend_setting(backend)
     # The kernels address elements with int32 offsets (2^31 elements: 1M tokens x 16 heads x 128).
     kernel_ok = (
@@ -107,24 +112,35 @@ def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
             f"installed), got {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements; split longer sequences "
             "with context parallelism",
         )
-    if choice in ("auto", "flash_attn"):
+    if choice in ("auto", "flash_attn", "sdpa"):
         choice = "triton" if q.is_cuda and kernel_ok else "reference"
     return choice
 
 
-def uses_flash_attn(q: torch.Tensor, index: SparseIndex, backend: str | None = None) -> bool:
-    """Whether flash-attn computes ``sparse_attention(q, k, v, index)``: under ``auto``
-    wherever it serves the call (``flash_attn_backend.unsupported``: a ``DenseIndex``, CUDA
-    fp16/bf16 inputs, a head dim it takes, flash-attn and Triton installed), never under
-    ``reference`` or ``triton``; asking for ``flash_attn`` where it cannot run is a
-    ``ValueError`` that names the reason."""
+def dense_backend(q: torch.Tensor, index: SparseIndex, backend: str | None = None) -> str | None:
+    """The library that computes ``sparse_attention(q, k, v, index)`` as whole causal
+    attention: ``"flash_attn"``, ``"sdpa"``, or None when the index goes to the plugin's
+    kernels or the reference. Under ``auto``, for CUDA inputs: flash-attn where it serves
+    the call (``flash_attn_backend.unsupported``), else PyTorch's fused attention where it
+    does (``sdpa_backend.unsupported``); never under ``reference`` or ``triton``. Asking for
+    ``flash_attn`` or ``sdpa`` where it cannot run is a ``ValueError`` that names the reason."""
     choice = _backend_setting(backend)
-    if choice in ("reference", "triton"):
-        return False
-    why_not = unsupported(q, index)
-    if choice == "flash_attn" and why_not is not None:
-        fail("backend" if backend else BACKEND_ENV, choice, f"{REQUIREMENTS}; {why_not}")
-    return why_not is None
+    name = "backend" if backend else BACKEND_ENV
+    if choice == "flash_attn":
+        why_not = flash_attn_backend.unsupported(q, index)
+        if why_not is not None:
+            fail(name, choice, f"{flash_attn_backend.REQUIREMENTS}; {why_not}")
+        return choice
+    if choice == "sdpa":
+        why_not = sdpa_backend.unsupported(q, index)
+        if why_not is not None:
+            fail(name, choice, f"{sdpa_backend.REQUIREMENTS}; {why_not}")
+        return choice
+    if choice != "auto":
+        return None
+    if flash_attn_backend.unsupported(q, index) is None:
+        return "flash_attn"
+    return "sdpa" if q.is_cuda and sdpa_backend.unsupported(q, index) is None else None
 
 
 def _backend_setting(backend: str | None) -> str:

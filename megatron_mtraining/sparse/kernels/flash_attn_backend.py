@@ -1,7 +1,7 @@
 """flash-attn 2 behind ``sparse_attention`` for whole causal attention (a ``DenseIndex``),
 where it is installed (optional: the project's GPU machines do not have it).
 
-``unsupported`` says why a call cannot run on it (``attention.uses_flash_attn`` decides with
+``unsupported`` says why a call cannot run on it (``attention.dense_backend`` decides with
 it); ``FlashAttention`` is the autograd function. flash-attn's own (``flash_attn_func``)
 returns the LSE but drops its gradient, which merging partial results needs
 (``merge_attention_outputs``, the ring's callers), so this one calls flash-attn's forward and
