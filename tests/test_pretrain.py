@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_mtraining.megatron.metrics_line import parse_metrics as metrics
 from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
@@ -74,6 +75,64 @@ def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
     assert [e.value for e in events.Scalars("mtraining/lm_loss")] == pytest.approx([loss[i] for i in range(1, 7)])
     if HAS_WANDB:
         assert list((tmp / "wandb" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
+
+
+RECOMPUTE = (
+    "megatron.recompute_granularity=full",
+    "megatron.recompute_method=uniform",
+    "megatron.recompute_num_layers=1",
+)
+
+
+def _moba_fraction(seq: int, chunk: int, topk: int) -> float:
+    """MoBA's attended share of the causal pairs: each query attends its own chunk causally
+    and ``topk - 1`` whole earlier chunks where there are that many (data-independent)."""
+    chunks = seq // chunk
+    area = sum(chunk * (chunk + 1) / 2 + chunk * chunk * min(topk - 1, c) for c in range(chunks))
+    return area / (seq * (seq + 1) / 2)
+
+
+@pytest.mark.parametrize(
+    "attention, interval, extra",
+    [
+        ("dense", 1, RECOMPUTE),
+        ("moba", 2, RECOMPUTE),
+        ("moba", 3, ("megatron.global_batch_size=4",)),
+    ],
+    ids=["dense-every-step-recompute", "moba-interval2-recompute", "moba-interval3-2microbatches"],
+)
+def test_logged_attended_fraction_is_the_index_area(attention, interval, extra, tmp_path):
+    """The logged fraction of each interval equals the attended area of the index over the
+    causal pairs, whatever the interval, the micro-batches and activation recomputation
+    (which runs the attention again in the backward and must not count twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_mtraining.sparse import MoBAConfig, build_moba_index
+
+    config = load_config(CONFIG)
+    seq = config.megatron["seq_length"]
+    moba = config.attention.moba
+    if attention == "dense":
+        want = 1.0
+    else:
+        want = _moba_fraction(seq, moba.chunk_size, moba.topk)
+        # The closed form against the index itself, on fresh inputs.
+        q, k = torch.randn(1, seq, 4, 16), torch.randn(1, seq, 2, 16)
+        area = build_moba_index(q, k, MoBAConfig(chunk_size=moba.chunk_size, topk=moba.topk)).attended_area()
+        assert float(area.double().mean()) / (seq * (seq + 1) / 2) == pytest.approx(want, abs=1e-12)
+    output = pretrain(
+        tmp_path,
+        f"attention.type={attention}",
+        f"megatron.log_interval={interval}",
+        f"megatron.tensorboard_dir={tmp_path / 'tb'}",
+        *extra,
+    ).stdout
+    assert sorted(metrics(output)) == list(range(interval, 7, interval))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("attended_fraction")}
+    assert sorted(logged) == list(range(interval, 7, interval))
+    assert all(value == pytest.approx(want, abs=1e-6) for value in logged.values()), (logged, want)
 
 
 def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, tmp_path):

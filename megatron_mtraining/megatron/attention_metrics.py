@@ -17,7 +17,9 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
 
 Counting the area walks the index on the host, so the loop flags only the last step of each
 logging interval and gives its values the weight of the whole interval (``weight``): the
-tracker's one scale then averages them with the KL, which is recorded every step.
+tracker's one scale then averages them with the KL, which is recorded every step. A layer
+records once per micro-batch: activation recomputation runs its attention a second time in
+the backward, which must not count twice.
 """
 
 from __future__ import annotations
@@ -43,18 +45,22 @@ METRICS = (FRACTION_METRIC, RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
 
 
-def collect_attention_metrics(config, weight: float) -> None:
-    """Makes the layers built from ``config`` record their metrics with ``weight`` (0: off)."""
-    setattr(config, COLLECT_ATTRIBUTE, weight)
+def collect_attention_metrics(config, weight: float, micro_batch: int) -> None:
+    """Makes the layers built from ``config`` record their metrics with ``weight`` (0: off)
+    for the micro-batch numbered ``micro_batch`` (a number the loop never repeats), once."""
+    setattr(config, COLLECT_ATTRIBUTE, (weight, micro_batch))
 
 
 class MeasuredCoreAttention(SparseCoreAttention):
     """:class:`SparseCoreAttention` that records the attended fraction and ring imbalance."""
 
+    _measured_micro_batch = None
+
     def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
-        weight = getattr(self.config, COLLECT_ATTRIBUTE, 0)
-        if not weight or not self.training:
+        weight, micro_batch = getattr(self.config, COLLECT_ATTRIBUTE, (0, None))
+        if not weight or not self.training or micro_batch == self._measured_micro_batch:
             return super()._attend(q, k, v, pattern, layout)
+        self._measured_micro_batch = micro_batch
         seq = q.shape[1] if layout is None else layout.seq_len
         causal = q.shape[0] * q.shape[2] * seq * (seq + 1) / 2
         if layout is None:

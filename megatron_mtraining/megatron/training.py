@@ -194,18 +194,23 @@ class _Metrics:
         self.iteration = None
         self.start = None
         self.steps = 0
+        self.micro_batches = 0
+        self.weight = 0
         self.loss = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
 
     def begin_step(self, config, args) -> None:
-        """Called with each training micro-batch; the first of a step flags the last step of
-        each interval for the attention metrics and hooks the step's end."""
-        if args.curr_iteration == self.iteration:
-            return
-        self.iteration = args.curr_iteration
-        if self.start is None:
-            self.start = time.perf_counter()
-        last_of_interval = (self.iteration + 1) % args.log_interval == 0
-        collect_attention_metrics(config, args.log_interval if last_of_interval else 0)
+        """Called with each training micro-batch: the micro-batches of the last step of each
+        interval record the attention metrics; the first of a step hooks the step's end."""
+        self.micro_batches += 1
+        if args.curr_iteration != self.iteration:
+            self.iteration = args.curr_iteration
+            if self.start is None:
+                self.start = time.perf_counter()
+            self.weight = args.log_interval if (self.iteration + 1) % args.log_interval == 0 else 0
+            self._hook_step_end(config)
+        collect_attention_metrics(config, self.weight, self.micro_batches)
+
+    def _hook_step_end(self, config) -> None:
         finalize = config.finalize_model_grads_func
         if finalize is not None and not getattr(finalize, "_mtraining_metrics", False):
 
