@@ -7,8 +7,7 @@ import os
 import torch
 
 from .index import BlockTopKIndex, SparseIndex
-from .kernels import triton_available
-from .kernels import flash_attn_backend, sdpa_backend
+from .kernels import flash_attn_backend, sdpa_backend, triton_available
 from .kernels.layout import KernelLayout, kernel_layout
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
