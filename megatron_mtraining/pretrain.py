@@ -36,7 +36,20 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="with --dry-run: ranks to validate for (default: cluster.nodes x cluster.gpus_per_node, else TP x PP x CP)",
     )
+    parser.add_argument(
+        "--step-report",
+        metavar="PATH",
+        help="write a JSON report of the run's steps (times, peak memory, one step's device time by part) to PATH",
+    )
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        metavar="N",
+        help="with --step-report: the iteration to profile (0-based; default the second to last)",
+    )
     cli = parser.parse_args(argv)
+    if cli.profile_step is not None and cli.step_report is None:
+        parser.error("--profile-step is for --step-report")
     if cli.world_size is not None and not cli.dry_run:
         parser.error("--world-size is for --dry-run; a real run's world size is the launcher's")
     return cli
@@ -54,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         from .megatron.training import run
 
-        run(cli.config, cli.overrides)
+        run(cli.config, cli.overrides, cli.step_report, cli.profile_step)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
 

@@ -35,6 +35,7 @@ from ..context_parallel.recall import distributed_attention_recall
 from ..sparse import SparseIndex, attention_recall
 from .core_attention import SparseCoreAttention
 from .msa_loss import get_attention_metrics_tracker
+from .step_report import part_range
 
 FRACTION_METRIC = "attended_fraction"
 WORKER_METRIC = "worker_imbalance"
@@ -64,16 +65,18 @@ class MeasuredCoreAttention(SparseCoreAttention):
         seq = q.shape[1] if layout is None else layout.seq_len
         causal = q.shape[0] * q.shape[2] * seq * (seq + 1) / 2
         if layout is None:
-            index = (
-                pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, self.softmax_scale)
-            )
-            self._record(FRACTION_METRIC, weight * float(index.attended_area().sum()) / causal, None)
-            recall = attention_recall(q, k, index, min(RECALL_ROWS, seq), self.softmax_scale)
-            self._record(RECALL_METRIC, weight * float(recall.mean()), None)
-            return super()._attend(q, k, v, index, layout)
+            if not isinstance(pattern, SparseIndex):
+                with part_range("index"):
+                    pattern = build_local_index(pattern, q, k, self.softmax_scale)
+            with part_range("metrics"):
+                self._record(FRACTION_METRIC, weight * float(pattern.attended_area().sum()) / causal, None)
+                recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
+                self._record(RECALL_METRIC, weight * float(recall.mean()), None)
+            return super()._attend(q, k, v, pattern, layout)
         if not isinstance(pattern, SparseIndex):
             # Built here rather than inside the ring so that the recall scores the index the ring runs.
-            pattern = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
+            with part_range("index"):
+                pattern = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
         stats = RingStats()
         out, _ = ring_attention(
             q,
@@ -88,16 +91,17 @@ class MeasuredCoreAttention(SparseCoreAttention):
             backend=self.attention_config.backend,
             kv_exchange=self.attention_config.kv_exchange,
         )
-        rank = dist.get_rank(self.cp_group)
-        mine = sum(stats.ring[rank]) + stats.local[rank]
-        self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group)
-        worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
-        self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
-        self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
-        recall = distributed_attention_recall(
-            q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
-        )
-        self._record(RECALL_METRIC, weight * float(recall.mean()) / layout.cp_size, self.cp_group)
+        with part_range("metrics"):
+            rank = dist.get_rank(self.cp_group)
+            mine = sum(stats.ring[rank]) + stats.local[rank]
+            self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group)
+            worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
+            self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
+            self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
+            recall = distributed_attention_recall(
+                q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
+            )
+            self._record(RECALL_METRIC, weight * float(recall.mean()) / layout.cp_size, self.cp_group)
         return out
 
     def _record(self, name: str, value: float, group) -> None:

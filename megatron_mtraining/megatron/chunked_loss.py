@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .step_report import part_range
+
 # Logits elements per chunk (per GPU): 2.5 GiB at 10 bytes each.
 CHUNK_ELEMENTS = 1 << 28
 
@@ -57,8 +59,9 @@ def chunked_lm_loss(
     step = chunk_rows(batch, output_layer.output_size_per_partition, tp)
 
     def loss_of(hidden, chunk_labels):
-        logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        return compute_language_model_loss(chunk_labels, scale_logits(logits))
+        with part_range("loss"):
+            logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
+            return compute_language_model_loss(chunk_labels, scale_logits(logits))
 
     if step >= rows:
         return loss_of(hidden_states, labels)

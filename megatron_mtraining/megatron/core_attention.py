@@ -36,6 +36,7 @@ from ..sparse.validation import fail
 from .config import get_attention_config
 from .cp_groups import hierarchy_from_megatron
 from .msa_loss import MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
+from .step_report import part_range
 
 
 def _group_size(group) -> int:
@@ -207,8 +208,10 @@ class SparseCoreAttention(MegatronModule):
     def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
         scale, backend = self.softmax_scale, self.attention_config.backend
         if layout is None:
-            index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
-            out, _ = sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
+            if not isinstance(pattern, SparseIndex):
+                with part_range("index"):
+                    pattern = build_local_index(pattern, q, k, scale)
+            out, _ = sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
         else:
             exchange = self.attention_config.kv_exchange
             out, _ = ring_attention(
@@ -227,19 +230,21 @@ class SparseCoreAttention(MegatronModule):
                 "MSASelfAttention hands it to the core attention",
             )
         cfg = self.attention_config.msa
-        q_idx, k_idx = self.index_branch(hidden.transpose(0, 1))
-        if cfg.warmup_steps > 0 and cfg.in_warmup(training_iteration(self.config)):
-            # Dense main branch; the KL spans every visible token.
-            seq = q.shape[1] if layout is None else layout.seq_len
-            index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
-        elif layout is None:
-            index = build_local_index(MSAPattern(q_idx, k_idx, cfg), q, k, self.softmax_scale)
-        else:
-            pattern = MSAPattern(q_idx, k_idx, cfg)
-            index = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
+        with part_range("msa_index"):
+            q_idx, k_idx = self.index_branch(hidden.transpose(0, 1))
+            if cfg.warmup_steps > 0 and cfg.in_warmup(training_iteration(self.config)):
+                # Dense main branch; the KL spans every visible token.
+                seq = q.shape[1] if layout is None else layout.seq_len
+                index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
+            elif layout is None:
+                index = build_local_index(MSAPattern(q_idx, k_idx, cfg), q, k, self.softmax_scale)
+            else:
+                pattern = MSAPattern(q_idx, k_idx, cfg)
+                index = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
         out = self._attend(q, k, v, index, layout)
         if self.training and torch.is_grad_enabled():
-            kl = msa_layer_kl(q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group)
+            with part_range("msa_kl"):
+                kl = msa_layer_kl(q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group)
             record_kl(kl.detach(), self.layer_number, self.config.num_layers, self.cp_group)
             out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
         return out

@@ -30,7 +30,22 @@ from ..sparse.validation import check_int, fail
 KL_METRIC = "msa_kl_loss"
 ITERATION_ATTRIBUTE = "mtraining_iteration"
 
-_TRACKER: MoEMetricsTracker | None = None
+
+class AttentionMetricsTracker(MoEMetricsTracker):
+    """Megatron's per-layer metrics tracker, printing four significant digits (Megatron's
+    two decimals show a KL of 3e-4 as 0.00) and keeping the last reported means
+    (``last``) for the step report."""
+
+    def __init__(self):
+        super().__init__()
+        self.last: dict[str, float] = {}
+
+    def _format(self, scalars) -> str:
+        self.last = {name: float(value) for name, value in scalars.items()}
+        return "".join(f" {name}: {value:.4g} |" for name, value in self.last.items())
+
+
+_TRACKER: AttentionMetricsTracker | None = None
 
 
 class MSALossAutoScaler(torch.autograd.Function):
@@ -106,13 +121,13 @@ def msa_layer_kl(
     return local_mean * (layout.local_len / layout.seq_len)
 
 
-def get_attention_metrics_tracker() -> MoEMetricsTracker:
+def get_attention_metrics_tracker() -> AttentionMetricsTracker:
     """The plugin's per-layer metrics (``msa_kl_loss``): ``record`` in the forward, then
     ``report(loss_scale=1/num_microbatches, iteration, writer, wandb_writer, num_layers=...)``
     once per step, as for Megatron's MoE metrics."""
     global _TRACKER
     if _TRACKER is None:
-        _TRACKER = MoEMetricsTracker()
+        _TRACKER = AttentionMetricsTracker()
     return _TRACKER
 
 

@@ -16,6 +16,7 @@ provider, and the plugin's per-interval metrics.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -38,6 +39,7 @@ from .chunked_loss import chunked_lm_loss
 from .config import MTrainingAttentionConfig, attach_attention_config
 from .layer_specs import get_gpt_decoder_block_spec
 from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
+from .step_report import StepReport, annotate_model, part_range
 from .yaml_config import ConfigError, RunConfig, load_config
 
 ARGS_ATTRIBUTE = "mtraining_attention"
@@ -60,7 +62,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     attach_attention_config(config, attention_from_args(args))
     backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     spec = measured(get_gpt_decoder_block_spec(config, backend=backend, vp_stage=vp_stage))
-    return GPTModel(
+    model = GPTModel(
         config,
         spec,
         vocab_size=args.padded_vocab_size,
@@ -78,6 +80,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    if _STEP_REPORT is not None:
+        annotate_model(model)
+    return model
 
 
 def _get_batch(data_iterator) -> dict:
@@ -134,15 +139,16 @@ def forward_step(data_iterator, model):
         _METRICS.begin_step(config, args)
         # MSA warmup counts from the iteration this attention type started (a switch on load).
         set_training_iteration(config, max(0, args.curr_iteration - getattr(args, START_ATTRIBUTE)))
-    batch = _get_batch(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch["attention_mask"],
-        labels=batch["labels"],
-        loss_mask=None,
-        output_processor=chunked_lm_loss,
-    )
+    with part_range("other") if _STEP_REPORT is not None else contextlib.nullcontext():
+        batch = _get_batch(data_iterator)
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch["attention_mask"],
+            labels=batch["labels"],
+            loss_mask=None,
+            output_processor=chunked_lm_loss,
+        )
     return output, partial(loss_func, batch["loss_mask"], model.training)
 
 
@@ -203,6 +209,8 @@ class _Metrics:
         interval record the attention metrics; the first of a step hooks the step's end."""
         self.micro_batches += 1
         if args.curr_iteration != self.iteration:
+            if _STEP_REPORT is not None:
+                _STEP_REPORT.begin_iteration(args.curr_iteration, args.train_iters)
             self.iteration = args.curr_iteration
             if self.start is None:
                 self.start = time.perf_counter()
@@ -273,6 +281,8 @@ def _device():
 
 
 _METRICS = _Metrics()
+# Set by ``run(step_report=...)``: the step timer and profile of ``--step-report``.
+_STEP_REPORT: StepReport | None = None
 
 
 def check_checkpoint_attention(args) -> None:
@@ -410,8 +420,11 @@ def memory_report(args, run_config: RunConfig) -> str:
     return estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(gpu)).report()
 
 
-def run(config_path, overrides=()) -> None:
-    """The whole training job of ``python -m megatron_mtraining.pretrain``."""
+def run(config_path, overrides=(), step_report: str | None = None, profile_step: int | None = None) -> None:
+    """The whole training job of ``python -m megatron_mtraining.pretrain``; with
+    ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
+    iteration ``profile_step`` (0-based; default the second to last)."""
+    global _STEP_REPORT
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
@@ -438,6 +451,8 @@ def run(config_path, overrides=()) -> None:
     check_checkpoint_attention(args)
     container = pretrain_cfg_container_from_args(args)
     _record_memory_history(container)
+    if step_report is not None:
+        _STEP_REPORT = StepReport(step_report, profile_step)
     pretrain(
         container,
         train_valid_test_datasets_provider,
@@ -445,6 +460,12 @@ def run(config_path, overrides=()) -> None:
         forward_step,
         model_provider=model_provider,
     )
+    if _STEP_REPORT is not None and torch.distributed.get_rank() == 0:
+        _STEP_REPORT.metrics = dict(get_attention_metrics_tracker().last)
+        report = _STEP_REPORT.write(args)
+        print_rank_0(
+            f"[mtraining] step report written to {step_report}: {report['steady_s_per_iteration']} s/iteration"
+        )
 
 
 def _record_memory_history(container) -> None:

@@ -1,0 +1,250 @@
+"""The training step, measured: step times, peak memory and where one step's device time goes.
+
+``python -m megatron_mtraining.pretrain --step-report PATH`` (what ``scripts/bench_training.py``
+runs) writes a JSON report when the run ends:
+
+* ``iteration_s``: each iteration's wall time, from the start of its first micro-batch to the
+  start of the next iteration's (the device synchronised at both ends; the last iteration is
+  not timed), and ``steady_s_per_iteration``, their median after the first two, the profiled
+  one left out;
+* peak allocated and reserved device memory;
+* ``profile``: one step (``--profile-step``, default the second to last) under the PyTorch
+  profiler, its device time summed by part and phase. Parts come from annotations: forward
+  hooks on the model's modules name norms, projections (``matmuls``), the core attention, the
+  embedding and the layer (``layer:N``); ranges inside the core attention name the index
+  build and MSA's index branch and KL loss; the chunked loss names ``loss`` (output layer
+  included). Whatever else a layer runs (RoPE, SwiGLU, residual adds) is ``elementwise``;
+  the rest of the forward step (batch, RoPE tables, loss reduction) is ``other``; what runs
+  outside forward and backward is ``optimizer`` (the optimizer step, gradient clipping,
+  parameter copies); backward work that no forward operation made is ``grads`` (gradient
+  accumulation into Megatron's buffers); NCCL kernels are ``communication``. The phase is ``forward``,
+  ``recompute`` (forward work run again inside the backward, activation checkpointing) or
+  ``backward``, found by linking each backward node to the forward operation that made it
+  (the autograd sequence number). ``idle_ms``: the step's wall time less the union of its
+  kernels' intervals, the time the device waited for the host.
+
+The annotations cost a few microseconds of host time per module call and are only installed
+with ``--step-report``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+PREFIX = "mtraining::"
+LAYER_TAG = "layer:"
+BACKWARD = "autograd::engine::evaluate_function: "
+# Submodule name in Megatron's GPT -> part of the step it belongs to.
+MODULE_PARTS = {
+    "input_layernorm": "norms",
+    "pre_mlp_layernorm": "norms",
+    "final_layernorm": "norms",
+    "linear_qkv": "matmuls",
+    "linear_proj": "matmuls",
+    "linear_fc1": "matmuls",
+    "linear_fc2": "matmuls",
+    "core_attention": "attention",
+    "embedding": "embedding",
+}
+PHASES = ("forward", "recompute", "backward")
+# Iterations left out of the steady state: compilation, autotuning, allocator growth.
+WARMUP_ITERATIONS = 2
+
+
+def part_range(name: str):
+    """A profiler range that names a part of the step (``PREFIX + name``)."""
+    return torch.profiler.record_function(PREFIX + name)
+
+
+def _annotate(module: torch.nn.Module, name: str) -> None:
+    ranges = []
+
+    def enter(*_):
+        ranges.append(part_range(name))
+        ranges[-1].__enter__()
+
+    def leave(*_):
+        ranges.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def annotate_model(model: torch.nn.Module) -> None:
+    """Names the parts of Megatron's GPT in profiles (see the module docstring)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            _annotate(module, f"{LAYER_TAG}{module.layer_number}")
+        elif name.rsplit(".", 1)[-1] in MODULE_PARTS:
+            _annotate(module, MODULE_PARTS[name.rsplit(".", 1)[-1]])
+
+
+class _Classifier:
+    """(part, layer, phase) of the profiler's host events (``FunctionEvent``s)."""
+
+    def __init__(self, events):
+        self.forward = {}
+        for event in events:
+            if event.sequence_nr >= 0 and not event.name.startswith(BACKWARD):
+                part, layer, phase = self._walk(event)
+                if phase != "backward":
+                    self.forward.setdefault((event.thread, event.sequence_nr), (part, layer))
+
+    def _walk(self, event):
+        part = layer = None
+        node = event
+        while node is not None:
+            name = node.name
+            if name.startswith(PREFIX):
+                tag = name[len(PREFIX) :]
+                if tag.startswith(LAYER_TAG):
+                    # What a layer runs outside its named modules: RoPE, activation, residuals.
+                    layer = layer or int(tag[len(LAYER_TAG) :])
+                    part = part or "elementwise"
+                elif part is None:
+                    part = tag
+            elif name.startswith(BACKWARD):
+                # Inside a backward: an annotated operation below it is forward work run again
+                # (recomputation); otherwise this is a backward node.
+                return part, layer, "recompute" if part or layer else "backward"
+            node = node.cpu_parent
+        return part, layer, "forward"
+
+    def __call__(self, event):
+        part, layer, phase = self._walk(event)
+        if phase == "backward":
+            node = event
+            while not node.name.startswith(BACKWARD):
+                node = node.cpu_parent
+            part, layer = self.forward.get((node.fwd_thread, node.sequence_nr), (None, None))
+        if part is None:
+            # Outside the forward step's range and outside the backward: the optimizer step;
+            # backward nodes no forward operation made: gradient accumulation and its hooks.
+            part = "optimizer" if phase == "forward" else "grads"
+        return part, layer, phase
+
+
+def _busy_us(kineto_events) -> float:
+    """Microseconds during which at least one device kernel, copy or fill ran."""
+    spans = sorted(
+        (e.start_ns(), e.end_ns()) for e in kineto_events if e.device_type() != torch.autograd.DeviceType.CPU
+    )
+    busy, end = 0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e3
+
+
+def breakdown(prof, wall_s: float, on_device: bool) -> dict:
+    """The device time of a profiled step by part and phase, per layer, and idle.
+
+    ``on_device``: kernel time; else (a CPU run) the host self time of ATen operations."""
+    events = prof.events()
+    classify = _Classifier(events)
+    parts = collections.defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
+    layers = collections.defaultdict(float)
+    for event in events:
+        if on_device:
+            kernels = [(k.name, k.duration) for k in event.kernels]
+        elif event.name.startswith("aten::") and not event.cpu_children:
+            kernels = [(event.name, event.self_cpu_time_total)]
+        else:
+            continue
+        if not kernels:
+            continue
+        part, layer, phase = classify(event)
+        for name, us in kernels:
+            key = "communication" if "nccl" in name.lower() else part
+            parts[key][phase] += us / 1e3
+            if layer:
+                layers[layer] += us / 1e3
+    total = sum(sum(p.values()) for p in parts.values())
+    report = {
+        "wall_ms": wall_s * 1e3,
+        "parts_ms": {name: {k: round(v, 3) for k, v in p.items()} for name, p in sorted(parts.items())},
+        "layers_ms": {str(n): round(v, 3) for n, v in sorted(layers.items())},
+        "summed_ms": total,
+    }
+    if on_device:
+        busy = _busy_us(prof.profiler.kineto_results.events())
+        report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy))
+    return report
+
+
+class StepReport:
+    """Times every training iteration and profiles one; ``write`` saves the JSON report."""
+
+    def __init__(self, path: str | Path, profile_step: int | None):
+        self.path = Path(path)
+        self.profile_step = profile_step
+        self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
+        self.profiler = None
+        self.profile = None
+        self.metrics: dict[str, float] = {}
+
+    def _sync(self) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def begin_iteration(self, iteration: int, train_iters: int) -> None:
+        """Called as iteration ``iteration`` (0-based) starts its first micro-batch."""
+        now = self._sync()
+        if self.profiler is not None:
+            self._stop_profile(now)
+        self.marks.append((iteration, now))
+        target = self.profile_step if self.profile_step is not None else train_iters - 2
+        if iteration == target:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.profile_start = self._sync()
+
+    def _stop_profile(self, now: float) -> None:
+        self.profiler.__exit__(None, None, None)
+        self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
+        self.profile["iteration"] = self.marks[-1][0] + 1
+        self.profiler = None
+
+    def write(self, args) -> dict:
+        now = self._sync()
+        if self.profiler is not None:
+            self._stop_profile(now)
+        # The last iteration's end is not marked (Megatron's shutdown follows it): untimed.
+        times = [b - a for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        profiled = self.profile["iteration"] - 1 if self.profile else None
+        steady = [
+            t for (it, _), t in zip(self.marks, times, strict=False) if it >= WARMUP_ITERATIONS and it != profiled
+        ]
+        seconds = statistics.median(steady) if steady else None
+        tokens = args.global_batch_size * args.seq_length
+        report = {
+            "iteration_s": [round(t, 4) for t in times],
+            "steady_s_per_iteration": seconds,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_iteration": tokens,
+            "metrics": self.metrics,
+            "profile": self.profile,
+        }
+        if torch.cuda.is_available():
+            report["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            report["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            report["device"] = torch.cuda.get_device_name()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(report, indent=1))
+        return report

@@ -1,0 +1,285 @@
+"""The training step, side by side for every attention type: ``python scripts/bench_training.py``.
+
+Each row is a real training run of ``python -m megatron_mtraining.pretrain`` (Megatron's own
+loop) on mock data, for a recipe's model shape (Qwen2.5-3B by default) cut to ``--num-layers``,
+at ``--seq-length``, on one process; ``--step-report`` (``megatron/step_report.py``) gives its
+steady seconds per iteration, peak memory and one profiled step's device time by part. The
+script prints a table and writes ``OUT/bench_training.json`` (the rows' reports, the FLOP
+counts and floors) and each row's log and report.
+
+Rows (``--rows``):
+  cudnn         dense attention on cuDNN / FlashAttention-2 through PyTorch (``backend=sdpa``):
+                the baseline a user would otherwise run, with the same model code around it
+  dense         ``attention.type=dense`` as configured (``auto``: the same library on a GPU)
+  dense-triton  dense attention on the plugin's own Triton kernel
+  mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
+  msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
+
+Per layer: each layer's device time in the profiled step (forward, recompute and backward),
+averaged over the layers. Useful FLOPs count the matmuls and the attended area only
+(``4 * area * d * Hq`` forward, backward 2.5x; recomputation not counted); MFU divides them by
+the device's dense bf16 peak. Floors: the matmuls of one forward and one backward at the
+measured bf16 matmul rate (an 8192^3 product timed at the start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = {
+    "cudnn": ["attention.type=dense", "attention.backend=sdpa"],
+    "dense": ["attention.type=dense"],
+    "dense-triton": ["attention.type=dense", "attention.backend=triton"],
+    "mtraining": ["attention.type=mtraining"],
+    "moba": ["attention.type=moba"],
+    "msa": ["attention.type=msa", "attention.msa.warmup_steps=0"],
+    "msa-warmup": ["attention.type=msa", "attention.msa.warmup_steps=1000"],
+}
+RECOMPUTE = {
+    "full": [
+        "megatron.recompute_granularity=full",
+        "megatron.recompute_method=uniform",
+        "megatron.recompute_num_layers=1",
+    ],
+    # Keeps the attention's inputs and output; the MLP and the norms run again in the backward.
+    "mlp": ["megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp,layernorm]"],
+    "none": ["megatron.recompute_granularity=null"],
+}
+# Dense bf16 peak of the tensor cores (datasheets; no sparsity).
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+ATTENTION_PARTS = ("attention", "index", "msa_index", "msa_kl", "metrics")
+LAYER_PARTS = ("matmuls", "norms", "elementwise")
+FIXED_PARTS = ("embedding", "loss", "optimizer", "other", "grads", "communication")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", default="configs/qwen2.5-3b/base.yaml", help="recipe whose model shape is used")
+    p.add_argument("--seq-length", type=int, default=131072)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--rows", default="cudnn,dense,mtraining,moba,msa", help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--recompute", default="full", choices=sorted(RECOMPUTE), help="activation recomputation policy")
+    p.add_argument("--iters", type=int, default=6, help="iterations per row: 2 warmup, steady ones, the profiled one")
+    p.add_argument("--timeout", type=int, default=400, help="seconds per row")
+    p.add_argument("--out", default="runs/bench_training")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="more overrides for every row")
+    return p.parse_args(argv)
+
+
+def _common(args) -> list[str]:
+    s = args.seq_length
+    return [
+        "megatron.mock_data=true",
+        "megatron.tokenizer_type=NullTokenizer",
+        "megatron.vocab_size=151935",
+        "megatron.data_path=null",
+        "megatron.tokenizer_model=null",
+        "megatron.load=null",
+        "megatron.save=null",
+        f"megatron.train_iters={args.iters}",
+        "megatron.global_batch_size=1",
+        "megatron.micro_batch_size=1",
+        f"megatron.num_layers={args.num_layers}",
+        "megatron.lr_warmup_iters=0",
+        "megatron.log_interval=1",
+        f"megatron.seq_length={s}",
+        f"megatron.max_position_embeddings={s}",
+        *RECOMPUTE[args.recompute],
+        *args.overrides,
+    ]
+
+
+def matmul_tflops() -> float | None:
+    """Measured bf16 matmul rate (8192^3, median of 20), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return 2 * 8192**3 / (times[len(times) // 2] * 1e-3) / 1e12
+
+
+def model_flops(shape: dict, seq: int, attended_fraction: float) -> dict:
+    """Useful FLOPs of one sample: per layer matmuls and attention (forward; the backward is
+    2x the matmuls' and 2.5x the attention's), and the output layer."""
+    h, ffn, d = shape["hidden_size"], shape["ffn_hidden_size"], shape["kv_channels"]
+    hq, hkv = shape["num_attention_heads"], shape["num_query_groups"]
+    per_token = 2 * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * ffn)
+    matmul_fwd = per_token * seq
+    attention_fwd = 4 * attended_fraction * seq * (seq + 1) / 2 * d * hq
+    output_fwd = 2 * h * shape["padded_vocab_size"] * seq
+    return {
+        "matmul_fwd_per_layer": matmul_fwd,
+        "attention_fwd_per_layer": attention_fwd,
+        "output_layer_fwd": output_fwd,
+        "per_layer_useful": 3 * matmul_fwd + 3.5 * attention_fwd,
+    }
+
+
+def _shape(config: str, overrides: list[str]) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from megatron_mtraining.megatron.yaml_config import load_config
+
+    m = load_config(config, overrides).megatron
+    shape = {k: m[k] for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads")}
+    # Megatron's defaults where a config leaves them out.
+    shape["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
+    shape["num_query_groups"] = m.get("num_query_groups") or m["num_attention_heads"]
+    shape["padded_vocab_size"] = m.get("padded_vocab_size") or m.get("vocab_size")
+    return shape
+
+
+def run_row(name: str, args, out: Path) -> dict:
+    report = out / f"{name}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mtraining.pretrain",
+        "--config",
+        args.config,
+        *_common(args),
+        *ROWS[name],
+        "--step-report",
+        str(report),
+        "--profile-step",
+        str(args.iters - 2),
+    ]
+    # One process on one device: the entry point's own single-process rendezvous.
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    start = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    result = {"row": name, "command": " ".join(cmd[1:]), "rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
+    if rc == 0 and report.exists():
+        result.update(json.loads(report.read_text()))
+    else:
+        result["log_tail"] = (out / f"{name}.log").read_text()[-3000:]
+    return result
+
+
+def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None) -> dict:
+    """Per-layer, fixed-part and FLOP figures of one row's report."""
+    prof = row.get("profile") or {}
+    parts = prof.get("parts_ms", {})
+    fraction = row.get("metrics", {}).get("attended_fraction", 1.0)
+    flops = model_flops(shape, seq, fraction)
+
+    def total(names):
+        return sum(sum(parts.get(n, {}).values()) for n in names)
+
+    layer_ms = prof.get("layers_ms", {})
+    summary = {
+        "attended_fraction": fraction,
+        "layer_ms": sum(layer_ms.values()) / len(layer_ms) if layer_ms else None,
+        "attention_ms_per_layer": total(ATTENTION_PARTS) / layers,
+        "non_attention_ms_per_layer": total(LAYER_PARTS) / layers,
+        "fixed_ms": total(FIXED_PARTS),
+        "idle_ms": prof.get("idle_ms"),
+        "flops": flops,
+    }
+    for part in ("attention", "index", "msa_index", "msa_kl", "metrics"):
+        for phase in ("forward", "recompute", "backward"):
+            summary[f"{part}_{phase}_ms_per_layer"] = parts.get(part, {}).get(phase, 0.0) / layers
+    seconds = row.get("steady_s_per_iteration")
+    device = row.get("device", "")
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    if seconds:
+        useful = layers * flops["per_layer_useful"] + 3 * flops["output_layer_fwd"]
+        summary["model_tflops"] = useful / seconds / 1e12
+        summary["mfu"] = summary["model_tflops"] / peak if peak else None
+    if rate:
+        summary["non_attention_floor_ms_per_layer"] = 3 * flops["matmul_fwd_per_layer"] / (rate * 1e12) * 1e3
+    return summary
+
+
+def _fmt(v, spec=".3g"):
+    width = spec.split(".")[0]
+    return "-".rjust(int(width or 0)) if v is None else format(v, spec)
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    rows = args.rows.split(",")
+    for name in rows:
+        if name not in ROWS:
+            sys.exit(f"--rows: unknown row {name!r}; choose from {', '.join(ROWS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = _shape(args.config, [f"megatron.seq_length={args.seq_length}"])
+    rate = matmul_tflops()
+    results = []
+    for name in rows:
+        row = run_row(name, args, out)
+        row["summary"] = summarize(row, shape, args.seq_length, args.num_layers, rate) if row["rc"] == 0 else {}
+        results.append(row)
+        print(f"{name}: rc={row['rc']} {row.get('steady_s_per_iteration')} s/iteration ({row['wall_s']} s)", flush=True)
+    base = next((r for r in results if r["row"] == "cudnn" and r["rc"] == 0), None)
+    record = {
+        "config": args.config,
+        "seq_length": args.seq_length,
+        "num_layers": args.num_layers,
+        "recompute": args.recompute,
+        "matmul_tflops": rate,
+        "rows": results,
+    }
+    (out / "bench_training.json").write_text(json.dumps(record, indent=1))
+    print(
+        f"\nseq {args.seq_length}, {args.num_layers} layers, recompute {args.recompute}, "
+        f"matmul {_fmt(rate, '.0f')} TFLOP/s"
+    )
+    head = (
+        "row            s/iter  tokens/s  vs-cudnn  layer_ms  l-vs-cudnn  attn/l  nonattn/l  floor/l  fixed_ms  "
+        "idle_ms  MFU    peak_GiB  attended"
+    )
+    print(head)
+    for r in results:
+        s = r["summary"]
+        if not s:
+            print(f"{r['row']:<14} failed: rc={r['rc']} (see {out / (r['row'] + '.log')})")
+            continue
+        ratio = base and base["steady_s_per_iteration"] / r["steady_s_per_iteration"]
+        lratio = base and base["summary"]["layer_ms"] / s["layer_ms"]
+        print(
+            f"{r['row']:<14} {_fmt(r['steady_s_per_iteration'], '6.3f')}  {_fmt(r['tokens_per_s'], '8.0f')}  "
+            f"{_fmt(ratio, '8.2f')}  {_fmt(s['layer_ms'], '8.1f')}  {_fmt(lratio, '10.2f')}  "
+            f"{_fmt(s['attention_ms_per_layer'], '6.1f')}  {_fmt(s['non_attention_ms_per_layer'], '9.1f')}  "
+            f"{_fmt(s.get('non_attention_floor_ms_per_layer'), '7.1f')}  {_fmt(s['fixed_ms'], '8.1f')}  "
+            f"{_fmt(s['idle_ms'], '7.1f')}  {_fmt(s.get('mfu'), '.3f')}  {_fmt(r.get('peak_allocated_gib'), '8.1f')}  "
+            f"{_fmt(s['attended_fraction'], '.4f')}"
+        )
+    print("\nper-part device ms per profiled step (forward / recompute / backward):")
+    for r in results:
+        for part, phases in (r.get("profile") or {}).get("parts_ms", {}).items():
+            print(
+                f"  {r['row']:<14} {part:<14} "
+                + " / ".join(f"{phases[p]:9.1f}" for p in ("forward", "recompute", "backward"))
+            )
+
+
+if __name__ == "__main__":
+    main()
