@@ -53,6 +53,7 @@ MODULE_PARTS = {
     "embedding": "embedding",
 }
 PHASES = ("forward", "recompute", "backward")
+TOP_KERNELS = 12
 # Iterations left out of the steady state: compilation, autotuning, allocator growth.
 WARMUP_ITERATIONS = 2
 
@@ -156,6 +157,7 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
     classify = _Classifier(events)
     parts = collections.defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     layers = collections.defaultdict(float)
+    kernels_by_part = collections.defaultdict(lambda: collections.defaultdict(float))
     for event in events:
         if on_device:
             kernels = [(k.name, k.duration) for k in event.kernels]
@@ -169,6 +171,7 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         for name, us in kernels:
             key = "communication" if "nccl" in name.lower() else part
             parts[key][phase] += us / 1e3
+            kernels_by_part[key][f"{phase}: {name[:120]}"] += us / 1e3
             if layer:
                 layers[layer] += us / 1e3
     total = sum(sum(p.values()) for p in parts.values())
@@ -177,6 +180,11 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         "parts_ms": {name: {k: round(v, 3) for k, v in p.items()} for name, p in sorted(parts.items())},
         "layers_ms": {str(n): round(v, 3) for n, v in sorted(layers.items())},
         "summed_ms": total,
+        # Each part's costliest kernels (phase: name -> ms), to see what a part is made of.
+        "top_kernels_ms": {
+            part: dict(sorted(((k, round(v, 3)) for k, v in named.items()), key=lambda kv: -kv[1])[:TOP_KERNELS])
+            for part, named in sorted(kernels_by_part.items())
+        },
     }
     if on_device:
         busy = _busy_us(prof.profiler.kineto_results.events())
