@@ -49,7 +49,12 @@ RECOMPUTE = {
         "megatron.recompute_num_layers=1",
     ],
     # Keeps the attention's inputs and output; the MLP and the norms run again in the backward.
-    "mlp": ["megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp,layernorm]"],
+    "mlp": [
+        "megatron.recompute_granularity=selective",
+        "megatron.recompute_modules=[mlp,layernorm]",
+        "megatron.recompute_method=null",
+        "megatron.recompute_num_layers=null",
+    ],
     "none": ["megatron.recompute_granularity=null"],
 }
 # Dense bf16 peak of the tensor cores (datasheets; no sparsity).

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -88,16 +89,27 @@ def annotate_model(model: torch.nn.Module) -> None:
             _annotate(module, MODULE_PARTS[name.rsplit(".", 1)[-1]])
 
 
+def _op_key(name: str) -> str:
+    """An operation's name as its forward event and its backward node share it:
+    ``aten::_scaled_dot_product_cudnn_attention`` and
+    ``ScaledDotProductCudnnAttentionBackward0`` both give ``scaleddotproductcudnnattention``."""
+    name = name.removeprefix(BACKWARD).removeprefix("aten::")
+    name = re.sub(r"Backward\d*$", "", name)
+    return name.replace("_", "").lower()
+
+
 class _Classifier:
     """(part, layer, phase) of the profiler's host events (``FunctionEvent``s)."""
 
     def __init__(self, events):
-        self.forward = {}
+        # (thread, sequence number) -> [(operation key, part, layer)]: several forward events
+        # can carry one number (nested operations, and operations that made no node).
+        self.forward = collections.defaultdict(list)
         for event in events:
             if event.sequence_nr >= 0 and not event.name.startswith(BACKWARD):
                 part, layer, phase = self._walk(event)
                 if phase != "backward":
-                    self.forward.setdefault((event.thread, event.sequence_nr), (part, layer))
+                    self.forward[(event.thread, event.sequence_nr)].append((_op_key(event.name), part, layer))
 
     def _walk(self, event):
         part = layer = None
@@ -125,7 +137,9 @@ class _Classifier:
             node = event
             while not node.name.startswith(BACKWARD):
                 node = node.cpu_parent
-            part, layer = self.forward.get((node.fwd_thread, node.sequence_nr), (None, None))
+            made = self.forward.get((node.fwd_thread, node.sequence_nr), [])
+            key = _op_key(node.name)
+            _, part, layer = next((m for m in made if m[0] == key), made[0] if made else (None, None, None))
         if part is None:
             # Outside the forward step's range and outside the backward: the optimizer step;
             # backward nodes no forward operation made: gradient accumulation and its hooks.

@@ -1,0 +1,64 @@
+"""The step report's breakdown (``megatron/step_report.py``): each operation's time goes to
+the part, layer and phase that ran it, recomputation included, on a small CPU model whose
+parts are known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron_mtraining.megatron.step_report import _annotate, breakdown, part_range
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(width, 4 * width)
+        self.linear_fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.linear_fc2(torch.nn.functional.gelu(self.linear_fc1(x)))
+
+
+def _profile(recompute: bool):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Block(64) for _ in range(2))
+    for number, block in enumerate(blocks, 1):
+        _annotate(block, f"layer:{number}")
+        _annotate(block.linear_fc1, "matmuls")
+        _annotate(block.linear_fc2, "matmuls")
+    x = torch.randn(256, 64, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        h = x
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False) if recompute else block(h)
+        with part_range("loss"):
+            loss = h.square().mean()
+        loss.backward()
+    return breakdown(prof, 1.0, on_device=False)
+
+
+def test_parts_layers_and_phases():
+    report = _profile(recompute=False)
+    parts = report["parts_ms"]
+    assert set(report["layers_ms"]) == {"1", "2"}
+    # Each linear's forward is an addmm and its backward two mm: both land in matmuls.
+    assert parts["matmuls"]["forward"] > 0 and parts["matmuls"]["backward"] > 0
+    assert parts["matmuls"]["recompute"] == 0
+    # GELU and the residual add run in the layer outside its named modules.
+    assert parts["elementwise"]["forward"] > 0 and parts["elementwise"]["backward"] > 0
+    assert parts["loss"]["forward"] > 0 and parts["loss"]["backward"] > 0
+    assert report["summed_ms"] == pytest.approx(sum(sum(p.values()) for p in parts.values()), abs=0.05)
+    assert all(name.startswith(("forward:", "backward:")) for top in report["top_kernels_ms"].values() for name in top)
+
+
+def test_recomputation_is_its_own_phase():
+    plain, recomputed = _profile(recompute=False), _profile(recompute=True)
+    parts = recomputed["parts_ms"]
+    # (PyTorch's checkpoint stops recomputing once the backward has what it needs.)
+    assert parts["matmuls"]["recompute"] > 0
+    # The recomputed forward's nodes are the ones the backward runs: still matmuls.
+    assert parts["matmuls"]["backward"] > 0
+    assert "loss" in parts and parts["loss"]["recompute"] == 0
+    assert set(recomputed["layers_ms"]) == set(plain["layers_ms"])
