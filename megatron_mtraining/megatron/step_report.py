@@ -147,8 +147,8 @@ class _Classifier:
         return part, layer, phase
 
 
-def _busy_us(kineto_events) -> float:
-    """Microseconds during which at least one device kernel, copy or fill ran."""
+def _busy_ms(kineto_events) -> float:
+    """Milliseconds during which at least one device kernel, copy or fill ran."""
     spans = sorted(
         (e.start_ns(), e.end_ns()) for e in kineto_events if e.device_type() != torch.autograd.DeviceType.CPU
     )
@@ -160,7 +160,7 @@ def _busy_us(kineto_events) -> float:
         elif stop > end:
             busy += stop - end
             end = stop
-    return busy / 1e3
+    return busy / 1e6
 
 
 def breakdown(prof, wall_s: float, on_device: bool) -> dict:
@@ -201,7 +201,7 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        busy = _busy_us(prof.profiler.kineto_results.events())
+        busy = _busy_ms(prof.profiler.kineto_results.events())
         report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy))
     return report
 
