@@ -3,7 +3,8 @@
 Installed as ``megatron_mtraining.patches``. Nothing changes on import: one call,
 :func:`apply_patches`, installs them all, so that Megatron's context-parallel batch split
 (``cp_batch_split``) and the RoPE rows of a CP rank (``cp_rope_slice``) follow one
-``ContextParallelLayout`` kind; :func:`remove_patches` undoes it. Every patch records the
+``ContextParallelLayout`` kind, and RoPE runs in one pass on CUDA without Transformer Engine
+(``fused_rope``); :func:`remove_patches` undoes it. Every patch records the
 megatron-core version it was written for and fingerprints of the upstream functions it
 replaces or reproduces (``_guard``); if they changed, applying fails before anything is
 touched, and the tests fail too.
@@ -14,11 +15,11 @@ a patched function by name before the call keeps Megatron's original.
 
 from __future__ import annotations
 
-from . import cp_batch_split, cp_rope_slice
+from . import cp_batch_split, cp_rope_slice, fused_rope
 from ._guard import SUPPORTED_VERSION, UpstreamChangedError
 from ._layout import LayoutChoice
 
-PATCHES = (cp_batch_split.PATCH, cp_rope_slice.PATCH, cp_rope_slice.THD_PATCH)
+PATCHES = (cp_batch_split.PATCH, cp_rope_slice.PATCH, cp_rope_slice.THD_PATCH, fused_rope.PATCH)
 
 _applied: LayoutChoice | None = None
 
