@@ -15,8 +15,9 @@ Rows (``--rows``):
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
 
-Per layer: each layer's device time in the profiled step (forward, recompute and backward),
-averaged over the layers. Useful FLOPs count the matmuls and the attended area only
+Per layer: the device time of the layers' parts in the profiled step (attention, index build,
+MSA's branch and KL, matmuls, norms, elementwise; forward, recompute and backward) over the
+number of layers; the metric steps (attended area, recall) are logging and counted apart. Useful FLOPs count the matmuls and the attended area only
 (``4 * area * d * Hq`` forward, backward 2.5x; recomputation not counted); MFU divides them by
 the device's dense bf16 peak. Floors: the matmuls of one forward and one backward at the
 measured bf16 matmul rate (an 8192^3 product timed at the start).
@@ -60,7 +61,8 @@ RECOMPUTE = {
 }
 # Dense bf16 peak of the tensor cores (datasheets; no sparsity).
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
-ATTENTION_PARTS = ("attention", "index", "msa_index", "msa_kl", "metrics")
+# The metric steps are logging, not the layer's work: counted apart (``metrics_ms``).
+ATTENTION_PARTS = ("attention", "index", "msa_index", "msa_kl")
 LAYER_PARTS = ("matmuls", "norms", "elementwise")
 FIXED_PARTS = ("embedding", "loss", "optimizer", "other", "grads", "communication")
 
@@ -198,13 +200,15 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
     def total(names):
         return sum(sum(parts.get(n, {}).values()) for n in names)
 
-    layer_ms = prof.get("layers_ms", {})
     summary = {
         "attended_fraction": fraction,
-        "layer_ms": sum(layer_ms.values()) / len(layer_ms) if layer_ms else None,
+        # From the parts rather than the layer ranges: selective recomputation re-runs a
+        # module outside its layer's range, so its work carries no layer number.
+        "layer_ms": (total(ATTENTION_PARTS) + total(LAYER_PARTS)) / layers,
         "attention_ms_per_layer": total(ATTENTION_PARTS) / layers,
         "non_attention_ms_per_layer": total(LAYER_PARTS) / layers,
         "fixed_ms": total(FIXED_PARTS),
+        "metrics_ms": total(("metrics",)),
         "idle_ms": prof.get("idle_ms"),
         "flops": flops,
     }
