@@ -1,6 +1,7 @@
 """The chunked language-model loss equals Megatron's own loss, values and gradients (gloo):
 a tiny GPT at TP 1 and 2, and Megatron's output layer alone under sequence parallelism (the
-GPT's torch norms refuse it without Apex)."""
+GPT's torch norms refuse it without Apex). Given the loss mask at TP 1 it takes the fused
+linear + cross entropy, which equals the checkpointed path for a loss ``c * sum(losses * mask)``."""
 
 from __future__ import annotations
 
@@ -95,9 +96,46 @@ def _compare_sequence_parallel(rank, world):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _compare_fused(rank, world, tied):
+    from megatron.core.models.gpt import GPTModel
+
+    _init_tp(world)
+    config = workers.transformer_config(workers.attention_config("dense"), tensor_model_parallel_size=world)
+    spec = workers.get_gpt_layer_spec("dense")
+    model = GPTModel(config, spec, workers.VOCAB, workers.SEQ, share_embeddings_and_output_weights=tied)
+    _small_chunks(workers.VOCAB // world, 1)
+    batch = workers.full_batch()
+    gen = torch.Generator().manual_seed(7)  # the same mask on every TP rank
+    mask = (torch.rand(workers.BATCH, workers.SEQ, generator=gen) > 0.25).float()
+    weights = 0.37 * mask  # what Megatron's loss function makes of the per-token losses
+    fused_calls = []
+    real = chunked_loss.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        fused_calls.append(kwargs["chunk_rows"])
+        return real(*args, **kwargs)
+
+    chunked_loss.linear_cross_entropy = counted
+    processor = {"output_processor": chunked_loss.chunked_lm_loss}
+    ref_loss, ref_grads = _loss_and_grads(model, batch, weights, **processor)
+    assert fused_calls == [], "the checkpointed path took the fused loss without a loss mask"
+    loss, grads = _loss_and_grads(model, batch, weights, loss_mask=mask, **processor)
+    # TP 1 fuses, with the checkpointed path's budget: 24 positions of 2 sequences per chunk.
+    assert fused_calls == ([ROWS_PER_CHUNK * workers.BATCH] if world == 1 else []), fused_calls
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_chunked_loss_equals_megatrons(world):
     run(world, _compare_gpt)
+
+
+@pytest.mark.parametrize(("world", "tied"), [(1, False), (1, True), (2, True)])
+def test_fused_loss_at_tp1_equals_the_checkpointed_path(world, tied):
+    run(world, _compare_fused, tied)
 
 
 def test_chunked_loss_under_sequence_parallelism():

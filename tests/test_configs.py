@@ -4,7 +4,8 @@ Every config passes ``--dry-run`` (in-process: the YAML checks, Megatron's ``val
 the recipe's world size, the attention against the ``TransformerConfig``) and every recipe's
 estimate fits its GPU. The estimate's parameter count equals a real ``GPTModel`` built by the
 entry point's model provider, whole (TP 1) and per rank (TP 2); its activations scale
-linearly with the local sequence and reduce to Korthikanti et al.'s count.
+linearly with the local sequence and reduce to Korthikanti et al.'s count; the loss's memory
+follows the loss path (fused at TP 1, chunked Megatron cross entropy otherwise).
 """
 
 from __future__ import annotations
@@ -133,6 +134,24 @@ def test_activations_scale_with_the_local_sequence():
             est = estimate_memory(type(args)(**changed), attention)
             parts.append(next(v for k, v in est.parts.items() if k.startswith("activations")))
         assert parts[1] == pytest.approx(2 * parts[0], rel=1e-3), mode
+
+
+def test_loss_memory_follows_the_loss_path():
+    # Qwen2.5-3B at 16384 tokens per GPU (bf16, vocabulary 151936, hidden 2048).
+    path = CONFIGS / "qwen2.5-3b/512k.yaml"
+    args, attention = resolve(load_config(path)), load_config(path).attention
+    tokens, vocab, hidden = 16384, 151936, 2048
+    assert (args.seq_length // args.context_parallel_size, args.padded_vocab_size) == (tokens, vocab)
+    # TP 1: the fused loss keeps the hidden-state gradient (bf16), the weight gradient (fp32)
+    # and per token a loss, a mask and a label, plus the larger of one chunk's bf16 logits
+    # (2**28 // vocab = 1766 rows, with an fp32 LSE each) and the weight gradient's bf16 copy.
+    kept = tokens * (2 * hidden + 16) + 4 * vocab * hidden
+    fused = kept + max(1766 * (2 * vocab + 4), 2 * vocab * hidden)
+    assert estimate_memory(args, attention).parts["logits + loss"] == fused
+    # TP 2: Megatron's output layer and cross entropy on 3533-row chunks of half the vocabulary,
+    # 10 bytes per logit.
+    tp2 = type(args)(**(vars(args) | {"tensor_model_parallel_size": 2}))
+    assert estimate_memory(tp2, attention).parts["logits + loss"] == 3533 * (vocab // 2) * 10
 
 
 def test_activations_reduce_to_korthikanti():

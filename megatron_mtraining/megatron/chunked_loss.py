@@ -14,6 +14,14 @@ a 3B model's step), about 3% of a step; not measured on its own.
 With sequence parallelism the output layer all-gathers its input over TP, so a chunk of each
 rank's shard becomes rows from every rank's part of the sequence: the labels are gathered in
 that order and the losses put back in sequence order.
+
+Where it applies (TP 1, so no sequence parallelism; no output bias; no MuP logit scaling; the
+loss mask given), the loss is :func:`~.linear_cross_entropy.linear_cross_entropy` instead: one
+autograd function that computes the gradients chunk by chunk in its forward, so the backward
+neither recomputes the logits nor runs Megatron's cross entropy again. Its weight gradient
+assumes that the per-token losses reach the loss as ``sum(losses * loss_mask)`` times a scalar
+(what ``training.loss_func`` does). It computes the same loss as Megatron's fused and unfused
+cross entropy, so ``cross_entropy_loss_fusion`` does not choose between the paths.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .linear_cross_entropy import linear_cross_entropy
 from .step_report import part_range
 
-# Logits elements per chunk (per GPU): 2.5 GiB at 10 bytes each.
+# Logits elements per chunk (per GPU): 2.5 GiB at the checkpointed path's 10 bytes each,
+# 512 MiB of 16-bit logits on the fused path.
 CHUNK_ELEMENTS = 1 << 28
 
 
@@ -39,6 +49,35 @@ def logits_elements(local_rows: int, micro_batch: int, vocab_per_rank: int, tp: 
     return rows * tp * micro_batch * vocab_per_rank
 
 
+def fused_loss_bytes(tokens: int, vocab: int, hidden: int, dtype_bytes: int) -> int:
+    """Peak memory of the fused loss for ``tokens`` rows. Alive from the loss's forward to its
+    backward: ``grad_x [tokens, h]`` in the compute dtype, the fp32 ``grad_W [V, h]`` and per
+    token the fp32 loss and mask and the int64 label. On top of them, the larger of one chunk's
+    logits in the compute dtype with its fp32 LSE (forward) and the compute-dtype copy of
+    ``grad_W`` that the backward returns (none for fp32 weights)."""
+    rows = min(tokens, max(1, CHUNK_ELEMENTS // vocab))
+    kept = tokens * (16 + hidden * dtype_bytes) + vocab * hidden * 4
+    return kept + max(rows * (vocab * dtype_bytes + 4), vocab * hidden * dtype_bytes if dtype_bytes != 4 else 0)
+
+
+def fused_loss_applies(output_layer, loss_mask, config) -> bool:
+    """Whether :func:`chunked_lm_loss` takes the fused linear + cross entropy: Megatron's own
+    column-parallel output layer (not TE's MXFP8 one) at TP 1 without bias, logits unscaled
+    (no MuP), the embedding's weight gradient not deferred to the pipeline schedule, and the
+    loss mask given (its weight gradient needs it)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return (
+        loss_mask is not None
+        and config is not None
+        and not getattr(config, "use_mup", False)
+        and not getattr(config, "defer_embedding_wgrad_compute", False)
+        and isinstance(output_layer, ColumnParallelLinear)
+        and output_layer.tp_group.size() == 1
+        and output_layer.bias is None
+    )
+
+
 def chunked_lm_loss(
     *,
     hidden_states,
@@ -48,12 +87,20 @@ def chunked_lm_loss(
     compute_language_model_loss,
     scale_logits,
     runtime_gather_output=None,
+    loss_mask=None,
+    config=None,
     **_,
 ) -> torch.Tensor:
     """Per-token loss ``[b, s]`` of ``hidden_states`` ``[s_local, b, h]`` (the sequence shard
     of this TP rank under sequence parallelism), as ``GPTModel._postprocess`` computes it."""
     if labels is None:
         raise ValueError("chunked_lm_loss computes the training loss: call the model with labels")
+    if fused_loss_applies(output_layer, loss_mask, config):
+        weight = output_layer.weight if output_weight is None else output_weight
+        with part_range("loss"):
+            return linear_cross_entropy(
+                hidden_states, weight, labels, loss_mask, chunk_rows=max(1, CHUNK_ELEMENTS // weight.shape[0])
+            )
     rows, batch = hidden_states.shape[:2]
     tp = output_layer.tp_group.size() if output_layer.sequence_parallel else 1
     step = chunk_rows(batch, output_layer.output_size_per_partition, tp)

@@ -32,11 +32,16 @@ Sources of the formulas:
 * Attention's own memory: sparse attention keeps O(S) state plus its index; the MSA / MoBA
   top-k index rows span the whole sequence on every rank (docs/ARCHITECTURE.md, "Current
   limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
-* Logits and loss: logits in the compute dtype (2 bytes per element) plus the two fp32 buffers
+* Logits and loss: at TP 1 (no MuP) the training step takes the fused linear + cross entropy
+  (``linear_cross_entropy``, chosen by ``chunked_loss``): one chunk's logits in the compute
+  dtype (2 bytes per element, overwritten by their gradient) with fp32 row statistics, and the
+  gradients its forward computes and keeps until the backward: the hidden states' ``s b h`` in
+  the compute dtype and the output weight's ``V h`` in fp32 (in the backward, with its
+  compute-dtype copy in place of the logits chunk). Otherwise Megatron's output layer and
+  cross entropy run on chunks of rows: logits in the compute dtype plus the two fp32 buffers
   of Megatron's vocab-parallel cross-entropy, the logits less their maximum and their
   exponentials (the softmax kept for the backward): 10 bytes per element, all live at once
-  at the loss. The training step computes the loss in chunks of rows (``chunked_loss``), so
-  one chunk's ``rows x b x V / t`` logits are alive, not the last stage's ``s b V / t``.
+  at the loss, for one chunk's ``rows x b x V / t`` logits, not the last stage's ``s b V / t``.
 
 Checked against a memory snapshot (``scripts/memory_snapshot_report.py``) of a 12-layer
 Qwen2.5-3B-shaped run at 32K tokens on one GPU (docs/benchmarks.md): weights, gradients and
@@ -50,7 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .chunked_loss import logits_elements
+from .chunked_loss import fused_loss_bytes, logits_elements
 
 GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
@@ -187,6 +192,16 @@ def attention_state_bytes(args, attention, local_seq: int) -> float:
     return 0.0
 
 
+def loss_bytes(args, local_seq: int) -> float:
+    """The output layer's and loss's memory at the last stage (see the module docstring)."""
+    b, h, t = args.micro_batch_size, args.hidden_size, args.tensor_model_parallel_size
+    vocab = padded_vocab_size(args)
+    if t == 1 and not (getattr(args, "use_mup", False) or getattr(args, "defer_embedding_wgrad_compute", False)):
+        return fused_loss_bytes(local_seq * b, vocab, h, 2 if (args.bf16 or args.fp16) else 4)
+    sp = t if args.sequence_parallel else 1
+    return logits_elements(local_seq // sp, b, vocab // t, sp) * 10
+
+
 def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> MemoryEstimate:
     """Per-GPU memory of a training step under ``args`` (validated Megatron arguments)."""
     params = count_parameters(args, attention)
@@ -220,8 +235,7 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
         activations = layers * (layer + attn_state)
     # Pipeline: the first stage holds up to PP micro-batches in flight (1F1B).
     activations *= min(args.pipeline_model_parallel_size, _microbatches(args))
-    sp = t if args.sequence_parallel else 1
-    logits = logits_elements(local_seq // sp, b, padded_vocab_size(args) // t, sp) * 10
+    logits = loss_bytes(args, local_seq)
     parts = {
         "weights": n * weight_bytes,
         "gradients": n * grad_bytes,

@@ -146,7 +146,7 @@ def forward_step(data_iterator, model):
             batch["position_ids"],
             batch["attention_mask"],
             labels=batch["labels"],
-            loss_mask=None,
+            loss_mask=batch["loss_mask"],
             output_processor=chunked_lm_loss,
         )
     return output, partial(loss_func, batch["loss_mask"], model.training)
