@@ -158,6 +158,18 @@ def _apply_training() -> None:
     # Megatron's jit_fuser is torch.compile: on a CPU each fused function costs seconds of C++
     # compilation at start-up, more than small CPU runs ever get back.
     torch._dynamo.config.disable = True
+    # pretrain() warms the fused kernels up (initialize._warmup_jit_function) on torch.rand
+    # tensors of seq_length / CP tokens. With device="cuda" rewritten to the CPU they draw from
+    # the CPU generator, which initialisation draws from next (the CPU tracker's fork does
+    # nothing): the initial weights would depend on the CP size. Keep the generator's state.
+    warmup = initialize._warmup_jit_function
+
+    @functools.wraps(warmup)
+    def warmup_keeping_rng(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return warmup(*args, **kwargs)
+
+    initialize._warmup_jit_function = warmup_keeping_rng
     # Gradient clipping asserts CUDA gradients (optimizer/clip_grads.py: param.grad.type()).
     optimizer_module.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     # Checkpoints save the CUDA generator's state (training/checkpointing.py, get_rng_state);
