@@ -45,7 +45,10 @@ def test_recall_equals_dense_mass_under_the_mask(kind, rng):
     logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[:, :, -ROWS:]
-    expected = (probs * index.to_dense_mask(seq)[:, :, -ROWS:]).sum(-1).mean(-1)
+    mask = index.to_dense_mask(seq)
+    expected = (probs * mask[:, :, -ROWS:]).sum(-1).mean(-1)
+    # An index that says it is complete (its recall is taken as 1) attends the causal mask.
+    assert index.complete == bool((mask == causal).all()), (kind, index.complete)
     recall = attention_recall(q, k, index, num_rows=ROWS)
     torch.testing.assert_close(recall, expected.float(), rtol=1e-6, atol=1e-6)
     if kind == "dense":

@@ -15,9 +15,10 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
   degrees of the ring's attended area (``context_parallel.imbalance_degrees``), the same on
   every CP rank, so each rank records ``1 / cp_size`` of it.
 
-Counting the area walks the index on the host, so the loop flags only the last step of each
-logging interval and gives its values the weight of the whole interval (``weight``): the
-tracker's one scale then averages them with the KL, which is recorded every step. A layer
+The loop flags only the last step of each logging interval and gives its values the weight
+of the whole interval (``weight``): the tracker's one scale then averages them with the KL,
+which is recorded every step. The values stay on the device until the tracker reports
+them, and a dense index's fraction and recall are 1 without counting. A layer
 records once per micro-batch: activation recomputation runs its attention a second time in
 the backward, which must not count twice.
 """
@@ -69,9 +70,9 @@ class MeasuredCoreAttention(SparseCoreAttention):
                 with part_range("index"):
                     pattern = build_local_index(pattern, q, k, self.softmax_scale)
             with part_range("metrics"):
-                self._record(FRACTION_METRIC, weight * float(pattern.attended_area().sum()) / causal, None)
+                self._record(FRACTION_METRIC, pattern.attended_area().sum().double() * (weight / causal), None)
                 recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
-                self._record(RECALL_METRIC, weight * float(recall.mean()), None)
+                self._record(RECALL_METRIC, recall.mean() * weight, None)
             return super()._attend(q, k, v, pattern, layout)
         if not isinstance(pattern, SparseIndex):
             # Built here rather than inside the ring so that the recall scores the index the ring runs.
@@ -101,11 +102,13 @@ class MeasuredCoreAttention(SparseCoreAttention):
             recall = distributed_attention_recall(
                 q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
             )
-            self._record(RECALL_METRIC, weight * float(recall.mean()) / layout.cp_size, self.cp_group)
+            self._record(RECALL_METRIC, recall.mean() * (weight / layout.cp_size), self.cp_group)
         return out
 
-    def _record(self, name: str, value: float, group) -> None:
-        tensor = torch.tensor(value, dtype=torch.float32, device=torch.cuda.current_device())
+    def _record(self, name: str, value: float | torch.Tensor, group) -> None:
+        # Device tensors stay on the device: reading them here would stall the launch queue
+        # once per layer.
+        tensor = torch.as_tensor(value).to(device=torch.cuda.current_device(), dtype=torch.float32)
         get_attention_metrics_tracker().record(name, tensor, self.layer_number, self.config.num_layers, group)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -40,6 +40,9 @@ _AREA_ENTRIES = 1 << 22
 class SparseIndex:
     """Behaviour common to every index dataclass."""
 
+    # Attends every causal (query, key) pair: its attended fraction and recall are 1 by
+    # definition, so the metrics need not count them.
+    complete: ClassVar[bool] = False
     batch_size: int
     num_heads: int
     seq_len: int
@@ -270,6 +273,7 @@ def _correlate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class DenseIndex(SparseIndex):
     """Full causal attention, expressed as an index so one code path serves all."""
 
+    complete: ClassVar[bool] = True
     batch_size: int
     num_heads: int
     seq_len: int
