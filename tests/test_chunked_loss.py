@@ -33,6 +33,7 @@ def _init_tp(world):
 
 def _small_chunks(vocab_per_rank, sp):
     chunked_loss.CHUNK_ELEMENTS = ROWS_PER_CHUNK * workers.BATCH * vocab_per_rank * sp
+    chunked_loss.FUSED_CHUNK_ELEMENTS = ROWS_PER_CHUNK * workers.BATCH * vocab_per_rank
     assert chunked_loss.chunk_rows(workers.BATCH, vocab_per_rank, sp) == ROWS_PER_CHUNK
 
 
@@ -120,7 +121,7 @@ def _compare_fused(rank, world, tied):
     ref_loss, ref_grads = _loss_and_grads(model, batch, weights, **processor)
     assert fused_calls == [], "the checkpointed path took the fused loss without a loss mask"
     loss, grads = _loss_and_grads(model, batch, weights, loss_mask=mask, **processor)
-    # TP 1 fuses, with the checkpointed path's budget: 24 positions of 2 sequences per chunk.
+    # TP 1 fuses, 24 positions of 2 sequences per chunk.
     assert fused_calls == ([ROWS_PER_CHUNK * workers.BATCH] if world == 1 else []), fused_calls
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert grads.keys() == ref_grads.keys()

@@ -144,9 +144,9 @@ def test_loss_memory_follows_the_loss_path():
     assert (args.seq_length // args.context_parallel_size, args.padded_vocab_size) == (tokens, vocab)
     # TP 1: the fused loss keeps the hidden-state gradient (bf16), the weight gradient (fp32)
     # and per token a loss, a mask and a label, plus the larger of one chunk's bf16 logits
-    # (2**28 // vocab = 1766 rows, with an fp32 LSE each) and the weight gradient's bf16 copy.
+    # (2**30 // vocab = 7067 rows, with an fp32 LSE each) and the weight gradient's bf16 copy.
     kept = tokens * (2 * hidden + 16) + 4 * vocab * hidden
-    fused = kept + max(1766 * (2 * vocab + 4), 2 * vocab * hidden)
+    fused = kept + max(7067 * (2 * vocab + 4), 2 * vocab * hidden)
     assert estimate_memory(args, attention).parts["logits + loss"] == fused
     # TP 2: Megatron's output layer and cross entropy on 3533-row chunks of half the vocabulary,
     # 10 bytes per logit.

@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .linear_cross_entropy import CHUNK_ELEMENTS as FUSED_CHUNK_ELEMENTS
 from .linear_cross_entropy import linear_cross_entropy
 from .step_report import part_range
 
-# Logits elements per chunk (per GPU): 2.5 GiB at the checkpointed path's 10 bytes each,
-# 512 MiB of 16-bit logits on the fused path.
+# Logits elements per chunk (per GPU) on the checkpointed path: 2.5 GiB at 10 bytes each.
 CHUNK_ELEMENTS = 1 << 28
 
 
@@ -55,7 +55,7 @@ def fused_loss_bytes(tokens: int, vocab: int, hidden: int, dtype_bytes: int) -> 
     token the fp32 loss and mask and the int64 label. On top of them, the larger of one chunk's
     logits in the compute dtype with its fp32 LSE (forward) and the compute-dtype copy of
     ``grad_W`` that the backward returns (none for fp32 weights)."""
-    rows = min(tokens, max(1, CHUNK_ELEMENTS // vocab))
+    rows = min(tokens, max(1, FUSED_CHUNK_ELEMENTS // vocab))
     kept = tokens * (16 + hidden * dtype_bytes) + vocab * hidden * 4
     return kept + max(rows * (vocab * dtype_bytes + 4), vocab * hidden * dtype_bytes if dtype_bytes != 4 else 0)
 
@@ -99,7 +99,7 @@ def chunked_lm_loss(
         weight = output_layer.weight if output_weight is None else output_weight
         with part_range("loss"):
             return linear_cross_entropy(
-                hidden_states, weight, labels, loss_mask, chunk_rows=max(1, CHUNK_ELEMENTS // weight.shape[0])
+                hidden_states, weight, labels, loss_mask, chunk_rows=max(1, FUSED_CHUNK_ELEMENTS // weight.shape[0])
             )
     rows, batch = hidden_states.shape[:2]
     tp = output_layer.tp_group.size() if output_layer.sequence_parallel else 1

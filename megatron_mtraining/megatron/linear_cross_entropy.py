@@ -29,8 +29,10 @@ import torch
 from ..sparse.kernels import triton_available
 from ..sparse.validation import fail
 
-# Logits elements per chunk: with the logits in bf16, 512 MiB alive at a time.
-CHUNK_ELEMENTS = 1 << 28
+# Logits elements per chunk: with the logits in bf16, 2 GiB alive at a time. Each chunk's
+# weight-gradient GEMM reads and writes the whole fp32 ``[V, h]`` sum, which at a
+# 152K vocabulary costs as much as the GEMM's own work for chunks of ~1.8K rows.
+CHUNK_ELEMENTS = 1 << 30
 # Vocabulary columns per step of the kernels' loop over a row.
 BLOCK_V = 4096
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
