@@ -15,7 +15,10 @@ Rows (``--rows``):
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
 
-Per layer: the device time of the layers' parts in the profiled step (attention, index build,
+Per layer, two ways. ``--double`` runs every row again with twice the layers and takes the
+difference in steady s/iteration over the added layers: everything a layer costs, with no
+attribution, and the fixed part by subtraction (the headline figures). And from the profile:
+the device time of the layers' parts in the profiled step (attention, index build,
 MSA's branch and KL, matmuls, norms, elementwise; forward, recompute and backward) over the
 number of layers; the metric steps (attended area, recall) are logging and counted apart. Useful FLOPs count the matmuls and the attended area only
 (``4 * area * d * Hq`` forward, backward 2.5x; recomputation not counted); MFU divides them by
@@ -76,6 +79,12 @@ def _parse(argv):
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--rows", default="cudnn,dense,mtraining,moba,msa", help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--recompute", default="full", choices=sorted(RECOMPUTE), help="activation recomputation policy")
+    p.add_argument(
+        "--double",
+        action="store_true",
+        help="also run every row with twice the layers: per layer = the difference in s/iteration over the "
+        "added layers, with no profiler attribution",
+    )
     p.add_argument("--iters", type=int, default=6, help="iterations per row: 2 warmup, steady ones, the profiled one")
     p.add_argument("--timeout", type=int, default=400, help="seconds per row")
     p.add_argument("--out", default="runs/bench_training")
@@ -83,7 +92,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _common(args) -> list[str]:
+def _common(args, layers: int) -> list[str]:
     s = args.seq_length
     return [
         "megatron.mock_data=true",
@@ -96,7 +105,7 @@ def _common(args) -> list[str]:
         f"megatron.train_iters={args.iters}",
         "megatron.global_batch_size=1",
         "megatron.micro_batch_size=1",
-        f"megatron.num_layers={args.num_layers}",
+        f"megatron.num_layers={layers}",
         "megatron.lr_warmup_iters=0",
         "megatron.log_interval=1",
         f"megatron.seq_length={s}",
@@ -157,7 +166,8 @@ def _shape(config: str, overrides: list[str]) -> dict:
     return shape
 
 
-def run_row(name: str, args, out: Path) -> dict:
+def run_row(row: str, args, out: Path, layers: int) -> dict:
+    name = row if layers == args.num_layers else f"{row}_{layers}layers"
     report = out / f"{name}.json"
     cmd = [
         sys.executable,
@@ -165,8 +175,8 @@ def run_row(name: str, args, out: Path) -> dict:
         "megatron_mtraining.pretrain",
         "--config",
         args.config,
-        *_common(args),
-        *ROWS[name],
+        *_common(args, layers),
+        *ROWS[row],
         "--step-report",
         str(report),
         "--profile-step",
@@ -224,7 +234,21 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
         summary["mfu"] = summary["model_tflops"] / peak if peak else None
     if rate:
         summary["non_attention_floor_ms_per_layer"] = 3 * flops["matmul_fwd_per_layer"] / (rate * 1e12) * 1e3
+        # The output layer's three GEMMs (logits, and the two gradients) at the matmul rate; the
+        # optimizer and embedding are memory-bound passes of a few ms.
+        summary["fixed_floor_ms"] = 3 * flops["output_layer_fwd"] / (rate * 1e12) * 1e3
     return summary
+
+
+def layer_difference(row: dict, doubled: dict, layers: int) -> dict:
+    """Per layer from two runs that differ only in their layer count: the added layers' share
+    of the steady s/iteration (every kernel, host gap and metric step of a layer included),
+    and the rest of the step (embedding, output layer and loss, optimizer) by subtraction."""
+    per_layer = (doubled["steady_s_per_iteration"] - row["steady_s_per_iteration"]) / layers
+    return {
+        "layer_ms_from_difference": per_layer * 1e3,
+        "fixed_ms_from_difference": (row["steady_s_per_iteration"] - layers * per_layer) * 1e3,
+    }
 
 
 def _fmt(v, spec=".3g"):
@@ -234,6 +258,7 @@ def _fmt(v, spec=".3g"):
 
 def main(argv=None) -> None:
     args = _parse(argv)
+    args.config = str(Path(args.config).resolve())  # the rows run in the repository root
     rows = args.rows.split(",")
     for name in rows:
         if name not in ROWS:
@@ -244,10 +269,16 @@ def main(argv=None) -> None:
     rate = matmul_tflops()
     results = []
     for name in rows:
-        row = run_row(name, args, out)
+        row = run_row(name, args, out, args.num_layers)
         row["summary"] = summarize(row, shape, args.seq_length, args.num_layers, rate) if row["rc"] == 0 else {}
-        results.append(row)
         print(f"{name}: rc={row['rc']} {row.get('steady_s_per_iteration')} s/iteration ({row['wall_s']} s)", flush=True)
+        if args.double and row["summary"]:
+            doubled = run_row(name, args, out, 2 * args.num_layers)
+            row["doubled"] = doubled
+            print(f"  x2 layers: rc={doubled['rc']} {doubled.get('steady_s_per_iteration')} s/iteration", flush=True)
+            if doubled["rc"] == 0:
+                row["summary"].update(layer_difference(row, doubled, args.num_layers))
+        results.append(row)
     base = next((r for r in results if r["row"] == "cudnn" and r["rc"] == 0), None)
     record = {
         "config": args.config,
@@ -282,6 +313,20 @@ def main(argv=None) -> None:
             f"{_fmt(s['idle_ms'], '7.1f')}  {_fmt(s.get('mfu'), '.3f')}  {_fmt(r.get('peak_allocated_gib'), '8.1f')}  "
             f"{_fmt(s['attended_fraction'], '.4f')}"
         )
+    if args.double:
+        print(
+            "\nper layer from the difference of runs with L and 2L layers (ms; fixed part = s/iteration - L x layer):"
+        )
+        print("row            layer_ms  l-vs-cudnn  fixed_ms  fixed_floor_ms")
+        for r in results:
+            s = r["summary"]
+            if "layer_ms_from_difference" not in s:
+                continue
+            lratio = base and base["summary"].get("layer_ms_from_difference", 0) / s["layer_ms_from_difference"]
+            print(
+                f"{r['row']:<14} {s['layer_ms_from_difference']:8.1f}  {_fmt(lratio, '10.2f')}  "
+                f"{s['fixed_ms_from_difference']:8.1f}  {_fmt(s.get('fixed_floor_ms'), '8.1f')}"
+            )
     print("\nper-part device ms per profiled step (forward / recompute / backward):")
     for r in results:
         for part, phases in (r.get("profile") or {}).get("parts_ms", {}).items():
