@@ -204,8 +204,9 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
     """Per-layer, fixed-part and FLOP figures of one row's report."""
     prof = row.get("profile") or {}
     parts = prof.get("parts_ms", {})
-    fraction = row.get("metrics", {}).get("attended_fraction", 1.0)
-    flops = model_flops(shape, seq, fraction)
+    # None where no step logged its metrics (a log interval past the run): no useful FLOPs then.
+    fraction = row.get("metrics", {}).get("attended_fraction")
+    flops = model_flops(shape, seq, 1.0 if fraction is None else fraction)
 
     def total(names):
         return sum(sum(parts.get(n, {}).values()) for n in names)
@@ -228,7 +229,7 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
     seconds = row.get("steady_s_per_iteration")
     device = row.get("device", "")
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
-    if seconds:
+    if seconds and fraction is not None:
         useful = layers * flops["per_layer_useful"] + 3 * flops["output_layer_fwd"]
         summary["model_tflops"] = useful / seconds / 1e12
         summary["mfu"] = summary["model_tflops"] / peak if peak else None
