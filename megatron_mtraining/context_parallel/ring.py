@@ -150,8 +150,8 @@ class _VerticalColumns:
     Forward: ``take`` copies the columns held in each chunk as it passes this rank: every
     chunk passes every rank, so the column K/V are whole by the last step, at the cost of
     one small copy per step and no collective of their own (a sum over ranks after the
-    first step's kernel waited for that kernel and for the other rank, 0.7 ms of a 26 ms
-    forward on 2 H200s). ``start`` takes this rank's own chunk's and makes the columns'
+    first step's kernel waited for that kernel and for the other rank; docs/benchmarks.md,
+    "Context-parallel layouts in one launch"). ``start`` takes this rank's own chunk's and makes the columns'
     piece and its layout while the first step's kernel runs. Backward, ``add_grads``: the
     columns' gradients, summed over ranks, added to the owners' dK/dV."""
 
@@ -233,9 +233,9 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
 
 def _exchange(kv_exchange: str, hierarchy, one_node: bool) -> str:
     """The K/V exchange to run. ``auto``: the all-gather on a flat group whose ranks share a
-    node (``one_node``), the ring otherwise. Measured on one node (``docs/benchmarks.md``):
-    the all-gather's forward was 0.95-0.96 of single-GPU throughput on 2 H200s at 256K
-    against the ring's 0.82-0.84, and 0.79 against 0.58 on 8 H200s at 512K. Across nodes
+    node (``one_node``), the ring otherwise. On one node the all-gather kept more of the
+    single-GPU throughput than the ring on 2 and on 8 H200s (docs/benchmarks.md, "Context
+    parallelism over all-gathered K/V" and "8 x H200"). Across nodes
     its K/V bytes would cross the slow link with nothing to hide them but the index build,
     where the ring overlaps every transfer with a step's kernel."""
     if kv_exchange == "allgather" and hierarchy is not None:

@@ -2,14 +2,13 @@
 
 At long context the output layer's logits dominate a GPU's memory: Megatron materialises the
 ``s x V / t`` logits in the compute dtype plus two fp32 buffers of its vocab-parallel cross
-entropy, 10 bytes per element (23 GiB for Qwen2.5-3B at 16K tokens per GPU, against 40 GiB
-on an A100; docs/benchmarks.md). :func:`chunked_lm_loss` is a ``GPTModel`` output processor
+entropy, 10 bytes per element (most of an A100-40GB for Qwen2.5-3B at 16K tokens per GPU).
+:func:`chunked_lm_loss` is a ``GPTModel`` output processor
 (the ``output_processor`` argument of Megatron's ``GPTModel.forward``) that runs Megatron's own
 output layer and loss on chunks of rows under activation checkpointing: the forward keeps
 each chunk's per-token loss only, and the backward recomputes one chunk's logits at a time.
 Losses and gradients are Megatron's (the same operations on the same rows); the price is one
-more output-layer GEMM per chunk in the backward: by FLOP count (the output layer is ~10% of
-a 3B model's step), about 3% of a step; not measured on its own.
+more output-layer GEMM per chunk in the backward and Megatron's cross entropy run again.
 
 With sequence parallelism the output layer all-gathers its input over TP, so a chunk of each
 rank's shard becomes rows from every rank's part of the sequence: the labels are gathered in

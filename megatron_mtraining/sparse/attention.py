@@ -67,12 +67,12 @@ def sparse_attention(
 # docs/benchmarks.md): KV-outer programs compute only the rows that chose their key block,
 # but stream the queries in chunks whose fixed cost is paid per chunk; the query-major
 # union-of-tiles kernels compute every row of a query block against the union of its rows'
-# blocks. KV-outer wins where the selections are a small share of the keys (MSA k=16, block
-# 128: 1.6% of them at 128K, fwd+bwd 2x faster; 3.1% at 64K, 1.8x); the union wins at 6.25%
-# (the same MSA at 32K) and for MoBA's 4096-token chunks, whose rows of a query block mostly agree.
-# Measured crossovers (H100, 16 query / 2 KV heads, docs/benchmarks.md): MSA's 128-token
-# blocks at k=16 ran faster on KV-outer at 1.6% of the keys (128K) and 3.1% (64K), not at
-# 6.25% (32K); MoBA's 4096-token chunks at k=12 at 19% (256K), not at 37.5% (128K).
+# blocks. KV-outer wins where the selections are a small share of the keys; the union where
+# they are not, and for MoBA's wide chunks, whose rows of a query block mostly agree. The
+# thresholds sit between the measured crossovers (docs/benchmarks.md, "KV-outer kernels for
+# top-k indexes" and "Kernels at 256K on one H100"): MSA's 128-token blocks at k=16 ran
+# faster on KV-outer at 128K and 64K, not at 32K; MoBA's 4096-token chunks at k=12 at 256K,
+# not at 128K.
 KV_OUTER_MAX_BLOCK = 128
 KV_OUTER_MAX_SHARE = 1 / 16  # blocks of at most KV_OUTER_MAX_BLOCK tokens
 KV_OUTER_MAX_SHARE_WIDE = 1 / 4  # wider blocks

@@ -26,9 +26,9 @@ Backward without atomics, so it is deterministic:
   the query blocks that read the block, ``BLOCK_M`` rows a step, for each query head of
   the group. Each dK/dV row has exactly one writer.
 That is 7 matmuls per attended (row, key) pair, the dQ kernel recomputing QK^T and dP.
-A fused backward adding dQ with atomics from the dK/dV kernels (5 matmuls) ran slower
-at 128K on an H100 (31.3 against 29.5 ms; commit 8197a4c): the atomic adds cost three
-times the matmul they save.
+A fused backward adding dQ with atomics from the dK/dV kernels (5 matmuls) ran slower:
+the atomic adds cost more than the matmuls they save (docs/benchmarks.md, "Backward: the
+atomic-dQ variant measured and dropped").
 All statistics are fp32; exponentials are base 2 with the scale folded in.
 
 Loads use local row and column indices; causality compares global positions,
@@ -37,9 +37,9 @@ context-parallel rank's tokens (``HAS_QPOS``) or the keys another rank's chunk
 (``HAS_KPOS``), they are whole global blocks: ``QBLK`` / ``KBLK`` hold the global block
 id of each local block (ascending for the rows), so a step's positions cost one scalar
 load. Keys that are the whole sequence (all-gathered K/V) are their own positions, and
-key positions cost: given anyway, the forward ran 6-11% slower on an H100 at 256K tokens
-(``scripts/bench_ring_pieces.py``). Not the load waiting on the tile entry's: a table of
-the entries' global ids, read beside them, measured the same.
+key positions cost: given anyway, the forward ran slower (``scripts/bench_ring_pieces.py``;
+docs/benchmarks.md, "Context parallelism over all-gathered K/V"). Not the load waiting on the tile
+entry's: a table of the entries' global ids, read beside them, measured the same.
 Gathered vertical columns carry their positions in ``BAR_POS``.
 """
 
@@ -400,9 +400,9 @@ def _kv_grads(
 def _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION: tl.constexpr):
     """dK/dV sums with one step of rows added, from that step's unscaled transposed logits
     ``s`` (keys x rows, invisible at -inf), and the step's dS^T in q's dtype (for a dQ). The
-    scale is folded into the exponent's argument, one fused multiply-add an element: on an
-    H100 at 128K, tile dK/dV 10.75 -> 10.6 ms, bar dK/dV 5.47 -> 5.31; in the forward and
-    dQ kernels the same fold measured no gain (dQ 1.8% slower)."""
+    scale is folded into the exponent's argument, one fused multiply-add an element, which
+    made both dK/dV kernels faster; in the forward and dQ kernels the same fold measured no
+    gain (docs/benchmarks.md, "Forward mask variants, the scale fold and a launch sweep")."""
     p = tl.exp2(s * qk_scale - lse[None, :])
     dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)

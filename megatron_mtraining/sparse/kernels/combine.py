@@ -2,8 +2,9 @@
 
 ``merge_attention_outputs`` merges two results computed apart. The reference ``combine``
 (``sparse/reference.py``) does it in about eight elementwise passes over fp32 ``[B, S, H, D]``
-tensors and keeps their autograd graph (on 2 H200s at 512K tokens, as the ring's per-step
-merge, those passes took ~25 ms of the ring forward's 121 ms). Here each row's weights come
+tensors and keeps their autograd graph (a fifth of the ring's forward as its per-step merge:
+docs/benchmarks.md, "2 x H200 at 512K after removing the last sync and fusing the merge").
+Here each row's weights come
 from its two LSEs (``merge_weights``, which the forward kernel's accumulate mode shares: the
 ring now merges inside the attention kernel) and the row is read and written once. The backward
 needs only the inputs: ``d out_i = w_i dout`` and ``d lse_i = w_i (dlse + dout . (out_i - out))``,

@@ -59,20 +59,21 @@ DEFAULTS = {
 """Untuned first choices, with ``OVERRIDES`` replacing them per pass as in ``attention.py``.
 Forward: 64 rows (8 tokens x 8 heads for Qwen2.5-3B's MSA) against a whole 128-key block,
 4 warps, so that two programs share a multiprocessor. dK/dV: 64 rows against a 128-key
-block, the shape of ``block_bar``'s dK/dV kernel. A few alternatives measured once on an
-H100 (MSA k=16, block 128, at 32K and 128K tokens) ran slower: a 128-row forward of 8 warps
-(+11%), three stages (within 3%), items of 4 or 32 tiles (within 4%); for dK/dV, 32-row
-tiles (+8%) and 64-key steps with the separate dQ kernel (+12% to +58%)."""
+block, the shape of ``block_bar``'s dK/dV kernel. The alternatives measured once (a 128-row
+forward of 8 warps, three stages, items of 4 or 32 tiles; for dK/dV, 32-row tiles and 64-key
+steps with the separate dQ kernel) ran slower or no faster (docs/benchmarks.md, "KV-outer
+kernels for top-k indexes")."""
 OVERRIDES: dict[str, PassConfig] = {}
 # Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
 # allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
 # (0.16x q: ~650 tokens a chunk at k=16 with fp32 slots, ~1300 with bf16 inputs' bf16 ones)
 # and the dK/dV partials of split groups (half that), forward + backward at 128K
 # tokens (Qwen2.5-3B attention, bf16) peak at 1.19x the memory of q, k, v, o and their
-# gradients (H100, docs/benchmarks.md). Each backward launch then has little work, and is as long as its longest
-# program: the partials buy parallelism where a chunk's tokens chose few blocks. The forward
-# runs before the gradients exist: its output slots may take twice q's memory, so that its
-# launches are few and full (on an H100 at 32K tokens, 2x q ran 1.7x faster than 0.5x q).
+# gradients (docs/benchmarks.md, "KV-outer kernels for top-k indexes"). Each backward launch
+# then has little work, and is as long as its longest program: the partials buy parallelism
+# where a chunk's tokens chose few blocks. The forward runs before the gradients exist: its
+# output slots may take twice q's memory, so that its launches are few and full (measured
+# faster than smaller slots, same section).
 CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(buffer_share=0.16, min_chunk=256)}
 # The backward's dK/dV partials of split groups (a whole key block each), as a share of its
 # dQ slots' memory; a chunk whose splits would need more takes longer items.

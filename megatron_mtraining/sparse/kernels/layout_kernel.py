@@ -3,7 +3,8 @@ device or for a context-parallel piece.
 
 ``layout.vertical_slash_layout`` (one device) and ``StepLayouts`` (a ring step) compose
 ``slash_tiles``, ``vertical_counts`` and ``active_diagonals``: about 55 small torch
-operations, each a kernel launch and ~5-10 us of host time (0.8 ms at 128K on an H200),
+operations, each a kernel launch and microseconds of host time (docs/benchmarks.md,
+"Context-parallel layouts in one launch"),
 each a node of the index build's CUDA graph, and on a context-parallel rank host time
 spent before its first attention kernel. This kernel writes the same tables, equal entry
 for entry (the tests compare them), one program per (group of block ids, batch x head).

@@ -31,16 +31,11 @@ fp64, and no term depends on how the keys are split (exponents use the global ro
 maxima, not running ones), so a context-parallel split moves the statistics only
 at fp64 rounding, far below their final fp32 rounding.
 
-Floor at 128K, Qwen2.5-3B shape (Hq 16, Hkv 2, D 128, w 64) on an H100: each pass
-is a 1024-row x 128K-key x 128 bf16 matmul, 34 GFLOP, so 103 GFLOP in all (0.13 ms
-at 800 TFLOP/s); passes 2 and 3 take 134M exponentials each (0.07 ms for both on
-the SFUs); each pass reads K (64 MiB) and the mass pass writes 67 MB of fp64 runs
-(32-key tiles) that the pooling reads again, ~0.35 GB in all (0.12 ms at 3 TB/s):
-about 0.25 ms.
-Measured (H100, 64-key tiles on 4 warps): 0.11 ms row maxima, 0.16 ms normalisers,
-0.65 ms mass: the skew and the fp64 sums cost ~5x the matmul, which the row-max pass
-does in 0.11 ms. On an H200 the mass pass took 0.59 ms so, and ~0.15 ms less with
-32-key tiles on 2 warps (the defaults).
+The floor: each pass is a (window rows x sequence x head dim) matmul, passes 2 and 3
+add one exponential per logit, each pass reads K once and the mass pass writes fp64
+runs (32-key tiles) that the pooling reads again. The mass pass is the slow one: its
+skew and fp64 sums cost several times its matmul (docs/benchmarks.md, "Index build on
+CUDA: Triton window statistics" and "Index build without a copy of K").
 """
 
 from __future__ import annotations
@@ -57,8 +52,8 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class StatsLaunch:
     """Tile sizes and launch parameters (defaults: sweeps at 128K on an H100, and for the
-    mass pass on an H200, where 32-key tiles on 2 warps took the statistics from 1.05 to
-    0.90 ms against 64-key tiles on 4 warps)."""
+    mass pass on an H200, where 32-key tiles on 2 warps beat 64-key tiles on 4 warps;
+    docs/benchmarks.md, "Index build without a copy of K")."""
 
     block_m: int = 128  # window rows per tile of the row-statistics passes
     block_n: int = 128  # keys per tile of the row-statistics passes
