@@ -57,7 +57,7 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     cli = _parse_cli(sys.argv[1:] if argv is None else argv)
-    from .megatron.yaml_config import ConfigError
+    from .megatron.yaml_config import ConfigError, explain_rejection, load_config
 
     try:
         if cli.dry_run:
@@ -67,7 +67,14 @@ def main(argv: list[str] | None = None) -> None:
             return
         from .megatron.training import run
 
-        run(cli.config, cli.overrides, cli.step_report, cli.profile_step)
+        run_config = load_config(cli.config, cli.overrides)
+        missing = run_config.missing_paths()
+        if missing:
+            raise ConfigError("\n".join(missing))
+        try:
+            run(cli.config, cli.overrides, cli.step_report, cli.profile_step)
+        except ConfigError as err:
+            raise explain_rejection(err, run_config) from None
     except ConfigError as err:
         sys.exit(f"config error: {err}")
 

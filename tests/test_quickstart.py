@@ -105,8 +105,9 @@ def test_second_call_reuses_every_stage(run):
 def test_failed_phase_prints_the_log_end_and_exits_non_zero(run, tmp_path):
     workdir = tmp_path / "qs"
     shutil.copytree(run[0], workdir)
-    # Three heads do not split into the config's two query groups: Megatron refuses at start-up.
-    proc = quickstart(workdir, *SHORT, "megatron.num_attention_heads=3")
+    # A hidden size of 66 does not split into the config's four heads: Megatron refuses at
+    # start-up (the YAML checks pass it on).
+    proc = quickstart(workdir, *SHORT, "megatron.hidden_size=66")
     assert proc.returncode != 0
     assert "the training settings differ from the recorded run's" in proc.stdout
     assert re.search(r"error: training phase1 failed \(exit code \d+\); the end of its log:", proc.stdout)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..context_parallel.layout import KINDS
+from ..context_parallel.layout import KINDS, ContextParallelLayout
 from ..context_parallel.ring import KV_EXCHANGES
 from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
@@ -130,6 +130,49 @@ class MTrainingAttentionConfig(ValidatedConfig):
     def pattern(self):
         """The pattern config of ``type`` (``"dense"`` for dense attention)."""
         return "dense" if self.type == "dense" else getattr(self, self.type)
+
+    def validate_for_sequence(self, seq_length: int, cp_size: int) -> None:
+        """Checks against the training sequence (done when the config is read, so a layout that
+        cannot split it fails before any process starts, and a pattern that would attend
+        everything does not run dense without a word)."""
+        name = type(self).__name__
+        if cp_size > 1 and self.layout == "striped" and seq_length % cp_size == 0:
+            local = seq_length // cp_size
+            if local % self.stripe:
+                divisors = [d for d in range(1, local + 1) if local % d == 0]
+                fail(
+                    f"{name}.stripe",
+                    self.stripe,
+                    f"a divisor of seq_length / context_parallel_size = {seq_length} / {cp_size} = {local}: "
+                    f"{', '.join(map(str, divisors))}",
+                )
+        if cp_size > 1:
+            try:
+                ContextParallelLayout(self.layout, cp_size, seq_length, stripe=self.stripe)
+            except ValueError as err:
+                raise ValueError(
+                    f"seq_length={seq_length} cannot be split over context_parallel_size={cp_size} ranks: {err}"
+                ) from None
+        if self.type == "dense":
+            return
+        size_field = "chunk_size" if self.type == "moba" else "block_size"
+        size = getattr(self.pattern, size_field)
+        if size >= seq_length:
+            fail(
+                f"{name}.{self.type}.{size_field}",
+                size,
+                f"a power of two below seq_length ({seq_length}): one block covering the whole sequence is dense "
+                "attention (type 'dense')",
+            )
+        blocks = -(-seq_length // size)
+        topk = getattr(self.pattern, "topk", 0)
+        if topk >= blocks:
+            fail(
+                f"{name}.{self.type}.topk",
+                topk,
+                f"at most {blocks - 1}: seq_length / {self.type}.{size_field} = {seq_length} / {size} gives "
+                f"{blocks} blocks, and selecting all of them is dense attention (type 'dense')",
+            )
 
     def validate_for(self, config) -> None:
         """Checks against a Megatron ``TransformerConfig`` (done when attaching, so a bad

@@ -4,15 +4,17 @@ Validates a config through the same code as a real run (the YAML checks, Megatro
 ``parse_args`` / ``validate_args``, the attention config against the resulting
 ``TransformerConfig``) for the world size the recipe is written for, then prints the resolved
 Megatron arguments, the parallel layout and the memory estimate. Needs no GPU, starts no
-process group and reads no data or tokenizer file (those paths are checked by the real run).
+process group and reads no data, checkpoint or tokenizer file: the data and checkpoint paths a
+real run would reject here are listed, not rejected, since a recipe names another machine's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from unittest import mock
 
-from .yaml_config import ConfigError, RunConfig, load_config
+from .yaml_config import ConfigError, RunConfig, culprits, explain_rejection, load_config
 
 # Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS rule
 # for TP / CP > 1); a dry run answers for the recipe's GPU.
@@ -33,26 +35,39 @@ def world_size_of(run_config: RunConfig) -> int:
     )
 
 
+def check_attention(run_config: RunConfig, args) -> None:
+    """The attention config against the model's ``TransformerConfig`` built from Megatron's
+    resolved ``args``: a dry run and a real run (before any process group) check the same."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    try:
+        run_config.attention.validate_for(core_transformer_config_from_args(args))
+    except (ValueError, AssertionError) as err:
+        # The settings the error names, wherever the config set them.
+        named = [key for key in run_config.sources if re.search(rf"\b{key.rpartition('.')[2]}\b", str(err))]
+        raise ConfigError(f"{culprits(run_config.sources, named, run_config.path)}: {err}") from err
+
+
 def resolve(run_config: RunConfig, world_size: int | None = None):
     """Megatron's validated arguments for ``run_config`` on ``world_size`` ranks (the recipe's
     by default), with the attention config checked against the model's ``TransformerConfig``."""
     from megatron.training import arguments
-    from megatron.training.argument_utils import core_transformer_config_from_args
 
     from .training import _megatron_defaults, resolve_megatron_args
 
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: not a number of ranks (accepted: a positive integer)")
     world_size = world_size or world_size_of(run_config)
     arch = _ARCH.get(run_config.cluster.get("gpu"), 8)
     with (
         mock.patch.object(arguments, "get_device_arch_version", lambda: arch),
         mock.patch.dict(os.environ, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
     ):
-        args = resolve_megatron_args(run_config, _megatron_defaults(cpu=False), world_size)
-    try:
-        config = core_transformer_config_from_args(args)
-        run_config.attention.validate_for(config)
-    except (ValueError, AssertionError) as err:
-        raise ConfigError(f"{run_config.path}: {err}") from err
+        try:
+            args = resolve_megatron_args(run_config, _megatron_defaults(cpu=False), world_size)
+        except ConfigError as err:
+            raise explain_rejection(err, run_config) from None
+    check_attention(run_config, args)
     gpus_per_node = run_config.cluster.get("gpus_per_node")
     hierarchy = run_config.attention.hierarchy
     if hierarchy and gpus_per_node and args.context_parallel_size > 1:
@@ -106,12 +121,15 @@ def dry_run(config_path, overrides=(), world_size: int | None = None) -> tuple[s
         estimate = estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(run_config.cluster.get("gpu")))
     except ValueError as err:
         raise ConfigError(f"{run_config.path}: {err}") from None
+    # A recipe names the paths of the machines it is written for; a real run here stops on them.
+    missing = [f"[mtraining] not on this machine: {text}" for text in run_config.missing_paths()]
     report = "\n".join(
         [
             f"[mtraining] dry run of {run_config.path}: valid (Megatron printed the resolved arguments above)",
             f"[mtraining] attention: {run_config.attention_dict()}",
             layout_report(args, run_config),
             estimate.report(),
+            *missing,
         ]
     )
     return report, estimate

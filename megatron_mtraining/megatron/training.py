@@ -37,6 +37,7 @@ from .attention_metrics import METRICS as ATTENTION_METRICS
 from .attention_metrics import collect_attention_metrics, measured
 from .chunked_loss import chunked_lm_loss
 from .config import MTrainingAttentionConfig, attach_attention_config
+from .dry_run import check_attention
 from .layer_specs import get_gpt_decoder_block_spec
 from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
 from .step_report import StepReport, annotate_model, part_range
@@ -447,6 +448,7 @@ def run(config_path, overrides=(), step_report: str | None = None, profile_step:
     # Before the model exists, so Megatron's batch split and RoPE slice follow the layout.
     apply_patches(run_config.attention.layout, run_config.attention.stripe)
     args = parse_megatron_args(run_config, defaults)
+    check_attention(run_config, args)
     print_rank_0(memory_report(args, run_config))
     check_checkpoint_attention(args)
     container = pretrain_cfg_container_from_args(args)

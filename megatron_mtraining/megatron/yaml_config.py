@@ -31,6 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
+import linecache
+import math
+import os
+import re
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +48,77 @@ SECTIONS = ("megatron", "attention", "cluster")
 # The ``cluster:`` section: the world size of a dry run, the hierarchy check and the GPU whose
 # memory the estimate is compared with. A launcher's actual world size wins in a real run.
 CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu": str}
+# Megatron arguments whose parser accepts any number but whose values out of range fail only
+# later (a division in the model's init, a dropout or seed torch refuses, a loop that never
+# runs, NaN from the first step) or in an assertion that names nothing: dest -> (test, what is
+# accepted).
+VALUE_RANGES = {
+    **dict.fromkeys(
+        (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "seq_length",
+            "max_position_embeddings",
+            "micro_batch_size",
+            "global_batch_size",
+            "train_iters",
+            "train_samples",
+            "lr_decay_iters",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "save_interval",
+            "log_interval",
+            "eval_interval",
+            "exit_interval",
+            "rotary_base",
+        ),
+        (lambda v: v >= 1, "a positive integer"),
+    ),
+    **dict.fromkeys(("lr_warmup_iters", "eval_iters", "seed"), (lambda v: v >= 0, "an integer >= 0")),
+    **dict.fromkeys(
+        ("lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"),
+        (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout"), (lambda v: 0 <= v <= 1, "a probability in [0, 1]")),
+    "rotary_percent": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+}
+# Megatron arguments naming indexed datasets: path prefixes of .bin / .idx pairs, optionally
+# preceded by their blend weights.
+DATA_PATHS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key and its source."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key repeated in one mapping is an error: PyYAML keeps
+    the last value, so the first would be dropped without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str, name: str):
+    # PyYAML's error marks name the stream.
+    stream = io.StringIO(text)
+    stream.name = name
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -103,9 +176,12 @@ def _key_argv(key: str, value, where: str) -> list[str]:
         raise ConfigError(f"{where}: 'megatron.{key}' takes a value, not the mapping {value!r}")
     argv = [action.option_strings[0], *(_scalar(v) for v in values)]
     try:
-        _megatron_parser().parse_args(argv)
+        parsed = getattr(_megatron_parser().parse_args(argv), key)
     except (ConfigError, argparse.ArgumentError) as err:
         raise ConfigError(f"{where}: bad value for 'megatron.{key}': {value!r} ({err})") from None
+    test, accepted = VALUE_RANGES.get(key, (None, None))
+    if test is not None and not test(parsed):
+        raise ConfigError(f"{where}: bad value for 'megatron.{key}': {value!r} (accepted: {accepted})")
     return argv
 
 
@@ -132,6 +208,35 @@ class RunConfig:
             argv += _key_argv(key, value, self.sources.get(f"megatron.{key}", str(self.path)))
         return argv
 
+    def missing_paths(self) -> list[str]:
+        """What the run would read from this machine's disk and cannot find: the indexed
+        datasets (without ``mock_data``) and the checkpoint directory to load. A ``load``
+        directory that does not exist yet is fine when it is also ``save``: a run that saves
+        and resumes in one place starts from scratch the first time."""
+        missing = []
+        m = self.megatron
+        if not _megatron_value(m, "mock_data"):
+            for key in DATA_PATHS:
+                for prefix in _megatron_value(m, key) or ():
+                    if _is_number(prefix) or all(os.path.isfile(f"{prefix}{ext}") for ext in (".bin", ".idx")):
+                        continue
+                    missing.append(
+                        f"{self._source(key)}: 'megatron.{key}' names {prefix!r}, but {prefix}.bin / {prefix}.idx "
+                        "do not exist (accepted: the prefix of an indexed dataset, as scripts/prepare_data.py "
+                        "writes it, or megatron.mock_data=true)"
+                    )
+        load, save = _megatron_value(m, "load"), _megatron_value(m, "save")
+        if load and not os.path.exists(load) and not (save and Path(load).resolve() == Path(save).resolve()):
+            missing.append(
+                f"{self._source('load')}: 'megatron.load' names {load!r}, which does not exist (accepted: an existing "
+                f"checkpoint directory; the directory of megatron.save (now {save!r}), which the first run of a "
+                "job that saves and resumes there creates; or null to start from a random initialisation)"
+            )
+        return missing
+
+    def _source(self, key: str) -> str:
+        return self.sources.get(f"megatron.{key}", str(self.path))
+
     def attention_dict(self) -> dict:
         """The attention config as plain data (stored with Megatron's args in checkpoints)."""
         return dataclasses.asdict(self.attention)
@@ -146,7 +251,7 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if len(path) < 2 or path[0] not in SECTIONS or not all(path):
         raise ConfigError(f"override {text!r}: the key must start with one of the sections {', '.join(SECTIONS)}")
     try:
-        value = yaml.safe_load(raw) if raw else None
+        value = _load_yaml(raw, f"override {text!r}") if raw else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from None
     return path, value
@@ -168,15 +273,56 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
             node = child
         node[keys[-1]] = value
         sources[".".join(keys[:2])] = f"override {text!r}"
-    for key, value in sections["megatron"].items():
+    if not any(sections.values()):
+        raise ConfigError(f"{path}: the config is empty (expected the sections {', '.join(SECTIONS)})")
+    megatron = sections["megatron"]
+    for key, value in megatron.items():
         _key_argv(str(key), value, sources[f"megatron.{key}"])
     _check_cluster(sections["cluster"], sources)
+    attention_keys = [k for k in sources if k.startswith("attention.")]
     try:
         attention = MTrainingAttentionConfig.from_dict(sections["attention"], where="attention")
     except (ValueError, TypeError) as err:
-        culprits = sorted({sources[k] for k in sources if k.startswith("attention.")} or {str(path)})
-        raise ConfigError(f"{' / '.join(culprits)}: {err}") from None
-    return RunConfig(sections["megatron"], attention, path, sources, sections["cluster"])
+        raise ConfigError(f"{culprits(sources, attention_keys, path)}: {err}") from None
+    _check_heads_and_data(megatron, sources, path)
+    seq_length = _megatron_value(megatron, "seq_length")
+    if seq_length is not None:
+        try:
+            attention.validate_for_sequence(seq_length, _megatron_value(megatron, "context_parallel_size"))
+        except ValueError as err:
+            keys = [*attention_keys, "megatron.seq_length", "megatron.context_parallel_size"]
+            raise ConfigError(f"{culprits(sources, keys, path)}: {err}") from None
+    return RunConfig(megatron, attention, path, sources, sections["cluster"])
+
+
+def _check_heads_and_data(megatron: dict, sources: dict[str, str], path: Path) -> None:
+    """What Megatron's validate_args lets through and the model or the data loader trips on."""
+    value = functools.partial(_megatron_value, megatron)
+    heads, groups = value("num_attention_heads"), value("num_query_groups")
+    if value("group_query_attention") and heads and heads % groups:
+        keys = ["megatron.num_attention_heads", "megatron.num_query_groups"]
+        raise ConfigError(
+            f"{culprits(sources, keys, path)}: bad value for 'megatron.num_query_groups': {groups} (accepted: a "
+            f"divisor of megatron.num_attention_heads ({heads}): each K/V head serves as many query heads)"
+        )
+    if not value("mock_data") and not any(
+        value(k) for k in (*DATA_PATHS, "data_args_path", "per_split_data_args_path")
+    ):
+        raise ConfigError(
+            f"{culprits(sources, ['megatron.mock_data'], path)}: no training data: 'megatron.mock_data' is false and "
+            "no data path is set (accepted: megatron.data_path=[prefix, ...] of indexed datasets, or mock_data: true)"
+        )
+
+
+def culprits(sources: dict[str, str], keys: list[str], path: Path) -> str:
+    """The files and overrides that set ``keys``, for an error that involves them together."""
+    return " / ".join(sorted({sources[k] for k in keys if k in sources} or {str(path)}))
+
+
+def _megatron_value(megatron: dict, key: str):
+    """A (validated) ``megatron:`` key as Megatron parses it, or Megatron's default."""
+    argv = _key_argv(key, megatron[key], "") if key in megatron else []
+    return getattr(_megatron_parser().parse_args(argv), key)
 
 
 def _read_sections(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
@@ -186,10 +332,15 @@ def _read_sections(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str,
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
         raise ConfigError(f"{path}: 'base' includes form a cycle ({cycle})")
+    where = f"{chain[-1]}: base file" if chain else str(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{where}: cannot read the config {path}: byte {err.object[err.start]:#04x} at offset {err.start} is "
+            "not UTF-8 (accepted: a UTF-8 text file)"
+        ) from None
     except (OSError, yaml.YAMLError) as err:
-        where = f"{chain[-1]}: base file" if chain else str(path)
         raise ConfigError(f"{where}: cannot read the config {path} ({err})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(SECTIONS)}")
@@ -229,3 +380,32 @@ def _check_cluster(cluster: dict, sources: dict[str, str]) -> None:
             raise ConfigError(
                 f"{where}: bad value for 'cluster.gpu': {value!r} (accepted: {', '.join(GPU_MEMORY_GIB)})"
             )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def explain_rejection(err: ConfigError, run_config: RunConfig) -> ConfigError:
+    """``err``, completed when it is a rejection by an ``assert`` in Megatron's
+    ``validate_args``: the values of the arguments the assertion reads and where the config
+    set them, and, for the many bare ones, the asserted condition."""
+    cause = err.__cause__
+    if not isinstance(cause, AssertionError):
+        return err
+    frame, lineno = list(traceback.walk_tb(cause.__traceback__))[-1]
+    end = traceback.extract_tb(cause.__traceback__)[-1].end_lineno or lineno
+    filename = frame.f_code.co_filename
+    source = " ".join(linecache.getline(filename, n).strip() for n in range(lineno, end + 1))
+    args = frame.f_locals.get("args")
+    details = []
+    for name in dict.fromkeys(re.findall(r"\bargs\.(\w+)", source)):
+        origin = run_config.sources.get(f"megatron.{name}")
+        details.append(f"megatron.{name}={getattr(args, name, None)!r}" + (f" from {origin}" if origin else ""))
+    details.append(f"{Path(filename).name} line {lineno}")
+    condition = "" if str(cause) else f"{source.removeprefix('assert').strip()} must hold "
+    return ConfigError(f"{err}{condition}({'; '.join(details)})")
