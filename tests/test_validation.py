@@ -165,6 +165,31 @@ def test_block_topk_index_incompatible_selection_heads(rng):
     )
 
 
+@pytest.mark.parametrize(("bad", "at"), [(3, (1, 39, 0, 1)), (-2, (0, 17, 1, 0)), (10**6, (1, 0, 1, 1))])
+def test_block_topk_index_block_ids_out_of_range(bad, at):
+    # S = 40 in blocks of 16: key blocks 0, 1, 2 (the last one partial); -1 pads.
+    blocks = torch.tensor([0, -1]).int().view(1, 1, 1, 2).repeat(B, S, HKV, 1)
+    blocks[..., 0] = torch.arange(S).int().view(1, -1, 1) // 16
+    BlockTopKIndex(blocks=blocks, block_size=16, num_heads=HQ)  # the last block and the padding are accepted
+    blocks[at] = bad
+    raises(
+        lambda: BlockTopKIndex(blocks=blocks, block_size=16, num_heads=HQ),
+        f"BlockTopKIndex.blocks[{', '.join(map(str, at))}]",
+        bad,
+        "a key block id in [0, 3) (sequence length 40, block size 16), or -1 for no block",
+    )
+
+
+def test_block_topk_index_float_blocks():
+    blocks = torch.zeros(B, S, HKV, 1)
+    raises(
+        lambda: BlockTopKIndex(blocks=blocks, block_size=16, num_heads=HQ),
+        "BlockTopKIndex.blocks.dtype",
+        blocks.dtype,
+        "int32",
+    )
+
+
 # ----------------------------------------------------------------------------- configs
 
 CONFIG_CASES = [

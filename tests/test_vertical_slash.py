@@ -4,12 +4,14 @@ import math
 
 import pytest
 import torch
+from dense_reference import dense_attention
 
 from megatron_mtraining.sparse import (
     VerticalSlashConfig,
     attention_recall,
     build_vertical_slash_index,
     select_vertical_slash,
+    sparse_attention,
     window_statistics,
 )
 
@@ -64,8 +66,16 @@ def test_top_p_budgets_are_minimal_and_reach_p(p, rng):
     index = select_vertical_slash(stats, cfg, 300)
     for field, scores in ((index.vertical, stats.vertical), (index.slash, stats.slash)):
         chosen = selected(None, field, scores.shape[-1])
-        mass = (scores.double() * chosen).sum(-1)
         total = scores.double().sum(-1)
+        if field is index.slash:
+            # Diagonal 0 is forced on top of the budget: the budget took it only where the
+            # better diagonals fall short of p without it.
+            assert chosen[..., 0].all()
+            others = chosen.clone()
+            others[..., 0] = False
+            enough = (scores.double() * others).sum(-1) >= p * total
+            chosen = torch.where(enough.unsqueeze(-1), others, chosen)
+        mass = (scores.double() * chosen).sum(-1)
         assert (mass >= p * total - 1e-9).all()
         # Minimal: dropping the weakest chosen entry falls below p.
         weakest = torch.where(chosen, scores.double(), float("inf")).amin(-1)
@@ -83,7 +93,10 @@ def test_caps_bind(rng):
     )
     index = build_vertical_slash_index(q, k, cfg)
     assert ((index.vertical >= 0).sum(-1) == 5).all()
-    assert ((index.slash >= 0).sum(-1) == 3).all()  # ceil(40 / 16) block diagonals
+    # ceil(40 / 16) block diagonals, and diagonal 0 (forced) on top unless it is among them.
+    best = window_statistics(q, k, cfg).slash.topk(3).indices
+    assert torch.equal((index.slash >= 0).sum(-1), 4 - (best == 0).any(-1).long())
+    assert (index.slash == 0).any(-1).all()
 
 
 def planted_qk(seq, offset, columns, rng, strength=12.0):
@@ -122,6 +135,21 @@ def test_planted_columns_and_diagonal_are_recovered(rng, device):
     mask = index.to_dense_mask(seq)[0, 0].cpu()
     i = torch.arange(offset, seq)
     assert mask[i, i - offset].all() and mask[300:, 300].all() and mask[7:, 7].all()
+
+
+def test_every_row_attends_without_sinks_or_local_window(rng, device):
+    # The README's config. Peaked random attention leaves, in nearly every draw of these
+    # sizes, early rows whose keys no budget takes: they attended nothing before diagonal 0
+    # was forced.
+    q = (torch.randn(2, 640, 12, 16, generator=rng, dtype=torch.float64) * 2.5).to(device)
+    k, v = (torch.randn(2, 640, 4, 16, generator=rng, dtype=torch.float64).to(device) for _ in "kv")
+    index = build_vertical_slash_index(q, k, VerticalSlashConfig(vertical_topp=0.9, slash_topp=0.9))
+    mask = index.to_dense_mask(640)
+    assert mask.any(-1).all()
+    out, lse = sparse_attention(q, k, v, index)
+    ref_out, ref_lse = dense_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-6)
 
 
 def test_sinks_and_local_window_are_forced(rng):

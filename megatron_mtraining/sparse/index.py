@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .validation import fail
+from .validation import check_int, check_tensor, fail
 
 if TYPE_CHECKING:
     from .kernels.layout import KernelLayout
@@ -476,6 +476,27 @@ class BlockTopKIndex(SparseIndex):
     blocks: torch.Tensor  # [B, S, Hs, k] int32
     block_size: int
     num_heads: int
+
+    def __post_init__(self):
+        check_tensor("BlockTopKIndex.blocks", self.blocks, ndim=4, float_dtype=False)
+        if self.blocks.dtype not in (torch.int32, torch.int64):
+            fail("BlockTopKIndex.blocks.dtype", self.blocks.dtype, "torch.int32 or torch.int64 key block ids")
+        check_int("BlockTopKIndex.block_size", self.block_size, minimum=1)
+        # The ids are read only in host memory: on a GPU the read would wait for the device, and
+        # the builders make an index per layer, with ids in range by construction. An index
+        # assembled by hand on the host is checked here, before ``.to(device)``.
+        if self.blocks.device.type != "cpu":
+            return
+        n_blocks = -(-self.seq_len // self.block_size)
+        outside = ((self.blocks < -1) | (self.blocks >= n_blocks)).nonzero()
+        if len(outside):
+            at = tuple(outside[0].tolist())
+            fail(
+                f"BlockTopKIndex.blocks[{', '.join(map(str, at))}]",
+                int(self.blocks[at]),
+                f"a key block id in [0, {n_blocks}) (sequence length {self.seq_len}, block size "
+                f"{self.block_size}), or -1 for no block",
+            )
 
     @property
     def batch_size(self) -> int:

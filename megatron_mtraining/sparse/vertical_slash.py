@@ -17,7 +17,8 @@ Budgets: per head, the fewest columns (block diagonals) whose sorted scores
 reach ``vertical_topp`` (``slash_topp``) of the total, at most ``vertical_cap``
 columns and ``ceil(slash_cap / block_size)`` block diagonals (caps are given in
 token lines, as in the reference configs). ``sink_tokens`` first columns and the
-block diagonals that hold the last ``local_window`` offsets are added on top.
+block diagonals that hold the last ``local_window`` offsets are added on top, and block
+diagonal 0 always is (each query attends at least the keys of its own block up to itself).
 
 Statistics and selection are separate so that a context-parallel builder can
 reduce partial statistics across ranks and run the same selection everywhere.
@@ -231,7 +232,9 @@ def _taken(top, order, limit, forced: int, n_first: int) -> torch.Tensor:
 
 
 def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, seq_len: int) -> VerticalSlashIndex:
-    local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 0
+    # Block diagonal 0 is always forced: it holds each query's own key, so no row can be left
+    # attending nothing (zero output) where the budgets skip every column and diagonal it sees.
+    local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 1
     return VerticalSlashIndex(
         vertical=_selected(stats.vertical, config.vertical_topp, config.vertical_cap, config.sink_tokens),
         slash=_selected(stats.slash, config.slash_topp, config.slash_block_cap, local_diagonals),
