@@ -6,7 +6,9 @@
       --output-prefix data/mix --seq-length 4096 [--min-tokens N] [--max-tokens N]
 
 With --config, the flags given override the config's top-level fields. Without it, the inputs
-form one source. See megatron_mtraining/data/config.py for the config's fields.
+form one source. See megatron_mtraining/data/config.py for the config's fields. The outputs
+appear only when the whole run succeeds: a failed run leaves no partial file, and the output
+of an earlier run over the same prefix as it was.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                 raw | {"sources": [{"name": "input", "paths": args.input, "text_key": args.text_key}]}
             )
         summary = prepare(config, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # OSError: an unreadable input, an unwritable output
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(summary.format())

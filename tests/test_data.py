@@ -3,6 +3,7 @@ mixing, GPTDataset packing of the output, and config errors. CPU only, a tokeniz
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -300,3 +301,70 @@ def test_synthetic_arguments_are_checked_up_front():
         generate_documents(2, 100, seed=0, kinds=("passkey", "bogus"))
     with pytest.raises(ValueError, match="length=0"):
         make_document("filler", 0, seed=0)
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (relative path -> bytes); directories count as files of ``b""``."""
+    return {str(p.relative_to(directory)): b"" if p.is_dir() else p.read_bytes() for p in directory.rglob("*")}
+
+
+def test_failed_run_keeps_the_finished_output(corpus, tmp_path):
+    long, short = str(corpus / "long.jsonl"), str(corpus / "short.jsonl")
+    out = tmp_path / "out"
+    out.mkdir()
+    finished = {"tokenizer": str(corpus / "tokenizer"), "output_prefix": str(out / "mix"), "seq_length": 64}
+    prepare(
+        MixConfig.from_dict(finished | {"sources": [{"name": "a", "paths": [long]}, {"name": "b", "paths": [short]}]}),
+        False,
+    )
+    before = _tree(out)
+    assert set(before) == {
+        "mix.bin",
+        "mix.idx",
+        "mix.summary.json",
+        "mix.sources",
+        *(f"mix.sources/{s}.{e}" for s in "ab" for e in ("bin", "idx")),
+    }
+    # A re-run whose source a differs (its shard would change) and whose source b fails midway.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 100 + "not json\n")
+    rerun = MixConfig.from_dict(
+        finished | {"batch_size": 8, "sources": [{"name": "a", "paths": [short]}, {"name": "b", "paths": [str(bad)]}]}
+    )
+    with pytest.raises(ValueError, match=r"bad.jsonl:101: not valid JSON"):
+        prepare(rerun, False)
+    assert _tree(out) == before
+    # A good re-run replaces the shards and the mix, and leaves nothing else.
+    prepare(dataclasses.replace(rerun, sources=rerun.sources[:1]), False)
+    assert set(_tree(out)) == set(before)
+    assert _docs(str(out / "mix.sources" / "a")) == _encode(corpus, _texts(corpus / "short.jsonl"))
+    assert sorted(_docs(str(out / "mix"))) == sorted(_docs(str(out / "mix.sources" / "a")))
+
+
+def test_failed_first_run_leaves_nothing(corpus, tmp_path, monkeypatch):
+    from megatron_mtraining.data import indexed
+
+    class FailingTokenizer:
+        """The real tokenizer until its third batch, which raises."""
+
+        def __init__(self, tok):
+            self.tok, self.batches = tok, 0
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __len__(self):
+            return len(self.tok)
+
+        def __call__(self, texts, **kwargs):
+            self.batches += 1
+            if self.batches == 3:
+                raise RuntimeError("tokenizer failed")
+            return self.tok(texts, **kwargs)
+
+    monkeypatch.setattr(indexed, "load_tokenizer", lambda path: FailingTokenizer(load_tokenizer(path)))
+    sources = [{"name": "s", "paths": [str(corpus / "short.jsonl")]}]
+    config = _config(corpus, "unused", sources, output_prefix=str(tmp_path / "new" / "mix"), batch_size=8)
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        prepare(config, False)
+    assert _tree(tmp_path) == {"new": b""}

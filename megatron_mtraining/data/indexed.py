@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,7 +185,11 @@ def mix_order(doc_counts: list[int], factors: list[float], seed: int) -> np.ndar
 
 
 def prepare(config: MixConfig, progress: bool = True) -> PrepareSummary:
-    """Runs both passes of ``config`` and returns (and writes next to the output) the summary."""
+    """Runs both passes of ``config`` and returns (and writes next to the output) the summary.
+
+    Every file is written under a temporary directory beside the output and renamed into place
+    once the whole run has succeeded: a failed run leaves no partial file and leaves the output
+    of an earlier run as it was."""
     tokenizer = load_tokenizer(config.tokenizer)
     # Long-context documents exceed every tokenizer's model_max_length; the length checks here are ours.
     tokenizer.model_max_length = sys.maxsize
@@ -190,8 +197,22 @@ def prepare(config: MixConfig, progress: bool = True) -> PrepareSummary:
     if eod is None:
         raise ValueError(f"tokenizer={str(config.tokenizer)!r} has no eos_token; it is needed as the EOD token")
     prefix = config.output_prefix
-    source_dir = Path(str(prefix) + ".sources")
-    source_dir.mkdir(parents=True, exist_ok=True)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    # In the output's directory, so that the renames stay on one file system (atomic).
+    stage = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.", suffix=".partial", dir=prefix.parent))
+    try:
+        summary = _prepare_into(config, tokenizer, eod, stage, progress)
+        _commit(stage, prefix, config)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return summary
+
+
+def _prepare_into(config: MixConfig, tokenizer, eod: int, stage: Path, progress: bool) -> PrepareSummary:
+    """Both passes, written under ``stage`` as ``mix.bin/.idx``, ``sources/<name>.bin/.idx`` and
+    ``summary.json`` (see :func:`_commit`)."""
+    source_dir = stage / "sources"
+    source_dir.mkdir()
     dtype = DType.optimal_dtype(len(tokenizer))
 
     stats = [tokenize_source(s, tokenizer, eod, dtype, source_dir / s.name, config, progress) for s in config.sources]
@@ -199,7 +220,7 @@ def prepare(config: MixConfig, progress: bool = True) -> PrepareSummary:
     factors = mix_factors(config, stats)
     order = mix_order([len(d) for d in datasets], factors, config.seed)
 
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    builder = IndexedDatasetBuilder(str(stage / "mix.bin"), dtype=dtype)
     long_doc_tokens = 0
     for st, factor in zip(stats, factors, strict=True):
         st.factor = factor
@@ -210,13 +231,34 @@ def prepare(config: MixConfig, progress: bool = True) -> PrepareSummary:
         stats[source].mix_tokens += tokens.size
         if tokens.size >= config.seq_length:
             long_doc_tokens += tokens.size
-    builder.finalize(str(prefix) + ".idx")
+    builder.finalize(str(stage / "mix.idx"))
 
-    summary = PrepareSummary(str(prefix), config.seq_length, eod, np.dtype(dtype).name, stats, long_doc_tokens)
+    summary = PrepareSummary(
+        str(config.output_prefix), config.seq_length, eod, np.dtype(dtype).name, stats, long_doc_tokens
+    )
     record = summary.to_dict() | {
         "tokenizer": str(config.tokenizer),
         "seed": config.seed,
         "sources_config": [asdict(s) | {"paths": [str(p) for p in s.paths]} for s in config.sources],
     }
-    Path(str(prefix) + ".summary.json").write_text(json.dumps(record, indent=2) + "\n")
+    (stage / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
     return summary
+
+
+def _commit(stage: Path, prefix: Path, config: MixConfig) -> None:
+    """Renames the staged files to ``prefix.sources/<name>.bin/.idx``, ``prefix.bin/.idx`` and
+    ``prefix.summary.json``. Readers take a dataset's ``.idx`` as the sign that it is complete
+    (Megatron opens it first; the quickstart skips a finished stage by the mix's), so the old
+    ones go before anything is replaced and the new ones come last, the mix's at the very end:
+    an interruption between renames leaves datasets missing, never a ``.bin`` of one run beside
+    the ``.idx`` of another."""
+    source_dir = Path(str(prefix) + ".sources")
+    source_dir.mkdir(exist_ok=True)
+    datasets = [(stage / "sources" / s.name, source_dir / s.name) for s in config.sources] + [(stage / "mix", prefix)]
+    for _, final in datasets:
+        Path(str(final) + ".idx").unlink(missing_ok=True)
+    for staged, final in datasets:
+        os.replace(str(staged) + ".bin", str(final) + ".bin")
+    os.replace(stage / "summary.json", str(prefix) + ".summary.json")
+    for staged, final in datasets:
+        os.replace(str(staged) + ".idx", str(final) + ".idx")
