@@ -21,6 +21,8 @@ Rows:
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
   compiled kernel;
+* MSA's block selection (k=16, block 128): the Triton kernel against the chunked PyTorch
+  path, time and peak memory;
 * MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through ``sparse_attention`` (the
   KV-outer kernels) and, for comparison, through the union-of-tiles kernels with the share
   of their computed tile area that is useful; for MSA also the KV-outer path's peak memory
@@ -112,6 +114,36 @@ def structured_qk(seq: int, gen: torch.Generator):
     return rope(q), rope(k)
 
 
+def msa_selection(q_idx, k_idx, config, seq, rows, rep):
+    """MSA's block selection as dispatched (the Triton kernel on CUDA) against the chunked
+    PyTorch path (``MTRAINING_ATTENTION_BACKEND=reference``; one warm call timed, it takes
+    seconds at 128K), with each one's peak memory above its inputs; and how many rows pick
+    the same blocks (the two differ only among equally scored blocks)."""
+    from megatron_mtraining.sparse.attention import BACKEND_ENV
+
+    results = {}
+    for name in ("triton", "reference"):
+        with mock.patch.dict(os.environ, {BACKEND_ENV: "reference"} if name == "reference" else {}):
+            select = lambda: msa_select_blocks(q_idx, k_idx, config, HQ)  # noqa: E731
+            results[name] = select().blocks
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            if name == "triton":
+                ms = timed(select, rep)
+            else:
+                start = time.perf_counter()
+                select()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) * 1e3
+            extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+        print(f"  msa selection k{config.topk} b{config.block_size} ({name}): {ms:.2f} ms, peak +{extra_mib:.0f} MiB")
+        rows.append({"kernel": f"msa selection ({name})", "seq": seq, "ms": ms, "peak_extra_mib": extra_mib})
+    same = (results["triton"] == results["reference"]).all(-1).float().mean().item()
+    print(f"    rows with the same selection: {same:.5f}")
+    rows[-1]["rows_same_selection"] = same
+
+
 def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
     and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
@@ -122,10 +154,10 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     from megatron_mtraining.sparse.kernels.kv_outer_attention import KVOuterAttention
 
     sq, sk = structured_qk(seq, gen)
+    q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
+    msa_selection(q_idx, k_idx, msa_config, seq, rows, rep)
     indices = {
-        "msa k16 b128": msa_select_blocks(
-            sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D), HQ
-        ),
+        "msa k16 b128": msa_select_blocks(q_idx, k_idx, msa_config, HQ),
         "moba c4096 k12": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
     }
     scale = D**-0.5

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .attention import backend_choice
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
@@ -120,13 +121,25 @@ def block_max_scores(
 
 @torch.no_grad()
 def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int) -> BlockTopKIndex:
-    """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count."""
+    """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count.
+
+    Where the kernels run (``attention.backend_choice``: CUDA inputs, not ruled out by
+    ``MTRAINING_ATTENTION_BACKEND=reference``) and ``topk`` fits its register-resident set,
+    one Triton launch scores and selects with no token-level scores in memory
+    (``kernels/msa_index.py``; ties go to the lower block id). Otherwise the rows go in
+    chunks through :func:`block_max_scores` and ``select_topk_blocks``, the reference."""
     _check_index_inputs(q_idx, k_idx, config.index_head_dim)
     bsz, seq, groups, d = q_idx.shape
     check_int("num_heads", num_heads, minimum=1)
     if num_heads % groups:
         fail("num_heads", num_heads, f"a multiple of the index query head count {groups} (one per GQA group)")
     bs = config.block_size
+    if backend_choice(q_idx) == "triton":
+        from .kernels import msa_index
+
+        if config.topk <= msa_index.MAX_TOPK:
+            blocks = msa_index.select_blocks(q_idx, k_idx, bs, config.topk)
+            return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
     n_blocks = -(-seq // bs)
     rows_per_chunk = max(bs, (1 << 22) // max(seq, 1) // bs * bs)
     positions = torch.arange(seq, device=q_idx.device)

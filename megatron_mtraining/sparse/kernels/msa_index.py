@@ -1,0 +1,205 @@
+"""The MSA block selection in Triton: block-max index scores and their top-k, with no
+token-level score matrix in global memory (CUDA inputs, or Triton's interpreter).
+
+``msa.msa_select_blocks`` computes, per chunk of query rows, the ``[B, Hkv, rows, S]``
+fp32 scores, a scatter-reduce max per key block and a top-k over ``[.., n_blocks]``:
+O(S^2) memory traffic and about a thousand large launches per layer at 128K tokens.
+Here one program takes a tile of ``BLOCK_M`` query rows of one (batch, group) and walks
+the key blocks up to the tile's causal limit. Per key block it multiplies the tile
+against the block's keys (``BLOCK_N`` at a time), masks the keys after each row's
+position and keeps the row maximum: the block's score, which stays in registers.
+
+* ``block_max_scores_triton`` writes every score, ``[B, Hkv, S, n_blocks]`` fp32
+  (``msa.block_max_scores`` on positions ``0 .. S-1``): still S x S / block_size.
+* ``select_blocks`` writes only the selection, ``[B, S, Hkv, topk]`` int32 (what
+  ``msa.msa_select_blocks`` runs on CUDA).
+  Each row keeps a register-resident set of ``topk`` slots: slot 0 holds its own block
+  (score +inf, never evicted), the others the best other blocks seen so far. A block
+  whose score beats the set's worst replaces it; at the end each id is written at its place in
+  ascending order (empty slots last, as -1), as ``index.select_topk_blocks`` returns them.
+
+Tie rule: blocks are visited in ascending order and a block enters only when its score
+is strictly above the worst kept one, which among equal worst scores is the one with
+the highest id. The selection is therefore the top by (score descending, block id
+ascending), exactly. ``torch.topk`` (the torch path) leaves the order of ties
+unspecified, so the two can pick different blocks among equally scored ones only.
+Blocks with no visible key score -inf and are never taken; a NaN score never enters.
+
+Scores are fp32 ``q . k / sqrt(d_idx)``; 16-bit products are exact in fp32, fp32 inputs
+use IEEE fp32 products (no TF32), so scores differ from the torch path's only by the
+order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..validation import check_int, fail
+
+# The set of kept blocks lives in registers, [BLOCK_M, next_pow2(topk)] scores and ids.
+MAX_TOPK = 128
+_EMPTY = tl.constexpr(1 << 30)  # ids of empty slots start here; above any block id
+
+
+@dataclass(frozen=True)
+class SelectLaunch:
+    """Tile sizes and launch parameters. Rows per tile amortise each key load; the top-k
+    set takes ``2 * block_m * next_pow2(topk)`` registers across the program, so wide
+    selections take smaller row tiles."""
+
+    block_m: int = 128
+    block_m_wide: int = 64  # rows per tile when topk > 32
+    block_n: int = 64  # keys per matrix product (at most the block size)
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+# Tests shrink the tiles so that tiny inputs span several of each in Triton's interpreter.
+LAUNCH = SelectLaunch()
+
+
+@triton.jit
+def _block_select_kernel(
+    Q, K, SCORES, BLOCKS, seq_len, n_blocks, HKV, sq_b, sq_s, sq_h, sk_b, sk_s, n_slots, width, scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KP: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``BLOCK_M`` query rows of one (batch, group) against every key block
+    up to its causal limit: the block maxima (``SCORES``, unless ``SELECT``) or the
+    top-``n_slots`` selection (``BLOCKS``, ``width`` ids per row)."""
+    bg = tl.program_id(0)
+    # The grid's last tiles see the most key blocks: they start first.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = bg // HKV
+    g = bg % HKV
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_ptrs = Q + b.to(tl.int64) * sq_b + g * sq_h + rows.to(tl.int64)[:, None] * sq_s + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b.to(tl.int64) * sk_b
+    last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, seq_len) - 1
+    n_visible = last_row // BLOCK_SIZE + 1
+    own = rows // BLOCK_SIZE
+    if SELECT:
+        col = tl.arange(0, KP)[None, :]
+        # Slot 0: the row's own block, forced. Slots past n_slots: +inf, never evicted.
+        top_s = tl.where((col == 0) | (col >= n_slots), float("inf"), float("-inf")) + tl.zeros(
+            [BLOCK_M, KP], tl.float32
+        )
+        top_i = tl.where(col == 0, own[:, None], _EMPTY + col)
+    else:
+        out_row = SCORES + (bg.to(tl.int64) * seq_len + rows.to(tl.int64)) * n_blocks
+    for j in range(0, n_visible):
+        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for t in tl.static_range(BLOCK_SIZE // BLOCK_N):
+            keys = j * BLOCK_SIZE + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_ok = keys < seq_len
+            k = tl.load(
+                k_base + keys.to(tl.int64)[:, None] * sk_s + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            visible = key_ok[None, :] & (keys[None, :] <= rows[:, None])
+            best = tl.maximum(best, tl.max(tl.where(visible, s, float("-inf")), 1))
+        best = best * scale
+        if SELECT:
+            cand = tl.where(own == j, float("-inf"), best)
+            worst = tl.min(top_s, 1)
+            # Among equally bad slots the highest id goes, so ties keep the lower block ids.
+            victim = tl.max(tl.where(top_s == worst[:, None], top_i, -1), 1)
+            hit = (top_i == victim[:, None]) & (cand > worst)[:, None]
+            top_s = tl.where(hit, cand[:, None], top_s)
+            top_i = tl.where(hit, j, top_i)
+        else:
+            tl.store(out_row + j, best, mask=row_ok)
+    if SELECT:
+        # Ids are distinct within a row, so each slot's place in ascending order is the
+        # count of smaller ids (tl.sort's bitonic network crawls in the interpreter).
+        rank = tl.zeros([BLOCK_M, KP], tl.int32)
+        for c in tl.static_range(KP):
+            other = tl.sum(tl.where(col == c, top_i, 0), 1)
+            rank += (other[:, None] < top_i).to(tl.int32)
+        out_row = BLOCKS + ((b.to(tl.int64) * seq_len + rows.to(tl.int64)) * HKV + g) * width
+        ids = tl.where(top_i >= _EMPTY, -1, top_i)
+        tl.store(out_row[:, None] + rank, ids, mask=row_ok[:, None] & (rank < width))
+        for c0 in range(KP, width, KP):  # topk above the block count: the rest is padding
+            tl.store(out_row[:, None] + c0 + col, -1, mask=row_ok[:, None] & (c0 + col < width))
+    else:
+        pad = tl.arange(0, 16)
+        for j0 in range(n_visible, n_blocks, 16):  # blocks no row of the tile sees
+            unseen = j0 + pad
+            tl.store(
+                out_row[:, None] + unseen[None, :], float("-inf"), mask=row_ok[:, None] & (unseen < n_blocks)[None, :]
+            )
+
+
+def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int) -> None:
+    from ..msa import _check_index_inputs
+
+    _check_index_inputs(q_idx, k_idx)
+    if q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        fail("q_idx.dtype", q_idx.dtype, "torch.float16, torch.bfloat16 or torch.float32 (the Triton selection)")
+    check_int("block_size", block_size, minimum=16)
+    if block_size & (block_size - 1):
+        fail("block_size", block_size, "a power of two >= 16 (the kernel tiles by it)")
+
+
+def _check_device(q_idx: torch.Tensor) -> None:
+    if q_idx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        fail("q_idx.device", str(q_idx.device), "a CUDA device (or TRITON_INTERPRET=1) for the Triton selection")
+
+
+def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: int, block_m: int) -> None:
+    bsz, seq, groups, d = q_idx.shape
+    q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
+    n_blocks = -(-seq // block_size)
+    select = blocks is not None
+    kp = triton.next_power_of_2(max(n_slots, 1))
+    grid = (bsz * groups, triton.cdiv(seq, block_m))
+    _block_select_kernel[grid](
+        q, k, scores, blocks, seq, n_blocks, groups, *q.stride()[:3], *k.stride()[:2], n_slots, width,
+        1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+        BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=LAUNCH.num_warps,
+        num_stages=LAUNCH.num_stages,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def block_max_scores_triton(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``msa.block_max_scores`` over the whole sequence (positions ``0 .. S-1``):
+    ``[B, Hkv, S, n_blocks]`` fp32, -inf where the block has no key at or before the row."""
+    _check(q_idx, k_idx, block_size)
+    _check_device(q_idx)
+    bsz, seq, groups, _ = q_idx.shape
+    scores = torch.empty(bsz, groups, seq, -(-seq // block_size), dtype=torch.float32, device=q_idx.device)
+    if seq:
+        _launch(q_idx, k_idx, block_size, scores, None, 1, 1, LAUNCH.block_m)
+    return scores
+
+
+@torch.no_grad()
+def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+    """The MSA selection in one launch: per (query, group) its own block plus the top
+    ``topk - 1`` other visible blocks, ``[B, S, Hkv, topk]`` int32 ascending, -1 padded.
+    Ties go to the lower block id (module docstring)."""
+    _check(q_idx, k_idx, block_size)
+    check_int("topk", topk, minimum=1)
+    if topk > MAX_TOPK:
+        fail("topk", topk, f"at most {MAX_TOPK} for the Triton selection (its top-k set is in registers)")
+    _check_device(q_idx)
+    bsz, seq, groups, _ = q_idx.shape
+    blocks = torch.empty(bsz, seq, groups, topk, dtype=torch.int32, device=q_idx.device)
+    if seq:
+        n_slots = min(topk, -(-seq // block_size))
+        block_m = LAUNCH.block_m if n_slots <= 32 else LAUNCH.block_m_wide
+        _launch(q_idx, k_idx, block_size, None, blocks, n_slots, topk, block_m)
+    return blocks
