@@ -170,6 +170,11 @@ def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
     want, before, after = losses(uninterrupted[1]), losses(first.stdout), losses(resumed)
     assert before == {i: want[i] for i in (1, 2, 3)}
     assert after == {i: want[i] for i in (4, 5, 6)}, (after, want)
+    # A longer run decays the learning rate over more steps: not the checkpoint's schedule.
+    changed = pretrain(tmp_path, f"megatron.load={ckpt}", "megatron.train_iters=12", check=False)
+    assert changed.returncode != 0 and "Traceback" not in changed.stdout, changed.stdout[-3000:]
+    assert "config error: megatron.load=" in changed.stdout and "use_checkpoint_opt_param_scheduler" in changed.stdout
+    assert "[mtraining] iteration" not in changed.stdout  # stopped before training
 
 
 def test_dense_checkpoint_resumes_as_msa(tmp_path):

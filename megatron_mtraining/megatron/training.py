@@ -10,18 +10,22 @@ provider, and the plugin's per-interval metrics.
   the training iteration (MSA warmup) and reports the plugin's metrics once per step.
 * :func:`train_valid_test_datasets_provider`: Megatron's GPT datasets (``mock_data`` or an
   indexed ``data_path``).
-* :func:`check_checkpoint_attention` compares the attention of the checkpoint being loaded
-  with this run's, logs a switch, and makes Megatron's loader accept new MSA parameters.
+* :func:`check_checkpoint` compares the checkpoint being loaded with this run: a changed
+  learning-rate schedule stops the run with a named error; an attention switch is logged and
+  Megatron's loader made to accept new MSA parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
 import time
+import types
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -286,8 +290,9 @@ _METRICS = _Metrics()
 _STEP_REPORT: StepReport | None = None
 
 
-def check_checkpoint_attention(args) -> None:
-    """Compares the attention of the checkpoint ``args.load`` names with this run's.
+def check_checkpoint(args) -> None:
+    """Compares the checkpoint ``args.load`` names with this run: its learning-rate schedule
+    (:func:`_check_schedule`) and its attention.
 
     A switch is logged, and MSA warmup counts from the iteration of the switch
     (``args.mtraining_attention_start``, saved with the arguments so a later resume keeps
@@ -298,10 +303,11 @@ def check_checkpoint_attention(args) -> None:
     accept model keys the checkpoint lacks (``dist_ckpt_strictness``); the projections keep
     their fresh initialisation.
     """
-    found = _checkpoint_attention(args)
+    found = _read_checkpoint(args)
     if found is None:
         return
-    saved, saved_start, iteration = found
+    _check_schedule(args, found.common.get("opt_param_scheduler"), found.release)
+    saved, saved_start, iteration = found.attention, found.attention_start, found.iteration
     attention = attention_from_args(args)
     saved_type = saved.get("type", "dense")
     if saved_type == attention.type:
@@ -333,10 +339,44 @@ def check_checkpoint_attention(args) -> None:
         args.no_load_optim = True
 
 
-def _checkpoint_attention(args) -> tuple[dict, int, int] | None:
-    """(attention dict, its start iteration, checkpoint iteration) of the checkpoint to load,
-    or None when there is none. A checkpoint without the plugin's settings (plain Megatron)
-    counts as dense."""
+def _check_schedule(args, saved: dict | None, release: bool) -> None:
+    """A resume whose learning-rate or weight-decay schedule differs from the checkpoint's
+    stops here, naming what differs and the two ways out: Megatron's scheduler asserts it
+    only inside the checkpoint load, after every process has started. The comparison is
+    Megatron's own, on a scheduler built as its training loop builds one."""
+    from unittest import mock
+
+    from megatron.training import training as megatron_training
+
+    loads = not (release or args.finetune or args.no_load_optim)
+    chooses = args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler
+    if saved is None or not loads or chooses:
+        return
+    optimizer = types.SimpleNamespace(param_groups=[{}])
+    with mock.patch.object(megatron_training, "get_args", lambda: copy.copy(args)):
+        scheduler = megatron_training.get_optimizer_param_scheduler(optimizer)
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as err:
+        raise ConfigError(
+            f"megatron.load={args.load!r}: this run's learning-rate schedule is not the checkpoint's ({err}; "
+            "the schedule follows lr, min_lr, lr_decay_style, lr_decay_iters or train_iters, the warmup and the "
+            "weight decay). Accepted: the checkpoint's settings, or megatron.use_checkpoint_opt_param_scheduler=true "
+            "to continue the checkpoint's schedule, or megatron.override_opt_param_scheduler=true to take this run's"
+        ) from None
+
+
+class _Checkpoint(NamedTuple):
+    attention: dict  # a checkpoint without the plugin's settings (plain Megatron) is dense
+    attention_start: int  # the iteration that attention type started
+    iteration: int
+    release: bool
+    common: dict  # the checkpoint's common (unsharded) state
+
+
+def _read_checkpoint(args) -> _Checkpoint | None:
+    """What a run needs to know of the checkpoint ``args.load`` names before loading it, or
+    None when there is none."""
     from megatron.core import dist_checkpointing
     from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 
@@ -352,9 +392,10 @@ def _checkpoint_attention(args) -> tuple[dict, int, int] | None:
     name = get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
     if not dist_checkpointing.check_is_distributed_checkpoint(name):
         return None
-    saved_args = dist_checkpointing.load_common_state_dict(name).get("args")
+    common = dist_checkpointing.load_common_state_dict(name)
+    saved_args = common.get("args")
     attention = dict(getattr(saved_args, ARGS_ATTRIBUTE, None) or {"type": "dense"})
-    return attention, getattr(saved_args, START_ATTRIBUTE, 0), iteration
+    return _Checkpoint(attention, getattr(saved_args, START_ATTRIBUTE, 0), iteration, release, common)
 
 
 def resolve_megatron_args(run_config: RunConfig, defaults: dict, world_size: int | None = None):
@@ -450,7 +491,7 @@ def run(config_path, overrides=(), step_report: str | None = None, profile_step:
     args = parse_megatron_args(run_config, defaults)
     check_attention(run_config, args)
     print_rank_0(memory_report(args, run_config))
-    check_checkpoint_attention(args)
+    check_checkpoint(args)
     container = pretrain_cfg_container_from_args(args)
     _record_memory_history(container)
     if step_report is not None:
