@@ -47,6 +47,12 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="with --step-report: the iteration to profile (0-based; default the second to last)",
     )
+    parser.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="stop at the first transformer layer whose output or input gradient is NaN or infinite, naming it and "
+        "its attention type (debugging: one host synchronisation per layer and pass)",
+    )
     cli = parser.parse_args(argv)
     if cli.profile_step is not None and cli.step_report is None:
         parser.error("--profile-step is for --step-report")
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise ConfigError("\n".join(missing))
         try:
-            run(cli.config, cli.overrides, cli.step_report, cli.profile_step)
+            run(cli.config, cli.overrides, cli.step_report, cli.profile_step, check_finite=cli.check_finite)
         except ConfigError as err:
             raise explain_rejection(err, run_config) from None
     except ConfigError as err:

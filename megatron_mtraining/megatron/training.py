@@ -42,6 +42,7 @@ from .attention_metrics import collect_attention_metrics, measured
 from .chunked_loss import chunked_lm_loss
 from .config import MTrainingAttentionConfig, attach_attention_config
 from .dry_run import check_attention
+from .finite_guard import check_losses, install_finite_guard
 from .layer_specs import get_gpt_decoder_block_spec
 from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
 from .step_report import StepReport, annotate_model, part_range
@@ -87,6 +88,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
     if _STEP_REPORT is not None:
         annotate_model(model)
+    if _CHECK_FINITE:
+        install_finite_guard(model, attention_from_args(args).type)
     return model
 
 
@@ -127,6 +130,8 @@ def loss_func(loss_mask: torch.Tensor, training: bool, output_tensor: torch.Tens
     """Megatron's per-token loss triple: (loss sum, token count, report) over this rank's
     tokens; training losses also go to the plugin's metrics."""
     losses = output_tensor.view(-1).float()
+    if _CHECK_FINITE:
+        check_losses(losses)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
@@ -288,6 +293,8 @@ def _device():
 _METRICS = _Metrics()
 # Set by ``run(step_report=...)``: the step timer and profile of ``--step-report``.
 _STEP_REPORT: StepReport | None = None
+# Set by ``run(check_finite=...)``: ``--check-finite``.
+_CHECK_FINITE = False
 
 
 def check_checkpoint(args) -> None:
@@ -462,11 +469,19 @@ def memory_report(args, run_config: RunConfig) -> str:
     return estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(gpu)).report()
 
 
-def run(config_path, overrides=(), step_report: str | None = None, profile_step: int | None = None) -> None:
+def run(
+    config_path,
+    overrides=(),
+    step_report: str | None = None,
+    profile_step: int | None = None,
+    check_finite: bool = False,
+) -> None:
     """The whole training job of ``python -m megatron_mtraining.pretrain``; with
     ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
-    iteration ``profile_step`` (0-based; default the second to last)."""
-    global _STEP_REPORT
+    iteration ``profile_step`` (0-based; default the second to last); ``check_finite``
+    guards every layer against non-finite values (``finite_guard.py``)."""
+    global _STEP_REPORT, _CHECK_FINITE
+    _CHECK_FINITE = check_finite
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
