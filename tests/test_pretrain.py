@@ -135,8 +135,17 @@ def test_logged_attended_fraction_is_the_index_area(attention, interval, extra, 
     assert all(value == pytest.approx(want, abs=1e-6) for value in logged.values()), (logged, want)
 
 
-def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, tmp_path):
-    output = pretrain(tmp_path, "megatron.context_parallel_size=2", "attention.layout=striped", world=2).stdout
+CP2_STRIPED = ("megatron.context_parallel_size=2", "attention.layout=striped")
+
+
+@pytest.fixture(scope="module")
+def cp2_striped(tmp_path_factory):
+    """Six mtraining steps on two processes, CP 2 with the striped layout."""
+    return pretrain(tmp_path_factory.mktemp("cp2"), *CP2_STRIPED, world=2).stdout
+
+
+def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, cp2_striped, tmp_path):
+    output = cp2_striped
     assert "context-parallel size: 2" in output
     loss = losses(output)
     assert sorted(loss) == [1, 2, 3, 4, 5, 6]
@@ -175,6 +184,26 @@ def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
     assert changed.returncode != 0 and "Traceback" not in changed.stdout, changed.stdout[-3000:]
     assert "config error: megatron.load=" in changed.stdout and "use_checkpoint_opt_param_scheduler" in changed.stdout
     assert "[mtraining] iteration" not in changed.stdout  # stopped before training
+
+
+# (overrides, processes): MSA resumes past its 2 warmup steps (the warmup counter and the index
+# projections come from the checkpoint); mtraining under CP 2 resumes the striped ring.
+EXACT_RESUMES = {"msa": (("attention.type=msa",), 1), "mtraining-cp2-striped": (CP2_STRIPED, 2)}
+
+
+@pytest.mark.parametrize("case", EXACT_RESUMES)
+def test_resume_is_exact(case, cp2_striped, tmp_path):
+    overrides, world = EXACT_RESUMES[case]
+    whole = cp2_striped if world == 2 else pretrain(tmp_path, *overrides).stdout
+    ckpt = tmp_path / "ckpt"
+    saving = ("megatron.save_interval=3", "megatron.exit_interval=3")
+    first = pretrain(tmp_path, *overrides, f"megatron.save={ckpt}", *saving, world=world).stdout
+    resumed = pretrain(tmp_path, *overrides, f"megatron.load={ckpt}", world=world).stdout
+    want, before, after = losses(whole), losses(first), losses(resumed)
+    assert before == {i: want[i] for i in (1, 2, 3)}, (before, want)
+    assert after == {i: want[i] for i in (4, 5, 6)}, (after, want)
+    # Samples continue where the checkpoint stopped: none repeated, none skipped.
+    assert re.search(r"iteration\s+4/\s*6 \| consumed samples:\s+8 \|", resumed), resumed[-3000:]
 
 
 def test_dense_checkpoint_resumes_as_msa(tmp_path):
