@@ -23,7 +23,13 @@ environment (defaults in brackets):
   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1; required when NNODES > 1]
   MASTER_PORT [29500]  GPUS_PER_NODE [visible GPUs]  ALLOW_CPU [0]  NPROC [2, with ALLOW_CPU=1]
   PYTHON [<repo>/.venv/bin/python]  LOG_ROOT [runs]  RUN_NAME [<config stem>-<UTC time>]
-  DRY_LAUNCH [0]
+  DRY_LAUNCH [0]  MAX_RESTARTS [3]  SHUTDOWN_TIMEOUT [180]
+
+auto-resume: a failed torchrun is started again, up to MAX_RESTARTS times; with megatron.save
+set and megatron.load unset, load is set to save so that a restart resumes from the last
+complete checkpoint. megatron.exit_signal_handler is on unless the config sets it:
+SIGTERM (forwarded by this script to torchrun, then to the workers) saves a checkpoint at the
+end of the current iteration and stops; workers get SHUTDOWN_TIMEOUT seconds for it.
 
 exit codes: 0 success (or the training's own status), 1 environment check failed,
             2 usage error (arguments or environment variable values)
@@ -94,6 +100,11 @@ if [ -n "${GPUS_PER_NODE:-}" ]; then
 fi
 allow_cpu="${ALLOW_CPU:-0}"
 [ "$allow_cpu" = 0 ] || [ "$allow_cpu" = 1 ] || usage_error "ALLOW_CPU must be 0 or 1, got '$allow_cpu'"
+max_restarts="${MAX_RESTARTS:-3}"
+is_uint "$max_restarts" || usage_error "MAX_RESTARTS must be an integer >= 0 (0: no restart), got '$max_restarts'"
+shutdown_timeout="${SHUTDOWN_TIMEOUT:-180}"
+is_uint "$shutdown_timeout" && [ "$shutdown_timeout" -ge 1 ] ||
+  usage_error "SHUTDOWN_TIMEOUT must be an integer >= 1 (seconds), got '$shutdown_timeout'"
 
 # ---- run directory: named now, created once every check has passed (not for --dry-run) -------
 config_stem="$(basename "$config")"
@@ -216,10 +227,76 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}"
 # Log lines reach the tee'd file as they are printed, not when a buffer fills.
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
 
+# ---- auto-resume: what a restart loads, and a save on SIGTERM -----------------------------------
+# torchrun restarts the workers with the same arguments, so they resume only if `load` names the
+# directory they save to. The config is read here with PyYAML alone (the entry point validates
+# it, seconds later); any problem reading it leaves the overrides alone for the entry point to
+# report. Printed: save, load (empty when unset or null) and whether exit_signal_handler is set.
+resume_settings="$("$python" - "$config" "${overrides[@]}" 2>/dev/null <<'EOF'
+import os
+import sys
+
+import yaml
+
+
+def megatron_section(path, depth=0):
+    data = yaml.safe_load(open(path, encoding="utf-8")) or {}
+    base = data.get("base")
+    values = megatron_section(os.path.join(os.path.dirname(path), base), depth + 1) if base and depth < 16 else {}
+    values.update(data.get("megatron") or {})
+    return values
+
+
+try:
+    values = megatron_section(sys.argv[1])
+    for text in sys.argv[2:]:
+        key, sep, raw = text.partition("=")
+        if sep and key.startswith("megatron."):
+            values[key.split(".", 1)[1]] = yaml.safe_load(raw) if raw else None
+except Exception:
+    sys.exit(1)
+for key in ("save", "load"):
+    print("" if values.get(key) is None else values[key])
+print(int("exit_signal_handler" in values))
+EOF
+)" || resume_settings=""
+resume_overrides=()
+# After the user's overrides, where the launcher must win over their megatron.load.
+resume_last=()
+if [ -n "$resume_settings" ]; then
+  { read -r save_dir; read -r load_dir; read -r signal_handler_set; } <<<"$resume_settings"
+else
+  save_dir="" load_dir="" signal_handler_set=1
+fi
+# Prepended, so that the user's own overrides (applied later) win.
+if [ "$signal_handler_set" = 0 ]; then
+  resume_overrides+=(megatron.exit_signal_handler=true)
+fi
+# A JSON string is a YAML double-quoted scalar: the path stays a string whatever it looks like.
+json_string() { "$python" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
+resume_note="megatron.save is not set: a restart starts again from megatron.load (${load_dir:-none, iteration 0})"
+if [ -n "$save_dir" ] && { [ -z "$load_dir" ] || [ "$load_dir" = "$save_dir" ]; }; then
+  how="as configured"
+  if [ -z "$load_dir" ]; then
+    resume_overrides+=("megatron.load=$(json_string "$save_dir")")
+    how="set by the launcher to megatron.save, as megatron.load was not set"
+  fi
+  resume_note="megatron.load=$save_dir ($how): each start resumes from its latest complete checkpoint"
+elif [ -n "$save_dir" ] && [ -f "$save_dir/latest_checkpointed_iteration.txt" ]; then
+  # A relaunch (a requeued SLURM job, a rerun of command.node<R>.sh) of a run that has saved:
+  # going back to megatron.load would redo, and then overwrite, the iterations saved since.
+  resume_last+=("megatron.load=$(json_string "$save_dir")")
+  resume_note="megatron.save=$save_dir already holds a checkpoint (iteration $(cat "$save_dir/latest_checkpointed_iteration.txt")): resuming from it instead of megatron.load=$load_dir"
+elif [ -n "$save_dir" ]; then
+  resume_note="megatron.load=$load_dir differs from megatron.save=$save_dir: a restart within this launch loads $load_dir again (a relaunch once $save_dir holds a checkpoint resumes from it)"
+fi
+restart_policy="restart policy: up to $max_restarts restarts of this node's torchrun after a failure (MAX_RESTARTS); $resume_note; SIGTERM saves a checkpoint and stops (megatron.exit_signal_handler; workers get ${shutdown_timeout}s, SHUTDOWN_TIMEOUT)"
+
 cmd=("$python" -m torch.distributed.run
   --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc_per_node"
   --master-addr "$master_addr" --master-port "$master_port"
-  -m megatron_mtraining.pretrain --config "$config" "${overrides[@]}")
+  --shutdown-timeout "$shutdown_timeout"
+  -m megatron_mtraining.pretrain --config "$config" "${resume_overrides[@]}" "${overrides[@]}" "${resume_last[@]}")
 
 mkdir -p "$run_dir" || env_error "cannot create the run directory $run_dir (LOG_ROOT='${LOG_ROOT:-runs}')"
 
@@ -244,6 +321,7 @@ mkdir -p "$run_dir" || env_error "cannot create the run directory $run_dir (LOG_
     echo "git: $repo is not a git checkout"
   fi
   echo "mode: $mode, $nproc_per_node processes on this node, node rank $node_rank of $nnodes, master $master_addr:$master_port"
+  echo "$restart_policy"
   echo "$versions"
   echo "gpus:"
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -260,9 +338,57 @@ if [ "$print_only" = 1 ]; then
   printf '%q ' "${cmd[@]}"
   echo
   echo "run directory: $run_dir" >&2
+  echo "$restart_policy" >&2
   exit 0
 fi
 
 echo "run directory: $run_dir (node rank $node_rank: $(basename "$log_file"))"
-# pipefail makes the script's status torchrun's, not tee's.
-"${cmd[@]}" 2>&1 | tee -a "$log_file"
+echo "$restart_policy" | tee -a "$log_file"
+# tee ignores SIGTERM / SIGINT (a SLURM step signal reaches every process of the task): it must
+# outlive the signal to log the save that follows, and ends when the last writer closes the pipe.
+exec {log_fd}> >(trap '' TERM INT; exec tee -a "$log_file")
+tee_pid=$!
+# shellcheck disable=SC2329  # called by the traps below
+forward() {
+  signalled=1
+  echo "launch/pretrain.sh: got SIG$1, forwarding it to torchrun (pid $torchrun_pid): the workers save a checkpoint and stop" >&"$log_fd"
+  kill -s "$1" "$torchrun_pid" 2>/dev/null || true
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+# Restarts are fresh torchrun launches, not torchrun's own --max-restarts: its restarted workers
+# reuse the agent's store, whose keys from the failed attempt make Megatron's gloo process
+# groups connect to the dead workers' addresses (torch 2.13), so they never start.
+signalled=0
+attempt=0
+torchrun_pid=""
+while :; do
+  # In the background, so that a signal runs the trap now rather than when torchrun has ended.
+  "${cmd[@]}" >&"$log_fd" 2>&1 &
+  torchrun_pid=$!
+  # `wait` also returns when a trapped signal arrives; wait again until torchrun itself has ended.
+  while :; do
+    status=0
+    wait "$torchrun_pid" || status=$?
+    kill -0 "$torchrun_pid" 2>/dev/null || break
+  done
+  # A stop asked for by a signal is not a failure to recover from.
+  if [ "$status" = 0 ] || [ "$signalled" = 1 ]; then
+    break
+  fi
+  if [ "$attempt" -ge "$max_restarts" ]; then
+    echo "launch/pretrain.sh: torchrun failed (status $status) and MAX_RESTARTS=$max_restarts restarts are used up; giving up" >&"$log_fd"
+    break
+  fi
+  attempt=$((attempt + 1))
+  echo "launch/pretrain.sh: torchrun failed (status $status); restart $attempt of $max_restarts (MAX_RESTARTS), resuming from ${save_dir:-nothing: no megatron.save}" >&"$log_fd"
+done
+exec {log_fd}>&-
+# The helper processes of a killed worker (Megatron's checkpoint writer) can outlive it and
+# keep the pipe open: give tee a few seconds to drain, then end it rather than wait forever.
+for _ in $(seq 50); do
+  kill -0 "$tee_pid" 2>/dev/null || break
+  sleep 0.1
+done
+kill -s KILL "$tee_pid" 2>/dev/null || true
+exit "$status"

@@ -10,8 +10,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,12 @@ _LAUNCH_VARS = {
     "DRY_LAUNCH",
     "PYTHON",
     "REPO_DIR",
+    "MAX_RESTARTS",
+    "SHUTDOWN_TIMEOUT",
+    "MAX_REQUEUES",
 }
+# What the launcher puts before the user's overrides (which win): a save on SIGTERM.
+SIGNAL_SAVE = "megatron.exit_signal_handler=true"
 
 
 def _write_stub(bin_dir: Path, name: str, body: str) -> None:
@@ -123,6 +130,8 @@ def test_help(tmp_path):
         ((str(CONFIG),), {"MASTER_PORT": "70000"}, "MASTER_PORT must be an integer in 1..65535"),
         ((str(CONFIG),), {"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be an integer >= 1, got '0'"),
         ((str(CONFIG),), {"ALLOW_CPU": "yes"}, "ALLOW_CPU must be 0 or 1, got 'yes'"),
+        ((str(CONFIG),), {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be an integer >= 0 (0: no restart), got '-1'"),
+        ((str(CONFIG),), {"SHUTDOWN_TIMEOUT": "0"}, "SHUTDOWN_TIMEOUT must be an integer >= 1 (seconds), got '0'"),
     ],
 )
 def test_usage_errors(tmp_path, args, env, message):
@@ -158,7 +167,9 @@ def test_allow_cpu_single_node(tmp_path):
     assert _option(cmd, "--nproc-per-node") == "2"
     assert _option(cmd, "--master-addr") == "127.0.0.1"
     assert _option(cmd, "--master-port") == "29500"
-    assert _entry_args(cmd) == ["--config", str(CONFIG)]
+    assert _option(cmd, "--shutdown-timeout") == "180"
+    assert "--max-restarts" not in cmd  # the launcher restarts torchrun itself
+    assert _entry_args(cmd) == ["--config", str(CONFIG), SIGNAL_SAVE]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"tiny_cpu-\d{8}-\d{6}", run_dir.name)
     env_summary = (run_dir / "env.node0.txt").read_text()
@@ -202,8 +213,10 @@ def test_multi_node_command_and_run_directory(tmp_path):
     assert _option(cmd, "--nproc-per-node") == "4"
     assert _option(cmd, "--master-addr") == "node-a"
     assert _option(cmd, "--master-port") == "12345"
-    # Overrides reach the entry point verbatim, in order.
-    assert _entry_args(cmd) == ["--config", str(CONFIG), *overrides]
+    # Overrides reach the entry point verbatim, in order, after the launcher's: load is save, quoted
+    # as a YAML string, so that a restart resumes.
+    assert _entry_args(cmd) == ["--config", str(CONFIG), SIGNAL_SAVE, """megatron.load="$HOME/ck'pt\"""", *overrides]
+    assert "megatron.load=$HOME/ck'pt (set by the launcher to megatron.save" in result.stderr
 
     run_dir = tmp_path / "runs" / "job7"
     assert sorted(p.name for p in run_dir.iterdir()) == ["command.node2.sh", "env.node2.txt"]
@@ -276,7 +289,7 @@ def test_sbatch_runs_one_launcher_per_node(tmp_path):
         assert _option(cmd, "--nproc-per-node") == "8"
         assert _option(cmd, "--master-addr") == "gpu-node-17"
         assert _option(cmd, "--master-port") == str(20000 + 4242)
-        assert _entry_args(cmd) == ["--config", str(CONFIG), "megatron.data_path=a b"]
+        assert _entry_args(cmd) == ["--config", str(CONFIG), SIGNAL_SAVE, "megatron.data_path=a b"]
     assert stub_log.read_text().splitlines() == [
         "gpu-node-[17-18]",
         "srun --nodes=2",
@@ -292,3 +305,108 @@ def test_sbatch_usage(tmp_path):
     result = subprocess.run(["bash", str(SBATCH)], env=_env(tmp_path), capture_output=True, text=True)
     assert result.returncode == 2
     assert "usage: sbatch launch/slurm/pretrain.sbatch CONFIG" in result.stderr
+
+
+def test_resume_settings(tmp_path):
+    """load follows save where unset; an explicit exit_signal_handler is kept; a relaunch whose
+    save directory holds a checkpoint resumes from it rather than from another load."""
+    kw = {"CUDA_VISIBLE_DEVICES": "", "ALLOW_CPU": "1"}
+    cmd = _printed_command(_launch(tmp_path, str(CONFIG), "megatron.exit_signal_handler=false", RUN_NAME="a", **kw))
+    assert _entry_args(cmd) == ["--config", str(CONFIG), "megatron.exit_signal_handler=false"]
+    result = _launch(tmp_path, str(CONFIG), "megatron.load=base", "megatron.save=out", RUN_NAME="b", **kw)
+    assert _entry_args(_printed_command(result)) == [
+        "--config",
+        str(CONFIG),
+        SIGNAL_SAVE,
+        "megatron.load=base",
+        "megatron.save=out",
+    ]
+    assert "a restart within this launch loads base again" in result.stderr
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "latest_checkpointed_iteration.txt").write_text("40")
+    result = _launch(tmp_path, str(CONFIG), "megatron.load=base", "megatron.save=out", RUN_NAME="c", **kw)
+    args = _entry_args(_printed_command(result))
+    # Last, so that it wins over the user's megatron.load.
+    assert args == [
+        "--config",
+        str(CONFIG),
+        SIGNAL_SAVE,
+        "megatron.load=base",
+        "megatron.save=out",
+        'megatron.load="out"',
+    ]
+    assert "already holds a checkpoint (iteration 40): resuming from it instead of megatron.load=base" in result.stderr
+
+
+def _sbatch_stubs(tmp_path: Path) -> Path:
+    """scontrol and srun stand-ins; srun waits for SIGTERM, which it records, as the training would."""
+    bin_dir = tmp_path / "bin"
+    _write_stub(bin_dir, "scontrol", 'echo "scontrol $*" >> "$STUB_LOG"\nprintf "gpu-node-17\\n"\n')
+    _write_stub(
+        bin_dir,
+        "srun",
+        'trap \'echo "srun got TERM" >> "$STUB_LOG"; exit 0\' TERM\necho started >> "$STUB_LOG"\n'
+        "for _ in $(seq 300); do sleep 0.1; done\n",
+    )
+    return tmp_path / "stubs.log"
+
+
+@pytest.mark.parametrize(("restarts", "requeued"), [("0", True), ("5", False)])
+def test_sbatch_sigterm_is_forwarded_and_requeues(tmp_path, restarts, requeued):
+    stub_log = _sbatch_stubs(tmp_path)
+    env = _env(
+        tmp_path,
+        STUB_LOG=str(stub_log),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu-node-17",
+        SLURM_NNODES="1",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_RESTART_COUNT=restarts,
+    )
+    job = subprocess.Popen(
+        ["bash", str(SBATCH), str(CONFIG)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for _ in range(100):
+        if stub_log.exists() and "started" in stub_log.read_text():
+            break
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=20)
+    calls = stub_log.read_text().splitlines()
+    assert "srun got TERM" in calls, (calls, out, err)
+    assert ("scontrol requeue 4242" in calls) == requeued, (calls, out, err)
+    if not requeued:
+        assert "not requeued: MAX_REQUEUES=5 requeues done" in err
+
+
+def test_sbatch_requeue_bound_and_directives(tmp_path):
+    text = SBATCH.read_text()
+    assert "#SBATCH --requeue" in text and re.search(r"#SBATCH --signal=B:TERM@\d+", text)
+    _sbatch_stubs(tmp_path)
+    env = _env(
+        tmp_path,
+        STUB_LOG=str(tmp_path / "stubs.log"),
+        SLURM_JOB_ID="7",
+        SLURM_JOB_NODELIST="n",
+        SLURM_NNODES="1",
+        SLURM_RESTART_COUNT="6",
+    )
+    result = subprocess.run(
+        ["bash", str(SBATCH), str(CONFIG)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 3
+    assert "requeued 6 times (SLURM_RESTART_COUNT), more than MAX_REQUEUES=5" in result.stderr
+    bad = subprocess.run(
+        ["bash", str(SBATCH), str(CONFIG)],
+        cwd=tmp_path,
+        env={**env, "MAX_REQUEUES": "x"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "MAX_REQUEUES must be an integer >= 0 (0: never requeue), got 'x'" in bad.stderr
