@@ -187,14 +187,19 @@ def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
 
 
 # (overrides, processes): MSA resumes past its 2 warmup steps (the warmup counter and the index
-# projections come from the checkpoint); mtraining under CP 2 resumes the striped ring.
-EXACT_RESUMES = {"msa": (("attention.type=msa",), 1), "mtraining-cp2-striped": (CP2_STRIPED, 2)}
+# projections come from the checkpoint); mtraining and MoBA under CP 2 resume the striped ring.
+EXACT_RESUMES = {
+    "dense": (("attention.type=dense",), 1),
+    "msa": (("attention.type=msa",), 1),
+    "mtraining-cp2-striped": (CP2_STRIPED, 2),
+    "moba-cp2-striped": (("attention.type=moba", *CP2_STRIPED), 2),
+}
 
 
 @pytest.mark.parametrize("case", EXACT_RESUMES)
 def test_resume_is_exact(case, cp2_striped, tmp_path):
     overrides, world = EXACT_RESUMES[case]
-    whole = cp2_striped if world == 2 else pretrain(tmp_path, *overrides).stdout
+    whole = cp2_striped if case == "mtraining-cp2-striped" else pretrain(tmp_path, *overrides, world=world).stdout
     ckpt = tmp_path / "ckpt"
     saving = ("megatron.save_interval=3", "megatron.exit_interval=3")
     first = pretrain(tmp_path, *overrides, f"megatron.save={ckpt}", *saving, world=world).stdout
@@ -204,6 +209,22 @@ def test_resume_is_exact(case, cp2_striped, tmp_path):
     assert after == {i: want[i] for i in (4, 5, 6)}, (after, want)
     # Samples continue where the checkpoint stopped: none repeated, none skipped.
     assert re.search(r"iteration\s+4/\s*6 \| consumed samples:\s+8 \|", resumed), resumed[-3000:]
+
+
+def test_dense_checkpoint_resumes_as_mtraining(tmp_path):
+    ckpt = tmp_path / "dense"
+    saving = ("megatron.save_interval=3", "megatron.exit_interval=3")
+    pretrain(tmp_path, "attention.type=dense", f"megatron.save={ckpt}", *saving)
+    output = pretrain(tmp_path, f"megatron.load={ckpt}").stdout
+    assert re.search(r"attention switch on load from .* \(iteration 3\): 'dense' -> 'mtraining'", output), output[
+        -3000:
+    ]
+    # The same parameters: the optimizer state and the schedule carry over.
+    assert "no_load_optim -> True" not in output
+    lines = metrics(output)
+    assert sorted(lines) == [4, 5, 6]
+    assert all(0.0 < float(m["attended_fraction"]) < 1.0 for m in lines.values()), lines
+    assert all(math.isfinite(float(m["lm_loss"])) for m in lines.values())
 
 
 def test_dense_checkpoint_resumes_as_msa(tmp_path):
