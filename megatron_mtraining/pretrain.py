@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise ConfigError("\n".join(missing))
         try:
-            run(cli.config, cli.overrides, cli.step_report, cli.profile_step, check_finite=cli.check_finite)
+            run(run_config, cli.step_report, cli.profile_step, check_finite=cli.check_finite)
         except ConfigError as err:
             raise explain_rejection(err, run_config) from None
     except ConfigError as err:

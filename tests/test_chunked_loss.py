@@ -11,6 +11,7 @@ import torch
 from gloo import run
 
 from megatron_mtraining.megatron import chunked_loss
+from megatron_mtraining.megatron import linear_cross_entropy as lce
 
 ROWS_PER_CHUNK = 24  # divides neither the 256 tokens nor a TP rank's 128
 
@@ -33,7 +34,7 @@ def _init_tp(world):
 
 def _small_chunks(vocab_per_rank, sp):
     chunked_loss.CHUNK_ELEMENTS = ROWS_PER_CHUNK * workers.BATCH * vocab_per_rank * sp
-    chunked_loss.FUSED_CHUNK_ELEMENTS = ROWS_PER_CHUNK * workers.BATCH * vocab_per_rank
+    lce.CHUNK_ELEMENTS = ROWS_PER_CHUNK * workers.BATCH * vocab_per_rank
     assert chunked_loss.chunk_rows(workers.BATCH, vocab_per_rank, sp) == ROWS_PER_CHUNK
 
 

@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .linear_cross_entropy import CHUNK_ELEMENTS as FUSED_CHUNK_ELEMENTS
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import chunk_rows_for, linear_cross_entropy
 from .step_report import part_range
 
 # Logits elements per chunk (per GPU) on the checkpointed path: 2.5 GiB at 10 bytes each.
@@ -54,25 +53,34 @@ def fused_loss_bytes(tokens: int, vocab: int, hidden: int, dtype_bytes: int) -> 
     token the fp32 loss and mask and the int64 label. On top of them, the larger of one chunk's
     logits in the compute dtype with its fp32 LSE (forward) and the compute-dtype copy of
     ``grad_W`` that the backward returns (none for fp32 weights)."""
-    rows = min(tokens, max(1, FUSED_CHUNK_ELEMENTS // vocab))
+    rows = min(tokens, chunk_rows_for(vocab))
     kept = tokens * (16 + hidden * dtype_bytes) + vocab * hidden * 4
     return kept + max(rows * (vocab * dtype_bytes + 4), vocab * hidden * dtype_bytes if dtype_bytes != 4 else 0)
 
 
+def fused_loss_settings(tp_size: int, settings) -> bool:
+    """Whether the run's settings (Megatron's arguments or its ``TransformerConfig``) allow the
+    fused linear + cross entropy: TP 1, logits unscaled (no MuP), and the embedding's weight
+    gradient not deferred to the pipeline schedule. The memory estimate asks this too."""
+    return (
+        tp_size == 1
+        and not getattr(settings, "use_mup", False)
+        and not getattr(settings, "defer_embedding_wgrad_compute", False)
+    )
+
+
 def fused_loss_applies(output_layer, loss_mask, config) -> bool:
-    """Whether :func:`chunked_lm_loss` takes the fused linear + cross entropy: Megatron's own
-    column-parallel output layer (not TE's MXFP8 one) at TP 1 without bias, logits unscaled
-    (no MuP), the embedding's weight gradient not deferred to the pipeline schedule, and the
-    loss mask given (its weight gradient needs it)."""
+    """Whether :func:`chunked_lm_loss` takes the fused linear + cross entropy: the settings
+    allow it (:func:`fused_loss_settings`), the output layer is Megatron's own column-parallel
+    one (not TE's MXFP8 one) without bias, and the loss mask is given (its weight gradient
+    needs it)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     return (
         loss_mask is not None
         and config is not None
-        and not getattr(config, "use_mup", False)
-        and not getattr(config, "defer_embedding_wgrad_compute", False)
         and isinstance(output_layer, ColumnParallelLinear)
-        and output_layer.tp_group.size() == 1
+        and fused_loss_settings(output_layer.tp_group.size(), config)
         and output_layer.bias is None
     )
 
@@ -98,7 +106,7 @@ def chunked_lm_loss(
         weight = output_layer.weight if output_weight is None else output_weight
         with part_range("loss"):
             return linear_cross_entropy(
-                hidden_states, weight, labels, loss_mask, chunk_rows=max(1, FUSED_CHUNK_ELEMENTS // weight.shape[0])
+                hidden_states, weight, labels, loss_mask, chunk_rows=chunk_rows_for(weight.shape[0])
             )
     rows, batch = hidden_states.shape[:2]
     tp = output_layer.tp_group.size() if output_layer.sequence_parallel else 1

@@ -176,14 +176,26 @@ def _chunks(hidden, weight, labels, mask, chunk_rows, want_x: bool, want_w: bool
     return losses, grad_x, grad_w
 
 
-def _rows(hidden, labels, loss_mask):
-    """Token-major rows of ``[s, b]``: hidden ``[s b, h]``, labels int64 and mask fp32 ``[s b]``."""
+def chunk_rows_for(vocab: int) -> int:
+    """Rows per chunk that keep a chunk's logits within ``CHUNK_ELEMENTS``."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def _losses(hidden, weight, labels, loss_mask, chunk_rows, want_x: bool, want_w: bool):
+    """:func:`_chunks` on ``[s, b]`` inputs: losses ``[b, s]``, ``grad_x`` ``[s b, h]`` and
+    ``grad_W`` as asked, and the mask's sum (the weight gradient's token count)."""
     s, b, h = hidden.shape
-    return (
+    mask = loss_mask.t().reshape(s * b).to(torch.float32)
+    losses, grad_x, grad_w = _chunks(
         hidden.reshape(s * b, h),
+        weight,
         labels.t().reshape(s * b).to(torch.int64),
-        loss_mask.t().reshape(s * b).to(torch.float32),
+        mask,
+        chunk_rows or chunk_rows_for(weight.shape[0]),
+        want_x,
+        want_w,
     )
+    return losses.view(s, b).t().contiguous(), grad_x, grad_w, mask.sum()
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -193,14 +205,12 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, chunk_rows=None):
-        s, b, _ = hidden.shape
-        x, flat_labels, mask = _rows(hidden, labels, loss_mask)
-        rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
         want_x, want_w = ctx.needs_input_grad[:2]
-        losses, ctx.grad_x, ctx.grad_w = _chunks(x, weight, flat_labels, mask, rows, want_x, want_w)
-        ctx.mask_sum = mask.sum()
-        ctx.shape, ctx.weight_dtype = (s, b), weight.dtype
-        return losses.view(s, b).t().contiguous()
+        losses, ctx.grad_x, ctx.grad_w, ctx.mask_sum = _losses(
+            hidden, weight, labels, loss_mask, chunk_rows, want_x, want_w
+        )
+        ctx.shape, ctx.weight_dtype = hidden.shape[:2], weight.dtype
+        return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
@@ -256,8 +266,4 @@ def linear_cross_entropy(hidden, weight, labels, loss_mask, *, chunk_rows: int |
     _check(hidden, weight, labels, loss_mask, chunk_rows)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hidden, weight, labels, loss_mask, chunk_rows)
-    s, b, _ = hidden.shape
-    x, flat_labels, mask = _rows(hidden, labels, loss_mask)
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    losses, _, _ = _chunks(x, weight, flat_labels, mask, rows, False, False)
-    return losses.view(s, b).t().contiguous()
+    return _losses(hidden, weight, labels, loss_mask, chunk_rows, False, False)[0]

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .chunked_loss import fused_loss_bytes, logits_elements
+from .chunked_loss import fused_loss_bytes, fused_loss_settings, logits_elements
 
 GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
@@ -196,7 +196,7 @@ def loss_bytes(args, local_seq: int) -> float:
     """The output layer's and loss's memory at the last stage (see the module docstring)."""
     b, h, t = args.micro_batch_size, args.hidden_size, args.tensor_model_parallel_size
     vocab = padded_vocab_size(args)
-    if t == 1 and not (getattr(args, "use_mup", False) or getattr(args, "defer_embedding_wgrad_compute", False)):
+    if fused_loss_settings(t, args):
         return fused_loss_bytes(local_seq * b, vocab, h, 2 if (args.bf16 or args.fp16) else 4)
     sp = t if args.sequence_parallel else 1
     return logits_elements(local_seq // sp, b, vocab // t, sp) * 10

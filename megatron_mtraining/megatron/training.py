@@ -46,7 +46,7 @@ from .finite_guard import check_losses, install_finite_guard
 from .layer_specs import get_gpt_decoder_block_spec
 from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
 from .step_report import StepReport, annotate_model, part_range
-from .yaml_config import ConfigError, RunConfig, load_config
+from .yaml_config import ConfigError, RunConfig
 
 ARGS_ATTRIBUTE = "mtraining_attention"
 # Megatron loader strictness modes that fail (or, for the default, crash) on model keys the
@@ -470,13 +470,13 @@ def memory_report(args, run_config: RunConfig) -> str:
 
 
 def run(
-    config_path,
-    overrides=(),
+    run_config: RunConfig,
     step_report: str | None = None,
     profile_step: int | None = None,
     check_finite: bool = False,
 ) -> None:
-    """The whole training job of ``python -m megatron_mtraining.pretrain``; with
+    """The whole training job of ``python -m megatron_mtraining.pretrain`` on a loaded
+    config (``load_config``, which the entry point has already read and checked); with
     ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
     iteration ``profile_step`` (0-based; default the second to last); ``check_finite``
     guards every layer against non-finite values (``finite_guard.py``)."""
@@ -489,7 +489,6 @@ def run(
     from ..patches import apply_patches
     from .cpu_compat import apply_cpu_compat
 
-    run_config = load_config(config_path, overrides)
     # Megatron's validate_args requires 1 for TP / CP > 1 (kernel order for comm-compute
     # overlap) and refuses 1 with FSDP; a launcher's value wins.
     if not any(run_config.megatron.get(k) for k in ("use_torch_fsdp2", "use_megatron_fsdp")):
