@@ -73,11 +73,12 @@ def install_finite_guard(model: torch.nn.Module, attention_type: str) -> int:
         output_ok = []
 
         def check_output_gradient(g):
-            output_ok.append(_bad_count(g) == 0)
-            if not output_ok[-1] and layer.layer_number == layer.config.num_layers:
+            bad = _bad_count(g)
+            output_ok.append(bad == 0)
+            if bad and layer.layer_number == layer.config.num_layers:
                 raise NonFiniteError(
                     f"the gradient reaching the output of {_where(layer, attention_type)}, the last layer, holds "
-                    f"{_bad_count(g)} non-finite values of {g.numel()}: the final norm, output layer or loss produced them"
+                    f"{bad} non-finite values of {g.numel()}: the final norm, output layer or loss produced them"
                 )
 
         out.register_hook(check_output_gradient)
