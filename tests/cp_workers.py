@@ -8,15 +8,17 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
     RingStats,
-    build_distributed_index,
     ring_attention,
 )
 from megatron_mtraining.context_parallel.hierarchy import new_hierarchy
+from megatron_mtraining.patterns.dense import DensePattern
+from megatron_mtraining.patterns.moba import MoBAPattern
+from megatron_mtraining.patterns.msa import MSAPattern
+from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
     MSAConfig,
-    MSAPattern,
     VerticalSlashConfig,
     build_moba_index,
     build_vertical_slash_index,
@@ -30,17 +32,17 @@ PATTERNS = ("dense", "vertical_slash", "moba", "msa")
 def _global_index(kind, q, k, gen):
     b, s, hq, _ = q.shape
     if kind == "dense":
-        return DenseIndex(b, hq, s), "dense"
+        return DenseIndex(b, hq, s), DensePattern()
     if kind == "vertical_slash":
         cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, sink_tokens=2)
-        return build_vertical_slash_index(q, k, cfg), cfg
+        return build_vertical_slash_index(q, k, cfg), VerticalSlashPattern(cfg)
     if kind == "moba":
         cfg = MoBAConfig(chunk_size=32, topk=3)
-        return build_moba_index(q, k, cfg), cfg
+        return build_moba_index(q, k, cfg), MoBAPattern(cfg)
     q_idx = torch.randn(b, s, k.shape[2], 8, generator=gen, dtype=torch.float64)
     k_idx = torch.randn(b, s, 1, 8, generator=gen, dtype=torch.float64)
     cfg = MSAConfig(block_size=16, topk=3, index_head_dim=8)
-    return msa_select_blocks(q_idx, k_idx, cfg, hq), MSAPattern(q_idx, k_idx, cfg)
+    return msa_select_blocks(q_idx, k_idx, cfg, hq), MSAPattern(cfg, q_idx, k_idx)
 
 
 def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kinds=PATTERNS, kv_exchange="auto"):
@@ -61,11 +63,11 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
             local_pattern = pattern
             if isinstance(pattern, MSAPattern):  # each rank has its tokens' index queries and keys
-                local_pattern = MSAPattern(
-                    layout.shard(pattern.q_idx, rank), layout.shard(pattern.k_idx, rank), pattern.config
+                local_pattern = pattern.with_inputs(
+                    layout.shard(pattern.q_idx, rank), layout.shard(pattern.k_idx, rank)
                 )
-            if not isinstance(pattern, str):
-                built = build_distributed_index(local_pattern, lq, lk, layout, None, d**-0.5)
+            if kind != "dense":
+                built = local_pattern.distributed_index(lq, lk, layout, None, d**-0.5)
                 if kind == "vertical_slash":
                     assert torch.equal(built.vertical, index.vertical) and torch.equal(built.slash, index.slash), where
                 else:
@@ -110,19 +112,19 @@ def check_hierarchy_errors(rank, world):
     inner, outer = new_hierarchy(2)
     everyone = dist.new_group(list(range(world)))
     with pytest.raises(ValueError, match=r"hierarchy='inner 4 x outer 2'.*== cp_size \(4\)"):
-        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(everyone, outer))
+        ring_attention(q, kv, kv, DensePattern(), layout, None, hierarchy=(everyone, outer))
     with pytest.raises(ValueError, match=r"hierarchy=.*\(inner_group, outer_group\)"):
-        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(inner,))
+        ring_attention(q, kv, kv, DensePattern(), layout, None, hierarchy=(inner,))
     with pytest.raises(ValueError, match=r"hierarchy=.*\(its node\)"):
-        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(outer, inner))
+        ring_attention(q, kv, kv, DensePattern(), layout, None, hierarchy=(outer, inner))
     with pytest.raises(ValueError, match=r"layout.cp_size=2 .*size of cp_group \(4\)"):
-        ring_attention(q, kv, kv, "dense", ContextParallelLayout("striped", 2, 64, stripe=4), None)
+        ring_attention(q, kv, kv, DensePattern(), ContextParallelLayout("striped", 2, 64, stripe=4), None)
     with pytest.raises(ValueError, match=r"pattern='dict'"):
         ring_attention(q, kv, kv, {}, layout, None)
     with pytest.raises(ValueError, match=r"kv_exchange='p2p'.*auto, ring, allgather"):
-        ring_attention(q, kv, kv, "dense", layout, None, kv_exchange="p2p")
+        ring_attention(q, kv, kv, DensePattern(), layout, None, kv_exchange="p2p")
     with pytest.raises(ValueError, match=r"kv_exchange='allgather'.*with a hierarchy"):
-        ring_attention(q, kv, kv, "dense", layout, None, hierarchy=(inner, outer), kv_exchange="allgather")
+        ring_attention(q, kv, kv, DensePattern(), layout, None, hierarchy=(inner, outer), kv_exchange="allgather")
 
 
 def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32, kv_exchange="ring"):
@@ -245,7 +247,7 @@ def check_host_reads(rank, world, seq_lens, kv_exchange):
             expected = [(index.to(device), int(kind in ("moba", "msa")))]
             if kind == "vertical_slash":
                 with HostReads() as build:
-                    build_distributed_index(pattern, lq, lk, layout, None, lq.shape[-1] ** -0.5)
+                    pattern.distributed_index(lq, lk, layout, None, lq.shape[-1] ** -0.5)
                 assert build.count == 0, (rank, seq, build.count)
                 expected.append((pattern, 0))
             for pat, reads in expected:

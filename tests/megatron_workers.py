@@ -42,7 +42,8 @@ from megatron_mtraining.megatron import (
     get_gpt_layer_spec,
     set_training_iteration,
 )
-from megatron_mtraining.sparse import DenseIndex, MSAPattern, block_max_scores, msa_kl_loss, msa_select_blocks
+from megatron_mtraining.patterns.msa import MSAPattern
+from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_select_blocks
 
 SEQ, BATCH, VOCAB, SEED = 256, 2, 256, 1234
 # Larger than Megatron's 0.02 so that attention is far from uniform and the patterns matter.
@@ -205,13 +206,13 @@ def recorded_msa_selections():
 
         return build_and_record
 
-    # core_attention looks the builders up in its own namespace at call time.
-    originals = core_attention.build_local_index, core_attention.build_distributed_index
-    core_attention.build_local_index, core_attention.build_distributed_index = map(recording, originals)
+    # core_attention looks the builder up in its own namespace at call time.
+    original = core_attention.build_index
+    core_attention.build_index = recording(original)
     try:
         yield built
     finally:
-        core_attention.build_local_index, core_attention.build_distributed_index = originals
+        core_attention.build_index = original
 
 
 def msa_topk_margin(pattern: MSAPattern) -> float:

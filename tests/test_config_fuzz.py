@@ -78,7 +78,7 @@ BAD_OVERRIDES = [
     (["attention.type=moba", "attention.moba.topk=8"], r"topk=8 .*at most 7: .* 256 / 32 gives 8 blocks"),
     (["attention.type=msa", "megatron.tensor_model_parallel_size=2"], r"1 for type 'msa'"),
     # The attention settings themselves.
-    (["attention.type=sparse"], r"one of dense, mtraining, msa, moba"),
+    (["attention.type=sparse"], r"one of dense, moba, msa, mtraining"),
     (["attention.stripe=0"], r"an integer >= 1"),
     (["attention.layout=zig"], r"one of contiguous, zigzag, striped"),
     (["attention.mtraining.block_size=24"], r"a power of two >= 16"),

@@ -21,6 +21,7 @@ from megatron_mtraining.context_parallel import (
     ring_work,
     simulate_ring_areas,
 )
+from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
     VerticalSlashConfig,
     build_vertical_slash_index,
@@ -110,7 +111,8 @@ def test_hierarchy_and_group_errors():
 def test_cp_size_one_runs_the_local_kernel(rng):
     q, k, v = (torch.randn(1, 64, h, 8, generator=rng, dtype=torch.float64) for h in (4, 2, 2))
     cfg = VerticalSlashConfig(last_q=16, block_size=16, vertical_topp=0.5, slash_topp=0.5)
-    out, lse = ring_attention(q, k, v, cfg, ContextParallelLayout("striped", 1, 64, stripe=16), None)
+    pattern = VerticalSlashPattern(cfg)
+    out, lse = ring_attention(q, k, v, pattern, ContextParallelLayout("striped", 1, 64, stripe=16), None)
     ref_out, ref_lse = sparse_attention(q, k, v, build_vertical_slash_index(q, k, cfg))
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 

@@ -27,6 +27,8 @@ from megatron_mtraining.megatron import (
     get_gpt_layer_spec,
 )
 from megatron_mtraining.patches import apply_patches, remove_patches
+from megatron_mtraining.patterns.dense import DensePattern
+from megatron_mtraining.patterns.msa import MSAPattern
 from megatron_mtraining.sparse import MSAConfig, VerticalSlashConfig
 
 
@@ -45,16 +47,16 @@ def test_config_from_dict_builds_the_pattern_sections():
         {"type": "msa", "msa": {"block_size": 64, "topk": 8}, "layout": "striped", "stripe": 64, "hierarchy": 2}
     )
     assert cfg.msa == MSAConfig(block_size=64, topk=8)
-    assert cfg.pattern is cfg.msa
+    assert cfg.settings is cfg.msa and cfg.pattern == MSAPattern(cfg.msa)
     assert cfg.mtraining == VerticalSlashConfig()
-    assert MTrainingAttentionConfig(type="dense").pattern == "dense"
+    assert MTrainingAttentionConfig(type="dense").pattern == DensePattern()
     assert MTrainingAttentionConfig(mtraining={"last_q": 32}).mtraining.last_q == 32
 
 
 @pytest.mark.parametrize(
     "values, match",
     [
-        ({"type": "flash"}, r"MTrainingAttentionConfig\.type='flash'.*dense, mtraining, msa, moba"),
+        ({"type": "flash"}, r"MTrainingAttentionConfig\.type='flash'.*dense, moba, msa, mtraining"),
         ({"layout": "ring"}, r"MTrainingAttentionConfig\.layout='ring'.*contiguous, zigzag, striped"),
         ({"stripe": 0}, r"MTrainingAttentionConfig\.stripe=0"),
         ({"hierarchy": 0}, r"MTrainingAttentionConfig\.hierarchy=0"),

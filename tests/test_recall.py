@@ -6,13 +6,15 @@ import torch
 import torch.distributed as dist
 from gloo import run
 
-from megatron_mtraining.context_parallel import ContextParallelLayout, build_distributed_index
-from megatron_mtraining.context_parallel.distributed_index import build_local_index
+from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.context_parallel.recall import distributed_attention_recall
+from megatron_mtraining.patterns.dense import DensePattern
+from megatron_mtraining.patterns.moba import MoBAPattern
+from megatron_mtraining.patterns.msa import MSAPattern
+from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
     MoBAConfig,
     MSAConfig,
-    MSAPattern,
     VerticalSlashConfig,
     attention_recall,
 )
@@ -26,10 +28,12 @@ def _patterns(q, gen):
     q_idx = torch.randn(B, s, HKV, 8, generator=gen, dtype=torch.float64)
     k_idx = torch.randn(B, s, 1, 8, generator=gen, dtype=torch.float64)
     return {
-        "dense": "dense",
-        "vertical_slash": VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16),
-        "moba": MoBAConfig(chunk_size=32, topk=2),
-        "msa": MSAPattern(q_idx, k_idx, MSAConfig(block_size=16, topk=2, index_head_dim=8)),
+        "dense": DensePattern(),
+        "vertical_slash": VerticalSlashPattern(
+            VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16)
+        ),
+        "moba": MoBAPattern(MoBAConfig(chunk_size=32, topk=2)),
+        "msa": MSAPattern(MSAConfig(block_size=16, topk=2, index_head_dim=8), q_idx, k_idx),
     }
 
 
@@ -41,7 +45,7 @@ def _inputs(gen, seq):
 def test_recall_equals_dense_mass_under_the_mask(kind, rng):
     seq = 200  # not a multiple of the blocks
     q, k = _inputs(rng, seq)
-    index = build_local_index(_patterns(q, rng)[kind], q, k, D**-0.5)
+    index = _patterns(q, rng)[kind].local_index(q, k, D**-0.5)
     logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[:, :, -ROWS:]
@@ -61,16 +65,16 @@ def _check_distributed_recall(rank, world, seed, seq):
     gen = torch.Generator().manual_seed(seed)
     q, k = _inputs(gen, seq)
     for name, pattern in _patterns(q, gen).items():
-        expected = attention_recall(q, k, build_local_index(pattern, q, k, D**-0.5), num_rows=ROWS)
+        expected = attention_recall(q, k, pattern.local_index(q, k, D**-0.5), num_rows=ROWS)
         for kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(kind, world, seq, stripe=16)
             lq, lk = layout.shard(q, rank), layout.shard(k, rank)
             local_pattern = pattern
             if isinstance(pattern, MSAPattern):
-                local_pattern = MSAPattern(
-                    layout.shard(pattern.q_idx, rank), layout.shard(pattern.k_idx, rank), pattern.config
+                local_pattern = pattern.with_inputs(
+                    layout.shard(pattern.q_idx, rank), layout.shard(pattern.k_idx, rank)
                 )
-            index = build_distributed_index(local_pattern, lq, lk, layout, dist.group.WORLD, D**-0.5)
+            index = local_pattern.distributed_index(lq, lk, layout, dist.group.WORLD, D**-0.5)
             recall = distributed_attention_recall(lq, lk, index, layout, num_rows=ROWS)
             torch.testing.assert_close(recall, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name} {kind}")
 

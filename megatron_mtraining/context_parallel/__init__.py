@@ -1,6 +1,6 @@
 """Context-parallel sparse attention over a process group, independent of Megatron."""
 
-from .distributed_index import build_distributed_index
+from .distributed_index import IndexSource, build_index
 from .hierarchy import inner_size_from_nodes, new_hierarchy
 from .imbalance import RingStats, imbalance_degrees, simulate_ring_areas
 from .layout import ContextParallelLayout
@@ -9,9 +9,10 @@ from .step_index import StepIndex
 
 __all__ = [
     "ContextParallelLayout",
+    "IndexSource",
     "RingStats",
     "StepIndex",
-    "build_distributed_index",
+    "build_index",
     "imbalance_degrees",
     "inner_size_from_nodes",
     "new_hierarchy",

@@ -30,7 +30,7 @@ from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, c
 from ..sparse.reference import compute_dtype
 from ..sparse.validation import check_choice, check_qkv, check_softmax_scale, fail
 from .comm import RingExchange
-from .distributed_index import build_distributed_index, build_local_index, scatter_rows
+from .distributed_index import build_index, scatter_rows
 from .hierarchy import hierarchy_ranks
 from .imbalance import RingStats
 from .kv_allgather import AllGatherAttention, GatheredKV
@@ -280,8 +280,9 @@ def ring_attention(
     layout's order (``layout.shard``); returns (out ``[B, L, Hq, D]``, lse
     ``[B, Hq, L]`` fp32), equal to the single-device ``sparse_attention`` on the
     whole sequence, sharded. ``pattern``: a global ``SparseIndex`` built for the
-    whole sequence (identical on every rank), or a pattern config whose index is
-    built here from the distributed q/k (see ``distributed_index``).
+    whole sequence (identical on every rank), or a pattern
+    (``megatron_mtraining.patterns``) whose index is built here from the distributed
+    q/k (``distributed_index.IndexSource``).
     ``hierarchy``: None (flat ring) or ``(inner_group, outer_group)`` for the
     hierarchical ring (inner ring inside a node, outer ring across nodes, the
     inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
@@ -303,7 +304,7 @@ def ring_attention(
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
     if group_size == 1:
-        index = pattern if isinstance(pattern, SparseIndex) else build_local_index(pattern, q, k, scale)
+        index = build_index(pattern, q, k, scale)
         return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
     rank = dist.get_rank(cp_group)
     members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
@@ -313,9 +314,7 @@ def ring_attention(
     n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
     # Posted before the index build, which the transfer then overlaps.
     gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
-    index = (
-        pattern if isinstance(pattern, SparseIndex) else build_distributed_index(pattern, q, k, layout, cp_group, scale)
-    )
+    index = build_index(pattern, q, k, scale, layout, cp_group)
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
     use_kernels = backend_choice(q, backend) == "triton"

@@ -31,19 +31,15 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
-from ..context_parallel.distributed_index import build_distributed_index, build_local_index
+from ..context_parallel.distributed_index import build_index
 from ..context_parallel.recall import distributed_attention_recall
-from ..sparse import SparseIndex, attention_recall
+from ..patterns.base import FRACTION_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
+from ..sparse import attention_recall
 from .core_attention import SparseCoreAttention
 from .msa_loss import get_attention_metrics_tracker
 from .step_report import part_range
 
-FRACTION_METRIC = "attended_fraction"
-WORKER_METRIC = "worker_imbalance"
-STEP_METRIC = "step_imbalance"
-RECALL_METRIC = "index_recall"
 RECALL_ROWS = 64
-METRICS = (FRACTION_METRIC, RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
 
 
@@ -66,18 +62,16 @@ class MeasuredCoreAttention(SparseCoreAttention):
         seq = q.shape[1] if layout is None else layout.seq_len
         causal = q.shape[0] * q.shape[2] * seq * (seq + 1) / 2
         if layout is None:
-            if not isinstance(pattern, SparseIndex):
-                with part_range("index"):
-                    pattern = build_local_index(pattern, q, k, self.softmax_scale)
+            with part_range("index"):
+                pattern = build_index(pattern, q, k, self.softmax_scale)
             with part_range("metrics"):
                 self._record(FRACTION_METRIC, pattern.attended_area().sum().double() * (weight / causal), None)
                 recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
                 self._record(RECALL_METRIC, recall.mean() * weight, None)
             return super()._attend(q, k, v, pattern, layout)
-        if not isinstance(pattern, SparseIndex):
-            # Built here rather than inside the ring so that the recall scores the index the ring runs.
-            with part_range("index"):
-                pattern = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
+        # Built here rather than inside the ring so that the recall scores the index the ring runs.
+        with part_range("index"):
+            pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
         stats = RingStats()
         out, _ = ring_attention(
             q,

@@ -18,19 +18,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .. import patterns
 from ..context_parallel.layout import KINDS, ContextParallelLayout
 from ..context_parallel.ring import KV_EXCHANGES
-from ..sparse import MoBAConfig, MSAConfig, VerticalSlashConfig
+from ..patterns.base import Pattern
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
 
-ATTENTION_TYPES = ("dense", "mtraining", "msa", "moba")
+ATTENTION_TYPES = patterns.names()
 BACKENDS = (None, "reference", "triton", "flash_attn", "sdpa")
 # Libraries that compute whole causal attention only: dense type, no context parallelism.
 DENSE_ONLY_BACKENDS = ("flash_attn", "sdpa")
 CONFIG_ATTRIBUTE = "mtraining_attention"
-
-# Section name -> pattern config class; a section is named after the attention type it serves.
-_PATTERN_SECTIONS = {"mtraining": VerticalSlashConfig, "msa": MSAConfig, "moba": MoBAConfig}
 
 
 def _check_hierarchy(name: str, value) -> None:
@@ -62,11 +60,12 @@ def _pattern_from_dict(cls, values: dict, where: str):
 
 
 @dataclass(frozen=True)
-class MTrainingAttentionConfig(ValidatedConfig):
+class _AttentionSettings(ValidatedConfig):
     """Attention type, pattern parameters and context-parallel layout of a model.
 
-    ``type`` selects the pattern; only its section (``mtraining``, ``msa`` or ``moba``) is
-    used. ``layout`` is the token order of a context-parallel rank (``zigzag`` is Megatron's
+    ``type`` selects the pattern (``megatron_mtraining.patterns``); only its section (the
+    field named after it, holding the pattern's settings dataclass, e.g. ``mtraining``,
+    ``msa``, ``moba``) is used. ``layout`` is the token order of a context-parallel rank (``zigzag`` is Megatron's
     own batch split; ``striped`` and ``contiguous`` need the plugin's batch-split and RoPE
     patches, ``megatron_mtraining.patches.apply_patches``), ``stripe``
     its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
@@ -82,9 +81,6 @@ class MTrainingAttentionConfig(ValidatedConfig):
     """
 
     type: str = setting("dense", check_choice, choices=ATTENTION_TYPES)
-    mtraining: VerticalSlashConfig = setting(VerticalSlashConfig(), _check_pattern, cls=VerticalSlashConfig)
-    msa: MSAConfig = setting(MSAConfig(), _check_pattern, cls=MSAConfig)
-    moba: MoBAConfig = setting(MoBAConfig(), _check_pattern, cls=MoBAConfig)
     layout: str = setting("zigzag", check_choice, choices=KINDS)
     stripe: int = setting(128, check_int, minimum=1)
     hierarchy: int | None = setting(None, _check_hierarchy)
@@ -92,11 +88,11 @@ class MTrainingAttentionConfig(ValidatedConfig):
     backend: str | None = setting(None, _check_backend)
 
     def __post_init__(self):
-        for section, cls in _PATTERN_SECTIONS.items():
-            value = getattr(self, section)
+        for pattern in patterns.with_settings():
+            value = getattr(self, pattern.name)
             if isinstance(value, dict):
-                where = f"{type(self).__name__}.{section}"
-                object.__setattr__(self, section, _pattern_from_dict(cls, value, where))
+                where = f"{type(self).__name__}.{pattern.name}"
+                object.__setattr__(self, pattern.name, _pattern_from_dict(pattern.settings, value, where))
         super().__post_init__()
         if self.kv_exchange == "allgather" and self.hierarchy is not None:
             fail(
@@ -121,15 +117,27 @@ class MTrainingAttentionConfig(ValidatedConfig):
             if key not in known:
                 fail(f"{where}.{key}", values[key], f"one of the attention settings: {', '.join(sorted(known))}")
         parsed = dict(values)
-        for section, pattern_cls in _PATTERN_SECTIONS.items():
-            if isinstance(parsed.get(section), dict):
-                parsed[section] = _pattern_from_dict(pattern_cls, parsed[section], f"{where}.{section}")
+        for pattern in patterns.with_settings():
+            if isinstance(parsed.get(pattern.name), dict):
+                parsed[pattern.name] = _pattern_from_dict(
+                    pattern.settings, parsed[pattern.name], f"{where}.{pattern.name}"
+                )
         return cls(**parsed)
 
     @property
-    def pattern(self):
-        """The pattern config of ``type`` (``"dense"`` for dense attention)."""
-        return "dense" if self.type == "dense" else getattr(self, self.type)
+    def pattern_class(self) -> type[Pattern]:
+        """The registered pattern of ``type``."""
+        return patterns.get(self.type)
+
+    @property
+    def settings(self):
+        """The settings of ``type`` (its section), or None for a pattern without settings."""
+        return getattr(self, self.type) if self.pattern_class.settings is not None else None
+
+    @property
+    def pattern(self) -> Pattern:
+        """The pattern of ``type`` bound to its settings: what the core attention and the ring build indices with."""
+        return self.pattern_class(self.settings)
 
     def validate_for_sequence(self, seq_length: int, cp_size: int) -> None:
         """Checks against the training sequence (done when the config is read, so a layout that
@@ -153,26 +161,7 @@ class MTrainingAttentionConfig(ValidatedConfig):
                 raise ValueError(
                     f"seq_length={seq_length} cannot be split over context_parallel_size={cp_size} ranks: {err}"
                 ) from None
-        if self.type == "dense":
-            return
-        size_field = "chunk_size" if self.type == "moba" else "block_size"
-        size = getattr(self.pattern, size_field)
-        if size >= seq_length:
-            fail(
-                f"{name}.{self.type}.{size_field}",
-                size,
-                f"a power of two below seq_length ({seq_length}): one block covering the whole sequence is dense "
-                "attention (type 'dense')",
-            )
-        blocks = -(-seq_length // size)
-        topk = getattr(self.pattern, "topk", 0)
-        if topk >= blocks:
-            fail(
-                f"{name}.{self.type}.topk",
-                topk,
-                f"at most {blocks - 1}: seq_length / {self.type}.{size_field} = {seq_length} / {size} gives "
-                f"{blocks} blocks, and selecting all of them is dense attention (type 'dense')",
-            )
+        self.pattern_class.check_sequence(self.settings, seq_length, f"{name}.{self.type}")
 
     def validate_for(self, config) -> None:
         """Checks against a Megatron ``TransformerConfig`` (done when attaching, so a bad
@@ -185,10 +174,14 @@ class MTrainingAttentionConfig(ValidatedConfig):
             fail("TransformerConfig.softmax_type", config.softmax_type, "'vanilla' (no attention sinks in the kernels)")
         if config.window_size is not None:
             fail("TransformerConfig.window_size", config.window_size, "None (the pattern decides what is attended)")
-        if self.type == "msa" and config.tensor_model_parallel_size > 1:
+        if self.pattern_class.has_index_branch and config.tensor_model_parallel_size > 1:
             # The index projections are replicated modules; with TP their per-rank KL would
             # need TP-sharded index heads and a TP all-reduce of the shared key projection.
-            fail("TransformerConfig.tensor_model_parallel_size", config.tensor_model_parallel_size, "1 for type 'msa'")
+            fail(
+                "TransformerConfig.tensor_model_parallel_size",
+                config.tensor_model_parallel_size,
+                f"1 for type '{self.type}'",
+            )
         cp = config.context_parallel_size
         if self.backend in DENSE_ONLY_BACKENDS and cp > 1:
             # These compute whole causal attention; the ring's steps attend parts of it.
@@ -208,6 +201,20 @@ class MTrainingAttentionConfig(ValidatedConfig):
                 )
 
 
+MTrainingAttentionConfig = dataclasses.make_dataclass(
+    "MTrainingAttentionConfig",
+    [
+        (pattern.name, pattern.settings, setting(pattern.settings(), _check_pattern, cls=pattern.settings))
+        for pattern in patterns.with_settings()
+    ],
+    bases=(_AttentionSettings,),
+    frozen=True,
+    module=__name__,
+)
+# The settings sections come from the pattern registry, so a new pattern needs no field here.
+MTrainingAttentionConfig.__doc__ = _AttentionSettings.__doc__
+
+
 def attach_attention_config(config, attention: MTrainingAttentionConfig):
     """Validates ``attention`` against the Megatron ``config`` and attaches it (attribute
     ``mtraining_attention``). For MSA it also installs the KL loss scale hook
@@ -216,7 +223,7 @@ def attach_attention_config(config, attention: MTrainingAttentionConfig):
     if not isinstance(attention, MTrainingAttentionConfig):
         fail("attention", type(attention).__name__, "an MTrainingAttentionConfig")
     attention.validate_for(config)
-    if attention.type == "msa":
+    if attention.pattern_class.has_index_branch:
         from .msa_loss import MSALossAutoScaler
 
         hook = config.experimental_attention_variant_loss_scale_func

@@ -30,8 +30,8 @@ from megatron.core.utils import divide
 
 from .. import patches
 from ..context_parallel import ContextParallelLayout, ring_attention
-from ..context_parallel.distributed_index import build_distributed_index, build_local_index
-from ..sparse import DenseIndex, IndexBranch, MSAPattern, SparseIndex, sparse_attention
+from ..context_parallel.distributed_index import build_index
+from ..sparse import DenseIndex, IndexBranch, sparse_attention
 from ..sparse.validation import fail
 from .config import get_attention_config
 from .cp_groups import hierarchy_from_megatron
@@ -96,7 +96,7 @@ class SparseCoreAttention(MegatronModule):
         # multiplies the scores back in the softmax: the net scale is unchanged.
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.index_input = None  # the layer input, set by MSASelfAttention for one forward
-        if self.attention_config.type == "msa":
+        if self.attention_config.pattern_class.has_index_branch:
             groups = divide(config.num_query_groups, _group_size(self.tp_group))
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             self.index_branch = IndexBranch(
@@ -199,7 +199,7 @@ class SparseCoreAttention(MegatronModule):
             self._check_patches(cp_size)
             cfg = self.attention_config
             layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
-        if self.attention_config.type == "msa":
+        if self.attention_config.pattern_class.has_index_branch:
             out = self._msa(q, k, v, index_input if index_input is not None else self.index_input, layout)
         else:
             out = self._attend(q, k, v, self.attention_config.pattern, layout)
@@ -208,9 +208,8 @@ class SparseCoreAttention(MegatronModule):
     def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
         scale, backend = self.softmax_scale, self.attention_config.backend
         if layout is None:
-            if not isinstance(pattern, SparseIndex):
-                with part_range("index"):
-                    pattern = build_local_index(pattern, q, k, scale)
+            with part_range("index"):
+                pattern = build_index(pattern, q, k, scale)
             out, _ = sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
         else:
             exchange = self.attention_config.kv_exchange
@@ -236,11 +235,9 @@ class SparseCoreAttention(MegatronModule):
                 # Dense main branch; the KL spans every visible token.
                 seq = q.shape[1] if layout is None else layout.seq_len
                 index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
-            elif layout is None:
-                index = build_local_index(MSAPattern(q_idx, k_idx, cfg), q, k, self.softmax_scale)
             else:
-                pattern = MSAPattern(q_idx, k_idx, cfg)
-                index = build_distributed_index(pattern, q, k, layout, self.cp_group, self.softmax_scale)
+                pattern = self.attention_config.pattern.with_inputs(q_idx, k_idx)
+                index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
         out = self._attend(q, k, v, index, layout)
         if self.training and torch.is_grad_enabled():
             with part_range("msa_kl"):

@@ -17,6 +17,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .. import patterns
 from ..sparse.validation import check_choice, fail
 from .config import ATTENTION_TYPES, get_attention_config
 from .core_attention import MSASelfAttention, SparseCoreAttention
@@ -41,7 +42,7 @@ def with_sparse_attention(layer_spec: ModuleSpec, attention: str) -> ModuleSpec:
     core = ModuleSpec(module=SparseCoreAttention, params={"attention": attention})
     self_attention = dataclasses.replace(
         attn,
-        module=MSASelfAttention if attention == "msa" else SelfAttention,
+        module=MSASelfAttention if patterns.get(attention).has_index_branch else SelfAttention,
         params=dict(attn.params),
         submodules=dataclasses.replace(attn.submodules, core_attention=core),
     )

@@ -8,7 +8,7 @@ Sources of the formulas:
 
 * Parameters: the modules of Megatron's GPT layer spec (``megatron.core.models.gpt``): RMSNorm /
   LayerNorm weights, ``linear_qkv`` of ``(Hq + 2 Hkv) d`` outputs (GQA), ``linear_proj``, SwiGLU's
-  doubled ``fc1``, the MSA index branch (``sparse/msa.py``: ``h -> Hkv d_idx`` and ``h -> d_idx``,
+  doubled ``fc1``, the MSA index branch (``patterns/msa.py``: ``h -> Hkv d_idx`` and ``h -> d_idx``,
   no bias), the embedding and the untied output layer. Column/row-parallel linears and the
   vocabulary are split over TP; norms and the index branch are replicated.
 * Weights, gradients, optimizer: Megatron's mixed precision with Adam keeps bf16/fp16 weights,
@@ -109,7 +109,7 @@ def count_parameters(args, attention) -> ParameterCount:
     fc1 = h * fc1_out + (fc1_out if linear_bias else 0)
     fc2 = f * h + (h if linear_bias else 0)
     qk_norm = (2 * d if args.normalization == "RMSNorm" else 4 * d) if args.qk_layernorm else 0
-    index = h * hkv * attention.msa.index_head_dim + h * attention.msa.index_head_dim if attention.type == "msa" else 0
+    index = attention.pattern_class.index_parameters(attention.settings, h, hkv)
     layer = 2 * norm + qkv + proj + fc1 + fc2 + qk_norm + index
     vocab = padded_vocab_size(args)
     embedding = vocab * h + (
@@ -178,18 +178,11 @@ def layer_activation_bytes(args, local_seq: int) -> float:
 
 def attention_state_bytes(args, attention, local_seq: int) -> float:
     """The attention's own saved state per layer beyond q/k/v/out/LSE: its index."""
-    b, hq = args.micro_batch_size, args.num_attention_heads
+    hq = args.num_attention_heads
     hkv = args.num_query_groups or hq
-    seq = args.seq_length
-    if attention.type == "msa":
-        index_proj = local_seq * b * (hkv + 1) * attention.msa.index_head_dim * 2
-        return index_proj + 8 * b * seq * hkv * attention.msa.topk
-    if attention.type == "moba":
-        return 8 * b * seq * hq * attention.moba.topk
-    if attention.type == "mtraining":
-        cfg = attention.mtraining
-        return 8 * b * hq * (cfg.vertical_cap + math.ceil(cfg.slash_cap / cfg.block_size))
-    return 0.0
+    return attention.pattern_class.index_state_bytes(
+        attention.settings, args.micro_batch_size, hq, hkv, args.seq_length, local_seq
+    )
 
 
 def loss_bytes(args, local_seq: int) -> float:

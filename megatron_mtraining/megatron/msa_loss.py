@@ -24,10 +24,10 @@ from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
 from ..context_parallel.layout import ContextParallelLayout
 from ..context_parallel.step_index import StepIndex
+from ..patterns.msa import KL_METRIC
 from ..sparse.msa import _MSAKLLoss, msa_kl_loss
 from ..sparse.validation import check_int, fail
 
-KL_METRIC = "msa_kl_loss"
 ITERATION_ATTRIBUTE = "mtraining_iteration"
 
 

@@ -37,14 +37,14 @@ from megatron.training import get_args, get_tensorboard_writer, get_tokenizer, g
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split, print_rank_0
 
-from .attention_metrics import METRICS as ATTENTION_METRICS
+from .. import patterns
 from .attention_metrics import collect_attention_metrics, measured
 from .chunked_loss import chunked_lm_loss
 from .config import MTrainingAttentionConfig, attach_attention_config
 from .dry_run import check_attention
 from .finite_guard import check_losses, install_finite_guard
 from .layer_specs import get_gpt_decoder_block_spec
-from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
+from .msa_loss import get_attention_metrics_tracker, set_training_iteration
 from .step_report import StepReport, annotate_model, part_range
 from .yaml_config import ConfigError, RunConfig
 
@@ -268,7 +268,7 @@ class _Metrics:
         line = f"lm_loss: {scalars['lm_loss']!r} | " if "lm_loss" in scalars else ""
         line += f"tokens/s: {scalars['tokens_per_second']:.1f} |"
         tracker = get_attention_metrics_tracker()
-        names = [n for n in (KL_METRIC, *ATTENTION_METRICS) if n in tracker.metrics]
+        names = [n for n in attention_from_args(args).pattern_class.metrics if n in tracker.metrics]
         if names:
             # KL values add up over every micro-batch of the interval; the attention metrics
             # are recorded once per interval with the interval's weight.
@@ -330,9 +330,11 @@ def check_checkpoint(args) -> None:
         f"[mtraining] attention switch on load from {args.load} (iteration {iteration}): {saved_type!r} -> "
         f"{attention.type!r}; changed settings: {what}"
     )
-    if (attention.type == "msa") == (saved_type == "msa"):
+    # A pattern with an index branch has parameters (and optimizer state) others lack.
+    branch, saved_branch = attention.pattern_class.has_index_branch, patterns.get(saved_type).has_index_branch
+    if branch == saved_branch:
         return
-    if attention.type == "msa" and args.dist_ckpt_strictness in _STRICT_ABOUT_NEW_KEYS:
+    if branch and args.dist_ckpt_strictness in _STRICT_ABOUT_NEW_KEYS:
         print_rank_0(
             f"[mtraining] dist_ckpt_strictness {args.dist_ckpt_strictness!r} -> 'log_unexpected': the MSA index "
             "projections are not in the checkpoint and keep their fresh initialisation"

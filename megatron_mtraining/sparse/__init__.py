@@ -8,7 +8,7 @@ from .attention import merge_attention_outputs, sparse_attention
 from .index import BlockColumnLayout, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
 from .metrics import attention_recall
 from .moba import MoBAConfig, build_moba_index
-from .msa import IndexBranch, MSAConfig, MSAPattern, block_max_scores, msa_kl_loss, msa_select_blocks
+from .msa import IndexBranch, MSAConfig, block_max_scores, msa_kl_loss, msa_select_blocks
 from .vertical_slash import (
     VerticalSlashConfig,
     WindowStatistics,
@@ -23,7 +23,6 @@ __all__ = [
     "DenseIndex",
     "IndexBranch",
     "MSAConfig",
-    "MSAPattern",
     "MoBAConfig",
     "SparseIndex",
     "VerticalSlashConfig",

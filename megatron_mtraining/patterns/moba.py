@@ -1,0 +1,41 @@
+"""``moba``: MoBA (mixture of block attention), the baseline.
+
+Under context parallelism the chunk key sums are reduced (``[B, chunks, Hkv, D]``) and each
+rank gates its own queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..context_parallel.distributed_index import all_reduce_fn
+from ..sparse.index import BlockTopKIndex
+from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
+from . import register
+from .base import Pattern
+
+
+@register
+class MoBAPattern(Pattern):
+    name = "moba"
+    settings = MoBAConfig
+    size_field = "chunk_size"
+
+    def local_index(self, q, k, scale) -> BlockTopKIndex:
+        return build_moba_index(q, k, self.config)
+
+    def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
+        bsz, _, hq, _ = q.shape
+        seq, config = layout.seq_len, self.config
+        positions = layout.token_positions(dist.get_rank(group), q.device).values
+        blocks = torch.full((bsz, seq, hq, config.topk), -1, dtype=torch.int32, device=q.device)
+        blocks[:, positions] = moba_select_from_parts(
+            q, positions, k, positions, seq, config, all_reduce_fn(dist.ReduceOp.SUM, group)
+        )
+        return BlockTopKIndex(blocks=blocks, block_size=config.chunk_size, num_heads=hq)
+
+    @classmethod
+    def index_state_bytes(cls, config, batch, heads, query_groups, seq, local_seq) -> float:
+        # int64 chunk ids per query head, over the whole sequence on every rank.
+        return 8 * batch * seq * heads * config.topk
