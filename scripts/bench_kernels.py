@@ -56,7 +56,7 @@ from megatron_mtraining.sparse import (
     window_statistics,
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
-from megatron_mtraining.sparse.kernels.layout import block_topk_layout, kernel_layout
+from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_layout, kernel_layout
 from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
@@ -150,8 +150,8 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     (its layout built in each call, as ``sparse_attention`` builds it), each called directly;
     memory and kernel times through ``sparse_attention``, on the loop order it picks."""
     from megatron_mtraining.sparse.attention import kv_outer_preferred
-    from megatron_mtraining.sparse.kernels.attention import TritonBlockBarAttention
-    from megatron_mtraining.sparse.kernels.kv_outer_attention import KVOuterAttention
+    from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
+    from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
 
     sq, sk = structured_qk(seq, gen)
     q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
@@ -444,7 +444,7 @@ class _Recorded:
 def kernel_resources(q, k, v, index, seq, extra):
     """Shared memory, registers and spills of the kernels of a forward and a backward (an
     A100 gives a block at most 163 KiB of shared memory)."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
 
     seen = {}
     names = ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")
@@ -496,7 +496,7 @@ def tune(args) -> dict:
     length: each kernel in turn (those named, else all), the others at their current best.
     Its index comes from a generator of its own, so that the timed rows see the same index
     as untuned runs."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
 
     seq = args.seq_lens[0]
     q, k, v = (

@@ -37,10 +37,10 @@ from bench_kernels import HKV, HQ, D, natural_index  # noqa: E402
 from megatron_mtraining.context_parallel import ContextParallelLayout  # noqa: E402
 from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns  # noqa: E402
 from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
-from megatron_mtraining.context_parallel.step_layout import StepLayouts  # noqa: E402
+from megatron_mtraining.context_parallel.step_tables import StepLayouts  # noqa: E402
 from megatron_mtraining.sparse.index import VerticalSlashIndex, VerticalSlashPart  # noqa: E402
-from megatron_mtraining.sparse.kernels.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
-from megatron_mtraining.sparse.kernels.layout import kernel_layout  # noqa: E402
+from megatron_mtraining.sparse.kernels.block_bar.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
+from megatron_mtraining.sparse.kernels.block_bar.tables import kernel_layout  # noqa: E402
 
 
 def timed(fn, rep_ms: int) -> float:

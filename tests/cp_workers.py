@@ -132,12 +132,13 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
     NaN, so a row left unwritten by the in-kernel accumulation shows."""
     from megatron_mtraining.context_parallel import ring_work
     from megatron_mtraining.context_parallel.layout import TokenPositions
-    from megatron_mtraining.context_parallel.step_layout import StepLayouts
+    from megatron_mtraining.context_parallel.step_tables import StepLayouts
     from megatron_mtraining.sparse import VerticalSlashIndex
     from megatron_mtraining.sparse.index import VerticalSlashPart
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.shared import buffers
 
-    kernels.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
+    buffers.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
     forward = kernels.kernel_forward
     launches = []  # per forward launch: whether it attended gathered columns beside its tiles
 

@@ -1,6 +1,6 @@
 """The vertical-slash index build replayed from CUDA graphs (``sparse.cuda_graphs``), and its
-one-launch kernels: the top-p take (``sparse.kernels.top_p``) and the kernel layout
-(``sparse.kernels.layout_kernel``).
+one-launch kernels: the top-p take (``sparse.kernels.index_build.top_p``) and the kernel layout
+(``sparse.kernels.block_bar.tables_kernel``).
 
 On CPU: the fallback choice, the graph key, the cache's bounds, the packing of the results,
 the mass pass rewriting the graph's buffers, and the two kernels in Triton's interpreter. On
@@ -21,7 +21,7 @@ from megatron_mtraining.sparse import (
     sparse_attention,
     vertical_slash,
 )
-from megatron_mtraining.sparse.kernels.layout import KernelLayout, kernel_layout, vertical_slash_layout
+from megatron_mtraining.sparse.kernels.block_bar.tables import KernelLayout, kernel_layout, vertical_slash_layout
 
 CFG = VerticalSlashConfig(last_q=64, vertical_topp=0.7, slash_topp=0.8, block_size=64, sink_tokens=3, local_window=100)
 
@@ -98,7 +98,7 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
     runs the build eagerly (the statistics kernels in Triton's interpreter)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     keys = []
 
@@ -143,7 +143,7 @@ def test_mass_pass_rewrites_its_buffers_without_clearing(rng, monkeypatch):
     positions held in part or not at all)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, block_mass=16))
     seq, w = 90, 20
@@ -237,7 +237,7 @@ def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, 
     more than twice that."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+    from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import vertical_slash_tables
 
     q, k = qk(rng, seq=seq, heads=heads, d=16, device="cpu", dtype=torch.float32)
     cfg = VerticalSlashConfig(
@@ -269,8 +269,8 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.context_parallel import ContextParallelLayout
-    from megatron_mtraining.sparse.kernels.layout import BlockMap
-    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+    from megatron_mtraining.sparse.kernels.block_bar.tables import BlockMap
+    from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import vertical_slash_tables
 
     block, seq, heads = 16, 16 * 48, 3
     n = seq // block
@@ -318,7 +318,7 @@ def test_top_p_kernel_equals_the_torch_take(n, cap, forced, rng, device):
     entries: the same candidate lists, forced entries first (more of them than scores too)."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels.top_p import take_top_p
+    from megatron_mtraining.sparse.kernels.index_build.top_p import take_top_p
 
     scores = torch.rand(2, 3, n, generator=rng) + 0.01
     scores[..., ::7] = 0
@@ -393,7 +393,7 @@ def test_graphed_build_on_another_stream(rng, graphs):
 @pytest.mark.gpu
 @gpu
 def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
-    from megatron_mtraining.sparse.kernels import layout_kernel
+    from megatron_mtraining.sparse.kernels.block_bar import tables_kernel as layout_kernel
 
     q, k = qk(rng)
     v = torch.randn(k.shape, generator=rng).to(k)

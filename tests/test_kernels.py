@@ -137,7 +137,7 @@ def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
     block indices themselves) and the bars' positions, as context-parallel steps do."""
     import dataclasses
 
-    from megatron_mtraining.sparse.kernels.layout import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.tables import kernel_layout
 
     whole = kernel_layout(index)
     if positions:
@@ -162,7 +162,7 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice)
     fp64 dense attention over the union (gradients through out and lse), rows that see
     no key in either part included; ``-positions``: with global block ids given, as
     context-parallel steps give them."""
-    from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward
+    from megatron_mtraining.sparse.kernels.block_bar.attention import kernel_backward, kernel_forward
 
     if dtype == torch.bfloat16 and kdevice.type == "cpu":
         pytest.skip("Triton's interpreter mishandles bf16")
@@ -203,8 +203,8 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice)
 
 
 def test_accumulation_needs_fp32_running_buffers(rng, kdevice):
-    from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward
-    from megatron_mtraining.sparse.kernels.layout import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.attention import kernel_backward, kernel_forward
+    from megatron_mtraining.sparse.kernels.block_bar.tables import kernel_layout
 
     q, k, v = (t.detach() for t in make_inputs(rng, 1, 32, 2, 1, 16, torch.float16, kdevice))
     layout = kernel_layout(DenseIndex(1, 2, 32, device=kdevice))
@@ -269,7 +269,7 @@ def test_backend_errors_name_the_choice(rng):
 def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
     """Key sub-tiles (BLOCK_N) and query-row steps of the dK/dV kernels (BLOCK_M) narrower
     than the index block: same results."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
 
     for name in kernels.KERNELS:
         monkeypatch.setitem(
@@ -280,14 +280,14 @@ def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
     check(q, k, v, make_index("dense", q, k, block=32), rng)
 
 
-# Vertical-slash window statistics (megatron_mtraining.sparse.kernels.window_stats).
+# Vertical-slash window statistics (megatron_mtraining.sparse.kernels.index_build.window_stats).
 
 
 @pytest.fixture
 def stats_kernels(kdevice, monkeypatch):
     """Statistics on the kernels (``MTRAINING_ATTENTION_BACKEND=triton``), with tiles small
     enough that tiny inputs span several key tiles, chunks, row tiles and mass blocks."""
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(
@@ -335,7 +335,7 @@ def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
     held), reduced as the context-parallel builder does, equal those of all keys: no term
     depends on the split and the sums across tiles and devices are fp64."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
-    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
 
     seq, w = 96, 20
     q = torch.randn(1, seq, 4, 32, generator=rng).half().to(stats_kernels)
@@ -358,7 +358,7 @@ def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, rng, stats_ker
     their sum pooled by ``_pool_diagonals`` (the reference's pooling): random runs, nonzero
     outside the window that holds the token diagonals too, lengths that are no multiple of
     the block, several programs, a block wider than a program's usual span."""
-    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
     from megatron_mtraining.sparse.vertical_slash import _pool_diagonals
 
     q = torch.randn(1, seq, 4, 16, generator=rng).half().to(stats_kernels)

@@ -10,11 +10,11 @@ import functools
 import torch
 from torch.profiler import record_function
 
-from ..sparse.kernels.layout import KernelLayout
+from ..sparse.kernels.block_bar.tables import KernelLayout
 from ..sparse.reference import backward_partial, combine, compute_dtype, forward_partial
 from .imbalance import KernelTimer, timed
 from .step_index import StepIndex
-from .step_layout import StepLayouts
+from .step_tables import StepLayouts
 
 
 class Piece:
@@ -53,7 +53,7 @@ class Piece:
         if self.layout is None or self.columns.layout is None:
             # ``StepLayouts.whole_blocks`` promised both layouts before they were built.
             raise RuntimeError("a ring step attending the vertical columns has no kernel layout")
-        from ..sparse.kernels.attention import ColumnKeys  # imports Triton
+        from ..sparse.kernels.block_bar.attention import ColumnKeys  # imports Triton
 
         return ColumnKeys(*cols, self.columns.layout)
 
@@ -67,7 +67,7 @@ class Piece:
             if self.layout is None:
                 partial = forward_partial(q, k, v, self.index, scale)
                 return partial if running is None else combine(*running, *partial)
-            from ..sparse.kernels.attention import kernel_forward  # imports Triton
+            from ..sparse.kernels.block_bar.attention import kernel_forward  # imports Triton
 
             out_dtype = q.dtype if last else torch.float32
             return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=columns)
@@ -84,7 +84,7 @@ class Piece:
                 dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
                 dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
                 return (dq_s if dq is None else dq.add_(dq_s)), (dk, dv), None
-            from ..sparse.kernels.attention import kernel_backward  # imports Triton
+            from ..sparse.kernels.block_bar.attention import kernel_backward  # imports Triton
 
             dq_dtype = q.dtype if last else torch.float32
             dq, *grads = kernel_backward(

@@ -37,7 +37,7 @@ from .kv_allgather import AllGatherAttention, GatheredKV
 from .layout import ContextParallelLayout, TokenPositions
 from .pieces import Piece, last_attending, nothing_attended
 from .step_index import StepIndex
-from .step_layout import StepLayouts
+from .step_tables import StepLayouts
 
 KV_EXCHANGES = ("auto", "ring", "allgather")
 

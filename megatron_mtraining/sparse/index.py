@@ -30,7 +30,7 @@ import torch
 from .validation import check_int, check_tensor, fail
 
 if TYPE_CHECKING:
-    from .kernels.layout import KernelLayout
+    from .kernels.block_bar.tables import KernelLayout
 
 INT32_MAX = torch.iinfo(torch.int32).max
 # Entries of a top-k index's selections that attended_area gathers per operation.

@@ -126,7 +126,7 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
     Where the kernels run (``attention.backend_choice``: CUDA inputs, not ruled out by
     ``MTRAINING_ATTENTION_BACKEND=reference``) and ``topk`` fits its register-resident set,
     one Triton launch scores and selects with no token-level scores in memory
-    (``kernels/msa_index.py``; ties go to the lower block id). Otherwise the rows go in
+    (``kernels/index_build/msa_index.py``; ties go to the lower block id). Otherwise the rows go in
     chunks through :func:`block_max_scores` and ``select_topk_blocks``, the reference."""
     _check_index_inputs(q_idx, k_idx, config.index_head_dim)
     bsz, seq, groups, d = q_idx.shape
@@ -135,7 +135,7 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
         fail("num_heads", num_heads, f"a multiple of the index query head count {groups} (one per GQA group)")
     bs = config.block_size
     if backend_choice(q_idx) == "triton":
-        from .kernels import msa_index
+        from .kernels.index_build import msa_index  # imports Triton
 
         if config.topk <= msa_index.MAX_TOPK:
             blocks = msa_index.select_blocks(q_idx, k_idx, bs, config.topk)

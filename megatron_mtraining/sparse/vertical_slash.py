@@ -34,7 +34,7 @@ import torch
 from .attention import backend_choice, index_kernels
 from .cuda_graphs import GraphedCalls, graphs_enabled
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
-from .kernels.layout import kernel_layout
+from .kernels.block_bar.tables import kernel_layout
 from .validation import (
     ValidatedConfig,
     check_fraction,
@@ -113,7 +113,7 @@ def _key_passes(
     and their mass pass, ``mass()``, for the caller to run (the graphed build has it write
     into its graph's input buffers: ``mass(out)``)."""
     if backend_choice(q_window) == "triton":
-        from .kernels.window_stats import WindowKernels  # imports Triton
+        from .kernels.index_build.window_stats import WindowKernels  # imports Triton
 
         parts = WindowKernels(q_window, k, key_positions, seq_len, scale)
     else:
@@ -213,7 +213,7 @@ def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Te
     limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
     n_first = min(forced, scores.shape[-1])
     if index_kernels(scores):
-        from .kernels.top_p import take_top_p  # imports Triton
+        from .kernels.index_build.top_p import take_top_p  # imports Triton
 
         values = take_top_p(top, order, limit, forced, n_first)
     else:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
-from ..validation import fail
-from . import triton_available
+from ...index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
+from ...validation import fail
+from .. import triton_available
 
 
 @dataclass
@@ -155,7 +155,7 @@ def vertical_slash_layout(
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
         vertical = {"bar_positions": index.vertical}
     if index.device.type == "cuda" and triton_available():
-        from .layout_kernel import vertical_slash_tables  # imports Triton
+        from .tables_kernel import vertical_slash_tables  # imports Triton
 
         tables = vertical_slash_tables(index, queries, keys, bars, columns)
         return KernelLayout(index.block_size, **vertical, **tables, **ids)

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import VerticalSlashIndex
-from .layout import BlockMap
+from ...index import VerticalSlashIndex
+from .tables import BlockMap
 
 
 @triton.jit

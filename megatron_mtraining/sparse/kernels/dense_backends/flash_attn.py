@@ -19,9 +19,9 @@ from types import ModuleType
 
 import torch
 
-from ..index import DenseIndex, SparseIndex
-from . import triton_available
-from .layout import kernel_layout
+from ...index import DenseIndex, SparseIndex
+from .. import triton_available
+from ..block_bar.tables import kernel_layout
 
 # flash-attn 2.7 gave ``_flash_attn_forward`` / ``_flash_attn_backward`` the signatures
 # called below (split window sizes, four forward results); earlier versions differ.
@@ -118,7 +118,7 @@ class FlashAttention(torch.autograd.Function):
                 dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=ctx.scale, deterministic=True, **_EXACT_CAUSAL
             )
             return dq, dk, dv, None
-        from .attention import kernel_backward  # imports Triton
+        from ..block_bar.attention import kernel_backward  # imports Triton
 
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart
-from ..sparse.kernels.layout import (
+from ..sparse.kernels.block_bar.tables import (
     BlockMap,
     KernelLayout,
     layout_from_membership,

@@ -7,14 +7,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..validation import fail
-from .block_bar import LOG2E, _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
-from .layout import KernelLayout
-
-
-def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every kernel output is allocated here (uninitialised); tests poison it."""
-    return torch.empty(shape, dtype=dtype, device=device)
+from ...validation import fail
+from ..shared import buffers
+from ..shared.kernels import LOG2E
+from .kernels import _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
+from .tables import KernelLayout
 
 
 @dataclass(frozen=True)
@@ -160,7 +157,7 @@ def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype,
     Without ``running``: a new buffer in ``dtype``, passed for both (the running one then
     unread). With it: ``running`` itself where ``dtype`` is fp32, else a new buffer."""
     if running is None:
-        out = new_buffer(shape, dtype, device)
+        out = buffers.new_buffer(shape, dtype, device)
         return out, out, False
     if running.dtype != torch.float32 or tuple(running.shape) != tuple(shape) or not running.is_contiguous():
         fail(
@@ -168,7 +165,7 @@ def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype,
             f"{running.dtype} {tuple(running.shape)}",
             f"a contiguous torch.float32 tensor of shape {tuple(shape)}",
         )
-    return (running if dtype == torch.float32 else new_buffer(shape, dtype, device)), running, True
+    return (running if dtype == torch.float32 else buffers.new_buffer(shape, dtype, device)), running, True
 
 
 def kernel_forward(
@@ -208,7 +205,7 @@ def kernel_backward(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
     out, dout, lse = out.contiguous(), dout.to(q.dtype).contiguous(), lse.float().contiguous()
-    delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
+    delta = buffers.new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
     common = _common(q, k, layout)
     n_qb = layout.tiles.shape[2]
     bar_layout, bar_k, bar_v = _bar_source(layout, k, v, columns)
@@ -227,7 +224,7 @@ def kernel_backward(
     partials = None
     if bar_layout.has_bars:
         v_max = bar_layout.vertical.shape[-1]
-        partials = new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
+        partials = buffers.new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
         bar_opts = _opts("bar_dkdv", bar_layout, q)
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
             q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_layout.active, partials[0],
@@ -254,7 +251,7 @@ def _key_grads(q, k, v, layout: KernelLayout, common: dict, dout, lse, delta, pa
         v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
     else:
         v_max, (bar_dk, bar_dv), vert, vptr = layout.vertical.shape[-1], partials, layout.vertical, layout.vertical_ptr
-    dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
+    dk, dv = buffers.new_buffer(k.shape, k.dtype, k.device), buffers.new_buffer(v.shape, v.dtype, v.device)
     opts = _opts("tile_dkdv", layout, q)
     _tile_dkdv_kernel[(n_kb * (layout.block // opts["BLOCK_N"]), b * k.shape[2])](
         q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
