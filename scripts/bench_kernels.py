@@ -13,10 +13,10 @@ Rows:
   on exactly the same mask (same tiles as full blocks, the diagonal and every
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
-* index building: vertical-slash statistics + top-p + kernel layout, against the
+* index building: vertical-slash statistics + top-p + tile tables, against the
   sparse forward, as the product builds it (the passes over the keys launched as they
   come, the rest replayed from a CUDA graph) and eagerly (``MTRAINING_INDEX_GRAPHS=0``),
-  with the statistics, the top-p selection and the layout also timed alone (eager);
+  with the statistics, the top-p selection and the tile tables also timed alone (eager);
   ``--profile-index`` lists the kernels' device times of both builds;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
@@ -56,7 +56,7 @@ from megatron_mtraining.sparse import (
     window_statistics,
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
-from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_layout, kernel_layout
+from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_tables, tile_tables
 from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
@@ -147,7 +147,7 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
 def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
     and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
-    (its layout built in each call, as ``sparse_attention`` builds it), each called directly;
+    (its tile tables built in each call, as ``sparse_attention`` builds them), each called directly;
     memory and kernel times through ``sparse_attention``, on the loop order it picks."""
     from megatron_mtraining.sparse.attention import kv_outer_preferred
     from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
@@ -164,12 +164,12 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     for pattern, index in indices.items():
         area = float(index.attended_area().sum())
         kv_outer = lambda a, b, c, index=index: KVOuterAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
-        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_layout(index), scale)[0]  # noqa: E731
+        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_tables(index), scale)[0]  # noqa: E731
         for name, run in ((f"ours {pattern} (kv-outer)", kv_outer), (f"ours {pattern} (union of tiles)", union)):
             measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep),
                     cudnn), rows)  # fmt: skip
-        layout = block_topk_layout(index)
-        computed = float(layout.tile_count.sum()) * layout.block**2 * (HQ // layout.tiles.shape[1])
+        tables = block_topk_tables(index)
+        computed = float(tables.tile_count.sum()) * tables.block**2 * (HQ // tables.tiles.shape[1])
         print(f"    union of tiles: useful / computed tile area: {area / computed:.3f}")
         rows[-1]["useful_over_computed"] = area / computed
         if pattern.startswith("msa"):
@@ -320,10 +320,10 @@ def bench_seq(seq, args, gen, rows, extra):
             print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
 
     # Index building against the sparse forward, and its parts. The product path runs the passes
-    # over the keys and replays the rest (statistics, selection, layout) from a CUDA graph; the
+    # over the keys and replays the rest (statistics, selection, tile tables) from a CUDA graph; the
     # eager build is shown beside it.
     cfg = VerticalSlashConfig(block_size=args.block)
-    build = lambda: kernel_layout(build_vertical_slash_index(q, k, cfg))  # noqa: E731
+    build = lambda: tile_tables(build_vertical_slash_index(q, k, cfg))  # noqa: E731
     with torch.no_grad():
         build_ms = timed(build, rep)
         with mock.patch.dict(os.environ, {GRAPHS_ENV: "0"}):
@@ -331,20 +331,20 @@ def bench_seq(seq, args, gen, rows, extra):
         statistics_ms = timed(lambda: window_statistics(q, k, cfg), rep)
         stats = window_statistics(q, k, cfg)
         selection_ms = timed(lambda: select_vertical_slash(stats, cfg, seq), rep)
-        layout_ms = timed(lambda: kernel_layout(index), rep)
+        tables_ms = timed(lambda: tile_tables(index), rep)
     extra.setdefault("index", []).append(
         {
             "seq": seq,
-            "build_index_plus_layout_ms": build_ms,
-            "eager_build_index_plus_layout_ms": eager_build_ms,
+            "build_index_plus_tables_ms": build_ms,
+            "eager_build_index_plus_tables_ms": eager_build_ms,
             "statistics_only_ms": statistics_ms,
             "selection_only_ms": selection_ms,
-            "layout_only_ms": layout_ms,
+            "tables_only_ms": tables_ms,
             "sparse_fwd_ms": ours_row.get("fwd_ms"),
         }  # fmt: skip
     )
-    print(f"    index build+layout {build_ms:.2f} ms (graphed; eager {eager_build_ms:.2f} ms: statistics "
-          f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse "
+    print(f"    index build+tables {build_ms:.2f} ms (graphed; eager {eager_build_ms:.2f} ms: statistics "
+          f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, tables alone {tables_ms:.2f} ms) vs sparse "
           f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     if args.profile_index:

@@ -131,15 +131,15 @@ def test_future_keys_far_above_the_visible_ones(rng, kdevice):
 
 
 def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
-    """A vertical-slash index's kernel layout split into two over disjoint key sets: its
+    """A vertical-slash index's tile tables split into two over disjoint key sets: its
     tiles alone, and its bars alone (columns inside attended tiles still skipped). With
-    ``positions``, the layouts carry the global block ids of the query and key blocks (the
+    ``positions``, the tables carry the global block ids of the query and key blocks (the
     block indices themselves) and the bars' positions, as context-parallel steps do."""
     import dataclasses
 
-    from megatron_mtraining.sparse.kernels.block_bar.tables import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 
-    whole = kernel_layout(index)
+    whole = tile_tables(index)
     if positions:
         blocks = torch.arange(whole.tiles.shape[2], dtype=torch.int32, device=index.device)
         whole = dataclasses.replace(whole, query_blocks=blocks, key_blocks=blocks, bar_positions=index.vertical)
@@ -204,17 +204,17 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice)
 
 def test_accumulation_needs_fp32_running_buffers(rng, kdevice):
     from megatron_mtraining.sparse.kernels.block_bar.attention import kernel_backward, kernel_forward
-    from megatron_mtraining.sparse.kernels.block_bar.tables import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 
     q, k, v = (t.detach() for t in make_inputs(rng, 1, 32, 2, 1, 16, torch.float16, kdevice))
-    layout = kernel_layout(DenseIndex(1, 2, 32, device=kdevice))
-    out, lse = kernel_forward(q, k, v, layout, 0.25)
+    tables = tile_tables(DenseIndex(1, 2, 32, device=kdevice))
+    out, lse = kernel_forward(q, k, v, tables, 0.25)
     with pytest.raises(ValueError, match=r"running\[0\]='torch.float16 \(1, 32, 2, 16\)'.*contiguous torch.float32"):
-        kernel_forward(q, k, v, layout, 0.25, running=(out, lse))
+        kernel_forward(q, k, v, tables, 0.25, running=(out, lse))
     with pytest.raises(ValueError, match=r"running\[1\]='torch.float32 \(1, 2, 16\)'.*shape \(1, 2, 32\)"):
-        kernel_forward(q, k, v, layout, 0.25, running=(out.float(), lse[..., :16].contiguous()))
+        kernel_forward(q, k, v, tables, 0.25, running=(out.float(), lse[..., :16].contiguous()))
     with pytest.raises(ValueError, match=r"dq_running='torch.float16"):
-        kernel_backward(q, k, v, layout, 0.25, out, lse, out, None, dq_running=q)
+        kernel_backward(q, k, v, tables, 0.25, out, lse, out, None, dq_running=q)
 
 
 @pytest.mark.gpu

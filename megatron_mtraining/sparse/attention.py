@@ -8,7 +8,7 @@ import torch
 
 from .index import BlockTopKIndex, SparseIndex
 from .kernels import triton_available
-from .kernels.block_bar.tables import KernelLayout, kernel_layout
+from .kernels.block_bar.tables import TileTables, tile_tables
 from .kernels.dense_backends import flash_attn, sdpa
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
@@ -56,12 +56,12 @@ def sparse_attention(
         from .kernels.kv_outer.attention import KVOuterAttention  # imports Triton
 
         return KVOuterAttention.apply(q, k, v, index, scale)
-    layout = _kernel_layout(q, index, backend)
-    if layout is None:
+    tables = _tile_tables(q, index, backend)
+    if tables is None:
         return ReferenceSparseAttention.apply(q, k, v, index, scale)
     from .kernels.block_bar.attention import TritonBlockBarAttention  # imports Triton
 
-    return TritonBlockBarAttention.apply(q, k, v, layout, scale)
+    return TritonBlockBarAttention.apply(q, k, v, tables, scale)
 
 
 # The loop order of a top-k index on the kernels, by measurement (H100, Qwen2.5-3B attention,
@@ -156,14 +156,14 @@ def index_kernels(t: torch.Tensor) -> bool:
     return _backend_setting(None) != "reference" and t.is_cuda and triton_available()
 
 
-def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:
-    """The kernel layout when the Triton backend runs this call, else None."""
+def _tile_tables(q: torch.Tensor, index: SparseIndex, backend: str | None) -> TileTables | None:
+    """The tile tables when the Triton backend runs this call, else None."""
     if backend_choice(q, backend) == "reference":
         return None
-    layout = kernel_layout(index)
-    if layout is None and (backend or os.environ.get(BACKEND_ENV)) == "triton":
+    tables = tile_tables(index)
+    if tables is None and (backend or os.environ.get(BACKEND_ENV)) == "triton":
         fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
-    return layout
+    return tables
 
 
 def merge_attention_outputs(

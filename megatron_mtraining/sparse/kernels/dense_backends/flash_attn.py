@@ -21,7 +21,7 @@ import torch
 
 from ...index import DenseIndex, SparseIndex
 from .. import triton_available
-from ..block_bar.tables import kernel_layout
+from ..block_bar.tables import tile_tables
 
 # flash-attn 2.7 gave ``_flash_attn_forward`` / ``_flash_attn_backward`` the signatures
 # called below (split window sizes, four forward results); earlier versions differ.
@@ -123,5 +123,5 @@ class FlashAttention(torch.autograd.Function):
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         b, s, h, _ = q.shape
-        layout = kernel_layout(DenseIndex(b, h, s, device=q.device))
-        return *kernel_backward(q, k, v, layout, ctx.scale, out, lse, dout, dlse), None
+        tables = tile_tables(DenseIndex(b, h, s, device=q.device))
+        return *kernel_backward(q, k, v, tables, ctx.scale, out, lse, dout, dlse), None

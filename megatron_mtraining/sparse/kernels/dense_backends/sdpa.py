@@ -21,7 +21,7 @@ import torch
 
 from ...index import DenseIndex, SparseIndex
 from .. import triton_available
-from ..block_bar.tables import kernel_layout
+from ..block_bar.tables import tile_tables
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -110,5 +110,5 @@ class SDPAAttention(torch.autograd.Function):
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         b, s, h, _ = q.shape
-        layout = kernel_layout(DenseIndex(b, h, s, device=q.device))
-        return *kernel_backward(q, k, v, layout, ctx.scale, out, lse, dout, dlse), None
+        tables = tile_tables(DenseIndex(b, h, s, device=q.device))
+        return *kernel_backward(q, k, v, tables, ctx.scale, out, lse, dout, dlse), None

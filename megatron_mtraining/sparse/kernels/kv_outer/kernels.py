@@ -1,6 +1,6 @@
 """Triton kernels of KV-outer attention over a per-query top-k block selection (MSA, MoBA).
 
-Iterating queries on the outer loop (``block_bar`` on a ``block_topk_layout``) walks the
+Iterating queries on the outer loop (``block_bar`` on a ``block_topk_tables``) walks the
 union of the blocks that a query block's rows chose and masks each row to its own, so at
 long lengths most of the computed area is thrown away. Here a program takes one key block
 and a work item's tiles (``reverse_index``) of the queries that chose it: ``BLOCK_M``
