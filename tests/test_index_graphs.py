@@ -8,7 +8,10 @@ a GPU: graphed builds equal eager ones bit for bit, call after call, without tou
 calls' results, and the fallbacks build eagerly.
 """
 
+import dataclasses
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -21,7 +24,13 @@ from megatron_mtraining.sparse import (
     sparse_attention,
     vertical_slash,
 )
-from megatron_mtraining.sparse.kernels.block_bar.tables import TileTables, tile_tables, vertical_slash_tables
+from megatron_mtraining.sparse.kernels.block_bar.tables import (
+    TileTables,
+    keep_tables,
+    kept_tables,
+    tile_tables,
+    vertical_slash_tables,
+)
 
 CFG = VerticalSlashConfig(last_q=64, vertical_topp=0.7, slash_topp=0.8, block_size=64, sink_tokens=3, local_window=100)
 
@@ -47,7 +56,7 @@ def eager(q, k, cfg=CFG, softmax_scale=None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cuda_graphs.GRAPHS_ENV, "0")
         index = build_vertical_slash_index(q, k, cfg, softmax_scale)
-    assert index.precomputed_layout is None
+    assert kept_tables(index) is None
     return index, tile_tables(index)
 
 
@@ -86,7 +95,7 @@ def test_graphs_apply_only_to_cuda_inputs_and_the_switch(monkeypatch):
 def test_cpu_build_is_eager(rng, graphs):
     q, k = qk(rng, seq=200, heads=(4, 2), d=16, device="cpu", dtype=torch.float32)
     index = build_vertical_slash_index(q, k, CFG)
-    assert index.precomputed_layout is None and not graphs.graphs
+    assert kept_tables(index) is None and not graphs.graphs
 
 
 def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
@@ -118,8 +127,8 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
         return build_vertical_slash_index(q, k, config, **kwargs)
 
     index = build()
-    assert index.precomputed_layout is not None
-    assert_same((index, index.precomputed_layout), (index, vertical_slash_tables(index.to("cpu"))))
+    assert kept_tables(index) is not None
+    assert_same((index, kept_tables(index)), (index, vertical_slash_tables(index.to("cpu"))))
     build()
     build(softmax_scale=0.5)
     build(dtype=torch.float32)
@@ -218,12 +227,21 @@ def test_results_are_rebuilt_from_one_packed_buffer():
     assert got_tables.tiles.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 
 
-def test_index_carries_its_layout_until_moved():
+def test_tables_are_kept_for_the_index_object_while_it_lives():
+    """Tables kept for an index (as the graphed build keeps its own) are what ``tile_tables``
+    returns for that object; a moved copy builds its own, the index itself holds nothing
+    but its fields, and the entry goes with the index."""
     index = VerticalSlashIndex(torch.tensor([[[3]]]).int(), torch.tensor([[[0]]]).int(), seq_len=40, block_size=16)
     marker = TileTables(16, *(torch.zeros(1, 1, 1, 1, dtype=torch.int32),) * 4)
-    index.precomputed_layout = marker
-    assert tile_tables(index) is marker
-    assert index.to("cpu").precomputed_layout is None and tile_tables(index.to("cpu")) is not marker
+    keep_tables(index, marker)
+    assert tile_tables(index) is marker and kept_tables(index) is marker
+    moved = index.to("cpu")
+    assert kept_tables(moved) is None and tile_tables(moved) is not marker
+    assert set(vars(index)) == {f.name for f in dataclasses.fields(index)}
+    kept = weakref.ref(marker)
+    del index, marker
+    gc.collect()
+    assert kept() is None
 
 
 @pytest.mark.parametrize(
@@ -269,7 +287,7 @@ def test_tables_kernel_equals_the_composed_tables_of_ring_pieces(kind, world, rn
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.context_parallel import ContextParallelLayout
-    from megatron_mtraining.sparse.kernels.block_bar.tables import BlockMap
+    from megatron_mtraining.sparse.kernels.block_bar.block_map import BlockMap
     from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import launch_vertical_slash_tables
 
     block, seq, heads = 16, 16 * 48, 3
@@ -348,7 +366,7 @@ def test_graphed_build_equals_eager_call_after_call(heads, rng, graphs):
         q, k = qk(rng, seq=seq, heads=heads)
         got = build_vertical_slash_index(q, k, CFG)
         result = (got, tile_tables(got))
-        assert result[1] is got.precomputed_layout
+        assert result[1] is kept_tables(got)
         assert_same(result, eager(q, k))
         kept.append((result, snapshot(result)))
     for result, copy in kept:
@@ -392,13 +410,13 @@ def test_graphed_build_on_another_stream(rng, graphs):
 
 @pytest.mark.gpu
 @gpu
-def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
+def test_sparse_attention_uses_the_kept_tables(rng, graphs, monkeypatch):
     from megatron_mtraining.sparse.kernels.block_bar import tables_kernel
 
     q, k = qk(rng)
     v = torch.randn(k.shape, generator=rng).to(k)
     index = build_vertical_slash_index(q, k, CFG)
-    monkeypatch.setattr(tables_kernel, "launch_vertical_slash_tables", lambda index: pytest.fail("tables built again"))
+    monkeypatch.setattr(tables_kernel, "launch_vertical_slash_tables", lambda *args: pytest.fail("tables built again"))
     out, lse = sparse_attention(q, k, v, index)
     monkeypatch.undo()
     want_out, want_lse = sparse_attention(q, k, v, eager(q, k)[0])
@@ -409,20 +427,20 @@ def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
 @gpu
 def test_fallbacks_build_eagerly(rng, graphs, monkeypatch):
     """The switch, the reference backend and a capture under way (Megatron's CUDA graphs)
-    build eagerly: no graph is made and the index carries no layout."""
+    build eagerly: no graph is made and no tables are kept for the index."""
     q, k = qk(rng)
     want = eager(q, k)
     monkeypatch.setenv(cuda_graphs.GRAPHS_ENV, "0")
-    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    assert kept_tables(build_vertical_slash_index(q, k, CFG)) is None
     monkeypatch.delenv(cuda_graphs.GRAPHS_ENV)
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
-    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    assert kept_tables(build_vertical_slash_index(q, k, CFG)) is None
     monkeypatch.delenv("MTRAINING_ATTENTION_BACKEND")
     assert not graphs.graphs
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
         captured = build_vertical_slash_index(q, k, CFG)
-    assert captured.precomputed_layout is None and not graphs.graphs
+    assert kept_tables(captured) is None and not graphs.graphs
     outer.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.vertical, want[0].vertical) and torch.equal(captured.slash, want[0].slash)

@@ -21,8 +21,8 @@ import functools
 import torch
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart
+from ..sparse.kernels.block_bar.block_map import BlockMap
 from ..sparse.kernels.block_bar.tables import (
-    BlockMap,
     TileTables,
     selection_union,
     tables_from_membership,

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .validation import check_int, check_tensor, fail
-
-if TYPE_CHECKING:
-    from .kernels.block_bar.tables import TileTables
 
 INT32_MAX = torch.iinfo(torch.int32).max
 # Entries of a top-k index's selections that attended_area gathers per operation.
@@ -57,7 +54,7 @@ class SparseIndex:
                 return v.to(device)
             return torch.device(device) if isinstance(v, torch.device) else v
 
-        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init})
+        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @property
     def selection_heads(self) -> int:
@@ -323,10 +320,6 @@ class VerticalSlashIndex(SparseIndex):
     slash: torch.Tensor  # [B, Hq, max_slash] int32
     seq_len: int
     block_size: int
-    # The kernel layout, when the builder made it with the index (``build_vertical_slash_index``
-    # in a CUDA graph); ``tile_tables`` then returns it rather than build it again. Derived
-    # from the fields above: not compared, not moved by ``to``.
-    precomputed_layout: TileTables | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

@@ -34,7 +34,7 @@ import torch
 from .attention import backend_choice, index_kernels
 from .cuda_graphs import GraphedCalls, graphs_enabled
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
-from .kernels.block_bar.tables import tile_tables
+from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (
     ValidatedConfig,
     check_fraction,
@@ -261,11 +261,12 @@ def build_vertical_slash_index(
     Where the statistics run on the kernels and CUDA graphs apply (``cuda_graphs.graphs_enabled``;
     ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the passes over the keys run as they come
     (three Triton kernels and a few reductions) and what follows from the mass pass (the
-    statistics, the selection and the tile tables: dozens of small kernels) replays one graph, equal
-    bit for bit to the eager build; the index carries the tables (``precomputed_layout``)
-    for ``sparse_attention``. The passes that read K stay out of the graph because K
-    differs per layer: a graph reads fixed addresses, so it would need a copy of K (64 MiB
-    at 128K tokens); the mass kernel writes into the graph's input buffers instead."""
+    statistics, the selection and the tile tables: dozens of small kernels) replays one
+    graph, equal bit for bit to the eager build; the tables are kept for the index
+    (``tables.keep_tables``), so that ``sparse_attention`` does not build them again. The
+    passes that read K stay out of the graph because K differs per layer: a graph reads
+    fixed addresses, so it would need a copy of K (64 MiB at 128K tokens); the mass kernel
+    writes into the graph's input buffers instead."""
     check_qk(q, k)
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
@@ -280,5 +281,5 @@ def build_vertical_slash_index(
 
     key = (q.device, q.shape[0], q.shape[2], seq, config, parts.block)
     index, tables = _GRAPHS.call(key, index_and_tables, mass)
-    index.precomputed_layout = tables
+    keep_tables(index, tables)
     return index

@@ -11,6 +11,7 @@ longest row (``compact``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ...index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
 from ...validation import fail
 from .. import triton_available
+from .block_map import BlockMap
 
 
 @dataclass
@@ -60,23 +62,6 @@ class TileTables:
     @property
     def has_bars(self) -> bool:
         return self.vertical is not None and self.vertical.shape[-1] > 0
-
-
-@dataclass(frozen=True)
-class BlockMap:
-    """Which of a sequence's blocks a context-parallel side holds (a rank's query rows, a
-    ring step's chunk): ``ids`` [n] int32, the global block id of each local block,
-    ascending; ``local`` [n_blocks] int32, the local index of each global block, -1 where
-    not held (the inverse, so that a lookup costs one load)."""
-
-    ids: torch.Tensor
-    local: torch.Tensor
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, n_blocks: int) -> BlockMap:
-        local = torch.full((n_blocks,), -1, dtype=torch.int32, device=ids.device)
-        local[ids.long()] = torch.arange(len(ids), dtype=torch.int32, device=ids.device)
-        return cls(ids.int().contiguous(), local)
 
 
 def transpose_tiles(
@@ -148,8 +133,6 @@ def vertical_slash_tables(
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
         fail("columns", "given", "None unless keys=None and bars=True (the columns are the keys)")
-    if queries is None and keys is None and columns is None and bars and index.precomputed_layout is not None:
-        return index.precomputed_layout
     ids = {"query_blocks": None if queries is None else queries.ids, "key_blocks": None if keys is None else keys.ids}
     vertical = {"vertical": index.vertical} if bars else {}
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
@@ -234,11 +217,43 @@ def block_topk_tables(index: BlockTopKIndex, max_tile: int = 128) -> TileTables:
 
 
 def tile_tables(index: SparseIndex, dense_block: int = 128) -> TileTables | None:
-    """The tile tables of ``index``, or None when the kernels do not serve its type."""
+    """The tile tables of ``index`` (those kept for it, ``keep_tables``, if any), or None when
+    the kernels do not serve its type."""
     if isinstance(index, VerticalSlashIndex):
-        return vertical_slash_tables(index)
+        kept = kept_tables(index)
+        return kept if kept is not None else vertical_slash_tables(index)
     if isinstance(index, DenseIndex):
         return dense_tables(index, dense_block)
     if isinstance(index, BlockTopKIndex):
         return block_topk_tables(index)
     return None
+
+
+# Tile tables made together with their index, by the index object's identity: the
+# single-device vertical-slash build writes them in the same CUDA graph as the index, and
+# building them again for the forward would repeat that work. Kept here rather than on the
+# index, they leave the index plain data that knows nothing of the kernels, and every
+# caller that hands the index object on to ``sparse_attention`` (the single-device
+# ``mtraining`` attention, the ring at CP size 1 and the recall metric, all through
+# ``build_local_index``) reuses them with no argument added to its signature. An entry
+# lasts as long as its index: a weak reference's callback drops it. A moved or copied
+# index (``to``, ``dataclasses.replace``) is another object and builds its own.
+# Keyed by ``id`` since the index dataclasses compare by value and so do not hash.
+_KEPT: dict[int, tuple[weakref.ref, TileTables]] = {}
+
+
+def keep_tables(index: SparseIndex, tables: TileTables) -> None:
+    """Makes ``tile_tables(index)`` return ``tables`` for as long as ``index`` lives."""
+    key = id(index)
+
+    def forget(ref: weakref.ref) -> None:
+        if _KEPT.get(key, (None,))[0] is ref:
+            del _KEPT[key]
+
+    _KEPT[key] = (weakref.ref(index, forget), tables)
+
+
+def kept_tables(index: SparseIndex) -> TileTables | None:
+    """The tile tables kept for ``index`` (``keep_tables``), or None."""
+    ref, tables = _KEPT.get(id(index), (None, None))
+    return tables if ref is not None and ref() is index else None

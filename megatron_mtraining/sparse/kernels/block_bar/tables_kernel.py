@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...index import VerticalSlashIndex
-from .tables import BlockMap
+from .block_map import BlockMap
 
 
 @triton.jit
