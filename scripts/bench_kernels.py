@@ -444,12 +444,12 @@ class _Recorded:
 def kernel_resources(q, k, v, index, seq, extra):
     """Shared memory, registers and spills of the kernels of a forward and a backward (an
     A100 gives a block at most 163 KiB of shared memory)."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     seen = {}
     names = ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")
-    recorded = {name: _Recorded(getattr(kernels, name), seen, name.strip("_")) for name in names}
-    with mock.patch.multiple(kernels, **recorded):
+    recorded = {name: _Recorded(getattr(block_bar, name), seen, name.strip("_")) for name in names}
+    with mock.patch.multiple(block_bar, **recorded):
         out = sparse_attention(q, k, v, index, backend="triton")[0]
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     torch.cuda.synchronize()
@@ -496,7 +496,7 @@ def tune(args) -> dict:
     length: each kernel in turn (those named, else all), the others at their current best.
     Its index comes from a generator of its own, so that the timed rows see the same index
     as untuned runs."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     seq = args.seq_lens[0]
     q, k, v = (
@@ -504,13 +504,13 @@ def tune(args) -> dict:
     )
     index = natural_index(seq, args.block, args.density, torch.Generator().manual_seed(args.seed + 1), "cuda")
     best = {}
-    for name in args.tune or kernels.KERNELS:
+    for name in args.tune or block_bar.KERNELS:
         results = []
         for bn, warps, stages, bm in TUNE_CANDIDATES[name]:
             if bn > args.block:
                 continue
-            cfg = kernels.LaunchConfig(bn, warps, stages, bm)
-            kernels.OVERRIDES[name] = cfg
+            cfg = block_bar.LaunchConfig(bn, warps, stages, bm)
+            block_bar.OVERRIDES[name] = cfg
             try:
                 out = sparse_attention(q, k, v, index, backend="triton")[0]
                 if name == "fwd":
@@ -525,11 +525,11 @@ def tune(args) -> dict:
             except Exception as e:  # out of shared memory, registers
                 print(f"    {name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if not results:
-            kernels.OVERRIDES.pop(name)
+            block_bar.OVERRIDES.pop(name)
             print(f"tuned {name}: every candidate failed, default kept", flush=True)
             continue
         results.sort(key=lambda r: r[0])
-        kernels.OVERRIDES[name] = results[0][1]
+        block_bar.OVERRIDES[name] = results[0][1]
         best[name] = {"config": vars(results[0][1]), "ms": results[0][0], "worst_ms": results[-1][0]}
         print(f"tuned {name}: {results[0][1]} {results[0][0]:.3f} ms (worst {results[-1][0]:.3f} ms)", flush=True)
     return best

@@ -52,14 +52,14 @@ def poisoned_outputs(monkeypatch):
 @pytest.fixture
 def kernel_backward_calls(monkeypatch):
     """Counts the dense Triton backward's calls (the LSE gradient's path)."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     calls = collections.Counter()
-    real = kernels.kernel_backward
+    real = block_bar.kernel_backward
 
     def counted(*args, **kwargs):
         calls["kernel_backward"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "kernel_backward", counted)
+    monkeypatch.setattr(block_bar, "kernel_backward", counted)
     return calls

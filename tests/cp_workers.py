@@ -135,18 +135,18 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
     from megatron_mtraining.context_parallel.step_tables import StepTables
     from megatron_mtraining.sparse import VerticalSlashIndex
     from megatron_mtraining.sparse.index import VerticalSlashPart
-    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
     from megatron_mtraining.sparse.kernels.shared import buffers
 
     buffers.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
-    forward = kernels.kernel_forward
+    forward = block_bar.kernel_forward
     launches = []  # per forward launch: whether it attended gathered columns beside its tiles
 
     def recording_forward(*args, columns=None, **kwargs):
         launches.append(columns is not None)
         return forward(*args, columns=columns, **kwargs)
 
-    kernels.kernel_forward = recording_forward
+    block_bar.kernel_forward = recording_forward
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 1, 4, 2, 16
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -269,11 +269,11 @@ def test_backend_errors_name_the_choice(rng):
 def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
     """Key sub-tiles (BLOCK_N) and query-row steps of the dK/dV kernels (BLOCK_M) narrower
     than the index block: same results."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
-    for name in kernels.KERNELS:
+    for name in block_bar.KERNELS:
         monkeypatch.setitem(
-            kernels.OVERRIDES, name, kernels.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
+            block_bar.OVERRIDES, name, block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
         )
     q, k, v = make_inputs(rng, 1, 150, 4, 2, 16, torch.float32, kdevice)
     check(q, k, v, make_index("vertical_slash", q, k, block=32), rng)

@@ -37,9 +37,9 @@ def kv_outer_everywhere(monkeypatch):
 
 @pytest.fixture
 def kv():
-    from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer_attention
+    from megatron_mtraining.sparse.kernels.kv_outer import attention
 
-    return kv_outer_attention
+    return attention
 
 
 def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
