@@ -127,7 +127,7 @@ def check_hierarchy_errors(rank, world):
 
 def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32, kv_exchange="ring"):
     """The ring (or the all-gather) on the Triton kernels (CUDA, or the interpreter on CPU)
-    in ``dtype`` against single-device fp64 attention: every step's kernel layout, the
+    in ``dtype`` against single-device fp64 attention: every step's tile tables, the
     local bar pass and the gradients that travel back. Kernel outputs are poisoned with
     NaN, so a row left unwritten by the in-kernel accumulation shows."""
     from megatron_mtraining.context_parallel import ring_work
