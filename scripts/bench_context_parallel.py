@@ -64,7 +64,7 @@ def slowest(ms: float) -> float:
 def timed(fn, iters: int, calls: int = 1) -> float:
     """Median ms per call of ``fn`` on this rank (after one warm-up round), then the slowest
     rank's. Each round issues ``calls`` calls back to back, as a model's layers issue theirs:
-    no synchronisation between them, so with more than one, each call's host work (layouts,
+    no synchronisation between them, so with more than one, each call's host work (tile tables,
     launches) overlaps the GPU work queued before it."""
     times = []
     for _ in range(iters + 1):

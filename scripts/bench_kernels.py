@@ -13,10 +13,10 @@ Rows:
   on exactly the same mask (same tiles as full blocks, the diagonal and every
   tile holding a vertical column as masked blocks, ``BLOCK_SIZE`` = our block);
   FlexAttention on the tiles alone (bars dropped: a speed reference only);
-* index building: vertical-slash statistics + top-p + kernel layout, against the
+* index building: vertical-slash statistics + top-p + tile tables, against the
   sparse forward, as the product builds it (the passes over the keys launched as they
   come, the rest replayed from a CUDA graph) and eagerly (``MTRAINING_INDEX_GRAPHS=0``),
-  with the statistics, the top-p selection and the layout also timed alone (eager);
+  with the statistics, the top-p selection and the tile tables also timed alone (eager);
   ``--profile-index`` lists the kernels' device times of both builds;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
@@ -56,7 +56,7 @@ from megatron_mtraining.sparse import (
     window_statistics,
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
-from megatron_mtraining.sparse.kernels.layout import block_topk_layout, kernel_layout
+from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_tables, tile_tables
 from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
@@ -147,11 +147,11 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
 def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
     and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
-    (its layout built in each call, as ``sparse_attention`` builds it), each called directly;
+    (its tile tables built in each call, as ``sparse_attention`` builds them), each called directly;
     memory and kernel times through ``sparse_attention``, on the loop order it picks."""
     from megatron_mtraining.sparse.attention import kv_outer_preferred
-    from megatron_mtraining.sparse.kernels.attention import TritonBlockBarAttention
-    from megatron_mtraining.sparse.kernels.kv_outer_attention import KVOuterAttention
+    from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
+    from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
 
     sq, sk = structured_qk(seq, gen)
     q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
@@ -164,12 +164,12 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     for pattern, index in indices.items():
         area = float(index.attended_area().sum())
         kv_outer = lambda a, b, c, index=index: KVOuterAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
-        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_layout(index), scale)[0]  # noqa: E731
+        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_tables(index), scale)[0]  # noqa: E731
         for name, run in ((f"ours {pattern} (kv-outer)", kv_outer), (f"ours {pattern} (union of tiles)", union)):
             measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep),
                     cudnn), rows)  # fmt: skip
-        layout = block_topk_layout(index)
-        computed = float(layout.tile_count.sum()) * layout.block**2 * (HQ // layout.tiles.shape[1])
+        tables = block_topk_tables(index)
+        computed = float(tables.tile_count.sum()) * tables.block**2 * (HQ // tables.tiles.shape[1])
         print(f"    union of tiles: useful / computed tile area: {area / computed:.3f}")
         rows[-1]["useful_over_computed"] = area / computed
         if pattern.startswith("msa"):
@@ -320,10 +320,10 @@ def bench_seq(seq, args, gen, rows, extra):
             print(f"    ours is {rows[-1]['ours_speedup_fwd_bwd']:.2f}x faster (fwd+bwd) than {name}")
 
     # Index building against the sparse forward, and its parts. The product path runs the passes
-    # over the keys and replays the rest (statistics, selection, layout) from a CUDA graph; the
+    # over the keys and replays the rest (statistics, selection, tile tables) from a CUDA graph; the
     # eager build is shown beside it.
     cfg = VerticalSlashConfig(block_size=args.block)
-    build = lambda: kernel_layout(build_vertical_slash_index(q, k, cfg))  # noqa: E731
+    build = lambda: tile_tables(build_vertical_slash_index(q, k, cfg))  # noqa: E731
     with torch.no_grad():
         build_ms = timed(build, rep)
         with mock.patch.dict(os.environ, {GRAPHS_ENV: "0"}):
@@ -331,20 +331,20 @@ def bench_seq(seq, args, gen, rows, extra):
         statistics_ms = timed(lambda: window_statistics(q, k, cfg), rep)
         stats = window_statistics(q, k, cfg)
         selection_ms = timed(lambda: select_vertical_slash(stats, cfg, seq), rep)
-        layout_ms = timed(lambda: kernel_layout(index), rep)
+        tables_ms = timed(lambda: tile_tables(index), rep)
     extra.setdefault("index", []).append(
         {
             "seq": seq,
-            "build_index_plus_layout_ms": build_ms,
-            "eager_build_index_plus_layout_ms": eager_build_ms,
+            "build_index_plus_tables_ms": build_ms,
+            "eager_build_index_plus_tables_ms": eager_build_ms,
             "statistics_only_ms": statistics_ms,
             "selection_only_ms": selection_ms,
-            "layout_only_ms": layout_ms,
+            "tables_only_ms": tables_ms,
             "sparse_fwd_ms": ours_row.get("fwd_ms"),
         }  # fmt: skip
     )
-    print(f"    index build+layout {build_ms:.2f} ms (graphed; eager {eager_build_ms:.2f} ms: statistics "
-          f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, layout alone {layout_ms:.2f} ms) vs sparse "
+    print(f"    index build+tables {build_ms:.2f} ms (graphed; eager {eager_build_ms:.2f} ms: statistics "
+          f"{statistics_ms:.2f}, top-p selection {selection_ms:.2f}, tables alone {tables_ms:.2f} ms) vs sparse "
           f"fwd {ours_row.get('fwd_ms', float('nan')):.2f} ms")  # fmt: skip
 
     if args.profile_index:
@@ -444,12 +444,12 @@ class _Recorded:
 def kernel_resources(q, k, v, index, seq, extra):
     """Shared memory, registers and spills of the kernels of a forward and a backward (an
     A100 gives a block at most 163 KiB of shared memory)."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     seen = {}
     names = ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")
-    recorded = {name: _Recorded(getattr(kernels, name), seen, name.strip("_")) for name in names}
-    with mock.patch.multiple(kernels, **recorded):
+    recorded = {name: _Recorded(getattr(block_bar, name), seen, name.strip("_")) for name in names}
+    with mock.patch.multiple(block_bar, **recorded):
         out = sparse_attention(q, k, v, index, backend="triton")[0]
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     torch.cuda.synchronize()
@@ -496,7 +496,7 @@ def tune(args) -> dict:
     length: each kernel in turn (those named, else all), the others at their current best.
     Its index comes from a generator of its own, so that the timed rows see the same index
     as untuned runs."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     seq = args.seq_lens[0]
     q, k, v = (
@@ -504,13 +504,13 @@ def tune(args) -> dict:
     )
     index = natural_index(seq, args.block, args.density, torch.Generator().manual_seed(args.seed + 1), "cuda")
     best = {}
-    for name in args.tune or kernels.KERNELS:
+    for name in args.tune or block_bar.KERNELS:
         results = []
         for bn, warps, stages, bm in TUNE_CANDIDATES[name]:
             if bn > args.block:
                 continue
-            cfg = kernels.LaunchConfig(bn, warps, stages, bm)
-            kernels.OVERRIDES[name] = cfg
+            cfg = block_bar.LaunchConfig(bn, warps, stages, bm)
+            block_bar.OVERRIDES[name] = cfg
             try:
                 out = sparse_attention(q, k, v, index, backend="triton")[0]
                 if name == "fwd":
@@ -525,11 +525,11 @@ def tune(args) -> dict:
             except Exception as e:  # out of shared memory, registers
                 print(f"    {name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if not results:
-            kernels.OVERRIDES.pop(name)
+            block_bar.OVERRIDES.pop(name)
             print(f"tuned {name}: every candidate failed, default kept", flush=True)
             continue
         results.sort(key=lambda r: r[0])
-        kernels.OVERRIDES[name] = results[0][1]
+        block_bar.OVERRIDES[name] = results[0][1]
         best[name] = {"config": vars(results[0][1]), "ms": results[0][0], "worst_ms": results[-1][0]}
         print(f"tuned {name}: {results[0][1]} {results[0][0]:.3f} ms (worst {results[-1][0]:.3f} ms)", flush=True)
     return best

@@ -16,7 +16,7 @@ into it inside the kernel, the last writes bf16 (the backward likewise for dQ).
 ring-over-single throughput the 2-GPU benchmark would reach with free, hidden
 transfers. The single-GPU time is also split into its tiles and its bars (the index
 without vertical columns, and without slash diagonals), which the pieces divide, and
-timed with the block-id positions a rank's layouts carry (``KernelLayout.query_blocks`` /
+timed with the block-id positions a rank's tile tables carry (``TileTables.query_blocks`` /
 ``key_blocks``, here every block), which isolates what the positions cost.
 """
 
@@ -37,30 +37,30 @@ from bench_kernels import HKV, HQ, D, natural_index  # noqa: E402
 from megatron_mtraining.context_parallel import ContextParallelLayout  # noqa: E402
 from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns  # noqa: E402
 from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
-from megatron_mtraining.context_parallel.step_layout import StepLayouts  # noqa: E402
+from megatron_mtraining.context_parallel.step_tables import StepTables  # noqa: E402
 from megatron_mtraining.sparse.index import VerticalSlashIndex, VerticalSlashPart  # noqa: E402
-from megatron_mtraining.sparse.kernels.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
-from megatron_mtraining.sparse.kernels.layout import kernel_layout  # noqa: E402
+from megatron_mtraining.sparse.kernels.block_bar.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables  # noqa: E402
 
 
 def timed(fn, rep_ms: int) -> float:
     return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
 
 
-def piece_times(q, k, v, layout, scale, rep_ms, running=None, last=True, columns=None) -> dict:
+def piece_times(q, k, v, tables, scale, rep_ms, running=None, last=True, columns=None) -> dict:
     """Forward and backward ms of one kernel piece (with ``columns``, attended beside its
     tiles), adding into fp32 running buffers unless it is the ``last`` (then its result is
     written in q's dtype)."""
-    out, lse = kernel_forward(q, k, v, layout, scale, columns=columns)
+    out, lse = kernel_forward(q, k, v, tables, scale, columns=columns)
     dout = torch.randn_like(out)
     out_dtype = q.dtype if last else torch.float32
     dq_run = None if running is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    fwd = timed(lambda: kernel_forward(q, k, v, layout, scale, running, out_dtype, columns=columns), rep_ms)
+    fwd = timed(lambda: kernel_forward(q, k, v, tables, scale, running, out_dtype, columns=columns), rep_ms)
     bwd = timed(
-        lambda: kernel_backward(q, k, v, layout, scale, out, lse, dout, None, dq_run, out_dtype, columns=columns),
+        lambda: kernel_backward(q, k, v, tables, scale, out, lse, dout, None, dq_run, out_dtype, columns=columns),
         rep_ms,
     )
-    return {"tiles": int(layout.tile_count.sum()), "fwd_ms": fwd, "bwd_ms": bwd}
+    return {"tiles": int(tables.tile_count.sum()), "fwd_ms": fwd, "bwd_ms": bwd}
 
 
 def rank_pieces(
@@ -77,30 +77,30 @@ def rank_pieces(
     bars = StepIndex(VerticalSlashPart(index, "bars"), queries, cols)
     present = (cols >= 0).view(1, -1, 1, 1)
     k_cols, v_cols = (torch.where(present, x[:, cols.clamp(min=0)], 0) for x in (k, v))
-    bar_layout = StepLayouts(bars.index, queries).of(bars.keys)
-    columns = ColumnKeys(k_cols, v_cols, bar_layout)
+    bar_tables = StepTables(bars.index, queries).of(bars.keys)
+    columns = ColumnKeys(k_cols, v_cols, bar_tables)
     if separate_columns:
-        pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_layout, scale, rep_ms, None, last=False)
+        pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_tables, scale, rep_ms, None, last=False)
         columns = None
-    steps = StepLayouts(ring_work(index), queries)
+    steps = StepTables(ring_work(index), queries)
     for i in range(layout.cp_size):
         source = (rank - i) % layout.cp_size
-        step_layout = steps.of(layout.token_positions(source, dev))
+        step_tables = steps.of(layout.token_positions(source, dev))
         k_s, v_s = layout.shard(k, source), layout.shard(v, source)
         last = i == layout.cp_size - 1
         # The first piece starts the running result: it reads none.
         run = None if i == 0 and not separate_columns else running
         pieces[f"step {i}"] = piece_times(
-            q_r, k_s, v_s, step_layout, scale, rep_ms, run, last, columns if last else None
+            q_r, k_s, v_s, step_tables, scale, rep_ms, run, last, columns if last else None
         )
     return pieces
 
 
 def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
-    """Kernel time of ``rank``'s one piece over the whole sequence's K/V, under one layout of
-    tiles and vertical columns (``kv_exchange="allgather"``)."""
+    """Kernel time of ``rank``'s one piece over the whole sequence's K/V, under one set of
+    tile tables, tiles and vertical columns (``kv_exchange="allgather"``)."""
     queries, keys = layout.token_positions(rank, q.device), layout.whole_sequence(q.device)
-    whole = StepLayouts(index, queries).of(keys)
+    whole = StepTables(index, queries).of(keys)
     return {"whole": piece_times(layout.shard(q, rank), k, v, whole, scale, rep_ms)}
 
 
@@ -124,11 +124,11 @@ def main() -> None:
     no_columns = VerticalSlashIndex(torch.full_like(index.vertical[..., :1], -1), index.slash, seq, 128)
     no_slash = VerticalSlashIndex(index.vertical, torch.full_like(index.slash[..., :1], -1), seq, 128)
     single = {
-        name: piece_times(q, k, v, kernel_layout(ix), scale, args.rep_ms)
+        name: piece_times(q, k, v, tile_tables(ix), scale, args.rep_ms)
         for name, ix in (("whole", index), ("tiles", no_columns), ("bars", no_slash))
     }
     blocks = torch.arange(seq // 128, device=dev, dtype=torch.int32)
-    with_ids = dataclasses.replace(kernel_layout(index), query_blocks=blocks, key_blocks=blocks)
+    with_ids = dataclasses.replace(tile_tables(index), query_blocks=blocks, key_blocks=blocks)
     single["positions"] = piece_times(q, k, v, with_ids, scale, args.rep_ms)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {seq} tokens, cp {args.cp} {args.layout}")
     for name, r in single.items():

@@ -41,25 +41,25 @@ def kdevice(device):
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every kernel output buffer starts as NaN, so a row a kernel fails to write shows."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.shared import buffers
 
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(kernels, "new_buffer", poisoned)
+    monkeypatch.setattr(buffers, "new_buffer", poisoned)
 
 
 @pytest.fixture
 def kernel_backward_calls(monkeypatch):
     """Counts the dense Triton backward's calls (the LSE gradient's path)."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     calls = collections.Counter()
-    real = kernels.kernel_backward
+    real = block_bar.kernel_backward
 
     def counted(*args, **kwargs):
         calls["kernel_backward"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "kernel_backward", counted)
+    monkeypatch.setattr(block_bar, "kernel_backward", counted)
     return calls

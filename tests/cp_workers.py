@@ -129,25 +129,26 @@ def check_hierarchy_errors(rank, world):
 
 def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32, kv_exchange="ring"):
     """The ring (or the all-gather) on the Triton kernels (CUDA, or the interpreter on CPU)
-    in ``dtype`` against single-device fp64 attention: every step's kernel layout, the
+    in ``dtype`` against single-device fp64 attention: every step's tile tables, the
     local bar pass and the gradients that travel back. Kernel outputs are poisoned with
     NaN, so a row left unwritten by the in-kernel accumulation shows."""
     from megatron_mtraining.context_parallel import ring_work
     from megatron_mtraining.context_parallel.layout import TokenPositions
-    from megatron_mtraining.context_parallel.step_layout import StepLayouts
+    from megatron_mtraining.context_parallel.step_tables import StepTables
     from megatron_mtraining.sparse import VerticalSlashIndex
     from megatron_mtraining.sparse.index import VerticalSlashPart
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+    from megatron_mtraining.sparse.kernels.shared import buffers
 
-    kernels.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
-    forward = kernels.kernel_forward
+    buffers.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
+    forward = block_bar.kernel_forward
     launches = []  # per forward launch: whether it attended gathered columns beside its tiles
 
     def recording_forward(*args, columns=None, **kwargs):
         launches.append(columns is not None)
         return forward(*args, columns=columns, **kwargs)
 
-    kernels.kernel_forward = recording_forward
+    block_bar.kernel_forward = recording_forward
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = 1, 4, 2, 16
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,16 +164,16 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
         for layout_kind in ("striped", "zigzag"):
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
             where = f"kernels cp={world} inner={inner_size} {kv_exchange} {dtype} rank={rank} {kind} {layout_kind}"
-            # Every step has a kernel layout (no silent fallback) whose tables hold every list.
+            # Every step has tile tables (no silent fallback) wide enough for every list.
             mine = layout.token_positions(rank, "cpu")
             for src in range(world):
-                step = StepLayouts(ring_work(index), mine).of(layout.token_positions(src, "cpu"))
+                step = StepTables(ring_work(index), mine).of(layout.token_positions(src, "cpu"))
                 assert step is not None, where
                 assert step.tile_count.max() <= step.tiles.shape[-1], where
                 assert step.tile_t_count.max() <= step.tiles_t.shape[-1], where
             if isinstance(index, VerticalSlashIndex):
                 columns = TokenPositions(torch.unique(index.vertical[index.vertical >= 0]), "cpu")
-                assert StepLayouts(VerticalSlashPart(index, "bars"), mine).of(columns) is not None, where
+                assert StepTables(VerticalSlashPart(index, "bars"), mine).of(columns) is not None, where
             lq, lk, lv = (layout.shard(t, rank).to(device, dtype).requires_grad_() for t in (q, k, v))
             launches.clear()
             l_out, l_lse = ring_attention(
@@ -192,7 +193,7 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
                 assert launches[-1] == has_columns and not any(launches[:-1]), (where, launches)
                 assert len(launches) <= world, (where, launches)
             else:
-                # One launch in all, the vertical columns in its own layout beside the tiles.
+                # One launch in all, the vertical columns in the same tables as the tiles.
                 assert launches == [False], (where, launches)
             assert l_out.dtype == dtype and l_lse.dtype == torch.float32, where
             torch.testing.assert_close(l_out.double().cpu(), layout.shard(out, rank), atol=tol, rtol=0)
@@ -235,7 +236,7 @@ def check_host_reads(rank, world, seq_lens, kv_exchange):
     """Host reads per ring_attention forward and backward on the kernels (striped), after a
     first call has cached the layout's position facts: none for a vertical-slash or dense
     index, nor for a vertical-slash config (the distributed index build included), one (the
-    table widths, ``StepLayouts``) for a top-k index; the same at every length and ring size."""
+    table widths, ``StepTables``) for a top-k index; the same at every length and ring size."""
     gen = torch.Generator().manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for seq in seq_lens:

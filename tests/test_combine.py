@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("d", [16, 24])
 def test_fused_combine_equals_reference(b_dtype, d):
-    from megatron_mtraining.sparse.kernels.combine import FusedCombine
+    from megatron_mtraining.sparse.kernels.shared.combine import FusedCombine
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     b, s, h = 2, 37, 3

@@ -83,8 +83,8 @@ def test_ring_with_nothing_attended(backend, kv_exchange):
 @needs_kernels
 @pytest.mark.parametrize("world,kv_exchange", [(2, "allgather"), (4, "ring")])
 def test_ring_on_kernels_reads_nothing_on_host(world, kv_exchange):
-    """Step layouts and the column gather read nothing from the device (each read would
-    stall the host until the GPU's queue drains, exposing the layout building): per
+    """Step tile tables and the column gather read nothing from the device (each read would
+    stall the host until the GPU's queue drains, exposing the tables' building): per
     forward and backward at two lengths, nothing for vertical-slash and dense, one read
     for a top-k index's table widths; on 2 ranks over the all-gathered K/V, on 4 over the ring."""
     run_on_device(world, check_host_reads, (128, 256), kv_exchange)

@@ -1,4 +1,4 @@
-"""The optional flash-attn backend (``sparse/kernels/flash_attn_backend.py``).
+"""The optional flash-attn backend (``sparse/kernels/dense_backends/flash_attn.py``).
 
 flash-attn is not installed on the CI or GPU machines, so the adapter runs against a
 stand-in: a ``flash_attn`` package put in ``sys.modules`` whose private forward and backward
@@ -22,7 +22,7 @@ from dense_reference import TOLERANCE, check_against_dense, make_inputs
 
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex, sparse_attention
 from megatron_mtraining.sparse import attention as api
-from megatron_mtraining.sparse.kernels import flash_attn_backend as backend
+from megatron_mtraining.sparse.kernels.dense_backends import flash_attn as backend
 
 
 def _causal_scores(q, k, v, scale):

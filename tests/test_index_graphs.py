@@ -1,6 +1,6 @@
 """The vertical-slash index build replayed from CUDA graphs (``sparse.cuda_graphs``), and its
-one-launch kernels: the top-p take (``sparse.kernels.top_p``) and the kernel layout
-(``sparse.kernels.layout_kernel``).
+one-launch kernels: the top-p take (``sparse.kernels.index_build.top_p``) and the tile tables
+(``sparse.kernels.block_bar.tables_kernel``).
 
 On CPU: the fallback choice, the graph key, the cache's bounds, the packing of the results,
 the mass pass rewriting the graph's buffers, and the two kernels in Triton's interpreter. On
@@ -8,7 +8,10 @@ a GPU: graphed builds equal eager ones bit for bit, call after call, without tou
 calls' results, and the fallbacks build eagerly.
 """
 
+import dataclasses
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -21,7 +24,13 @@ from megatron_mtraining.sparse import (
     sparse_attention,
     vertical_slash,
 )
-from megatron_mtraining.sparse.kernels.layout import KernelLayout, kernel_layout, vertical_slash_layout
+from megatron_mtraining.sparse.kernels.block_bar.tables import (
+    TileTables,
+    keep_tables,
+    kept_tables,
+    tile_tables,
+    vertical_slash_tables,
+)
 
 CFG = VerticalSlashConfig(last_q=64, vertical_topp=0.7, slash_topp=0.8, block_size=64, sink_tokens=3, local_window=100)
 
@@ -43,32 +52,32 @@ def qk(rng, seq=3000, heads=(16, 2), d=128, device="cuda", dtype=torch.bfloat16)
 
 
 def eager(q, k, cfg=CFG, softmax_scale=None):
-    """The eager build and its layout, as sparse_attention would build it."""
+    """The eager build and its tile tables, as sparse_attention would build them."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cuda_graphs.GRAPHS_ENV, "0")
         index = build_vertical_slash_index(q, k, cfg, softmax_scale)
-    assert index.precomputed_layout is None
-    return index, kernel_layout(index)
+    assert kept_tables(index) is None
+    return index, tile_tables(index)
 
 
-def layout_tensors(layout: KernelLayout) -> dict:
-    return {name: t for name, t in vars(layout).items() if isinstance(t, torch.Tensor)}
+def table_tensors(tables: TileTables) -> dict:
+    return {name: t for name, t in vars(tables).items() if isinstance(t, torch.Tensor)}
 
 
 def assert_same(got: tuple, want: tuple):
-    (index, layout), (want_index, want_layout) = got, want
+    (index, tables), (want_index, want_tables) = got, want
     assert torch.equal(index.vertical, want_index.vertical) and torch.equal(index.slash, want_index.slash)
     assert (index.seq_len, index.block_size) == (want_index.seq_len, want_index.block_size)
-    got_t, want_t = layout_tensors(layout), layout_tensors(want_layout)
-    assert got_t.keys() == want_t.keys() and layout.block == want_layout.block
+    got_t, want_t = table_tensors(tables), table_tensors(want_tables)
+    assert got_t.keys() == want_t.keys() and tables.block == want_tables.block
     for name, t in got_t.items():
         assert t.dtype == want_t[name].dtype and torch.equal(t, want_t[name]), name
 
 
 def snapshot(result: tuple) -> tuple:
-    index, layout = result
+    index, tables = result
     copy = VerticalSlashIndex(index.vertical.clone(), index.slash.clone(), index.seq_len, index.block_size)
-    return copy, KernelLayout(layout.block, **{n: t.clone() for n, t in layout_tensors(layout).items()})
+    return copy, TileTables(tables.block, **{n: t.clone() for n, t in table_tensors(tables).items()})
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -86,7 +95,7 @@ def test_graphs_apply_only_to_cuda_inputs_and_the_switch(monkeypatch):
 def test_cpu_build_is_eager(rng, graphs):
     q, k = qk(rng, seq=200, heads=(4, 2), d=16, device="cpu", dtype=torch.float32)
     index = build_vertical_slash_index(q, k, CFG)
-    assert index.precomputed_layout is None and not graphs.graphs
+    assert kept_tables(index) is None and not graphs.graphs
 
 
 def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
@@ -94,11 +103,11 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
     and its input buffers (the mass pass's outputs) depend on besides values: batch, query
     heads, length, config and the mass pass's tiles. The softmax scale, the dtype, the KV
     heads and the row passes' tiles reach only the passes run outside the graph, so one graph
-    serves them all. The built index carries the layout. On CPU: the cache records keys and
+    serves them all. The build keeps the tile tables it made. On CPU: the cache records keys and
     runs the build eagerly (the statistics kernels in Triton's interpreter)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     keys = []
 
@@ -118,8 +127,8 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
         return build_vertical_slash_index(q, k, config, **kwargs)
 
     index = build()
-    assert index.precomputed_layout is not None
-    assert_same((index, index.precomputed_layout), (index, vertical_slash_layout(index.to("cpu"))))
+    assert kept_tables(index) is not None
+    assert_same((index, kept_tables(index)), (index, vertical_slash_tables(index.to("cpu"))))
     build()
     build(softmax_scale=0.5)
     build(dtype=torch.float32)
@@ -143,7 +152,7 @@ def test_mass_pass_rewrites_its_buffers_without_clearing(rng, monkeypatch):
     positions held in part or not at all)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, block_mass=16))
     seq, w = 90, 20
@@ -200,7 +209,7 @@ def test_results_are_rebuilt_from_one_packed_buffer():
     its dtype and shape, from one byte buffer, and a tensor shared by two fields stays shared."""
     vertical = torch.tensor([[[1, 5, -1]]], dtype=torch.int32)
     index = VerticalSlashIndex(vertical, torch.tensor([[[0, 2]]], dtype=torch.int32), seq_len=9, block_size=16)
-    layout = KernelLayout(
+    tables = TileTables(
         16,
         tiles=torch.arange(6, dtype=torch.int32).view(1, 1, 2, 3),
         tile_count=torch.tensor([[[3, 1]]], dtype=torch.int32),
@@ -210,34 +219,43 @@ def test_results_are_rebuilt_from_one_packed_buffer():
         active=torch.tensor([[[1, 0, 1]]], dtype=torch.int8),
         query_blocks=torch.tensor([7], dtype=torch.int64),  # any dtype packs
     )
-    leaves = cuda_graphs._tensor_leaves((index, layout))
+    leaves = cuda_graphs._tensor_leaves((index, tables))
     packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in leaves]).clone()
-    got_index, got_layout = cuda_graphs._rebuild((index, layout), leaves, packed)
-    assert_same((got_index, got_layout), (index, layout))
-    assert got_index.vertical.data_ptr() == got_layout.vertical.data_ptr()
-    assert got_layout.tiles.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    got_index, got_tables = cuda_graphs._rebuild((index, tables), leaves, packed)
+    assert_same((got_index, got_tables), (index, tables))
+    assert got_index.vertical.data_ptr() == got_tables.vertical.data_ptr()
+    assert got_tables.tiles.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 
 
-def test_index_carries_its_layout_until_moved():
+def test_tables_are_kept_for_the_index_object_while_it_lives():
+    """Tables kept for an index (as the graphed build keeps its own) are what ``tile_tables``
+    returns for that object; a moved copy builds its own, the index itself holds nothing
+    but its fields, and the entry goes with the index."""
     index = VerticalSlashIndex(torch.tensor([[[3]]]).int(), torch.tensor([[[0]]]).int(), seq_len=40, block_size=16)
-    marker = KernelLayout(16, *(torch.zeros(1, 1, 1, 1, dtype=torch.int32),) * 4)
-    index.precomputed_layout = marker
-    assert kernel_layout(index) is marker
-    assert index.to("cpu").precomputed_layout is None and kernel_layout(index.to("cpu")) is not marker
+    marker = TileTables(16, *(torch.zeros(1, 1, 1, 1, dtype=torch.int32),) * 4)
+    keep_tables(index, marker)
+    assert tile_tables(index) is marker and kept_tables(index) is marker
+    moved = index.to("cpu")
+    assert kept_tables(moved) is None and tile_tables(moved) is not marker
+    assert set(vars(index)) == {f.name for f in dataclasses.fields(index)}
+    kept = weakref.ref(marker)
+    del index, marker
+    gc.collect()
+    assert kept() is None
 
 
 @pytest.mark.parametrize(
     "seq,block,heads,slash_cap",
     [(1000, 64, (4, 2), 8), (300, 16, (3, 1), 8), (130, 16, (2, 2), 8), (1600, 16, (2, 1), 100)],
 )
-def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, rng, device):
-    """The one-launch layout against the torch composition (context parallelism's helpers),
+def test_tables_kernel_equals_the_composed_tables(seq, block, heads, slash_cap, rng, device):
+    """The one-launch tables against the torch composition (context parallelism's helpers),
     entry for entry: tiles both ways, counts, bar prefixes, vertical pointers, diagonals.
     The last case lists more diagonals than the kernel's chunk of them (64), duplicated
     more than twice that."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+    from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import launch_vertical_slash_tables
 
     q, k = qk(rng, seq=seq, heads=heads, d=16, device="cpu", dtype=torch.float32)
     cfg = VerticalSlashConfig(
@@ -252,15 +270,15 @@ def test_layout_kernel_equals_the_composed_layout(seq, block, heads, slash_cap, 
     if slash_cap > 64:
         assert (index.slash >= 0).sum(-1).max() > 64
     for idx in (index, shuffled):
-        want = vertical_slash_layout(idx)
-        got = vertical_slash_tables(idx.to(device))
+        want = vertical_slash_tables(idx)
+        got = launch_vertical_slash_tables(idx.to(device))
         for name, t in got.items():
             assert t.dtype == getattr(want, name).dtype and torch.equal(t.cpu(), getattr(want, name)), name
 
 
 @pytest.mark.parametrize("kind,world", [("striped", 2), ("striped", 4), ("zigzag", 2), ("zigzag", 4)])
-def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rng, device):
-    """The one-launch layout of context-parallel pieces against the torch composition,
+def test_tables_kernel_equals_the_composed_tables_of_ring_pieces(kind, world, rng, device):
+    """The one-launch tables of context-parallel pieces against the torch composition,
     entry for entry: every rank's tiles over every chunk (query and key block ids mapped
     through ``BlockMap``s), its whole piece over whole-sequence keys with the bars (the
     all-gather's), and its bars over gathered column keys (the ring's column piece).
@@ -269,8 +287,8 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.context_parallel import ContextParallelLayout
-    from megatron_mtraining.sparse.kernels.layout import BlockMap
-    from megatron_mtraining.sparse.kernels.layout_kernel import vertical_slash_tables
+    from megatron_mtraining.sparse.kernels.block_bar.block_map import BlockMap
+    from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import launch_vertical_slash_tables
 
     block, seq, heads = 16, 16 * 48, 3
     n = seq // block
@@ -292,8 +310,8 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
         cases = [(blocks(src, "cpu"), blocks(src, device), False, None) for src in range(world)]
         cases += [(None, None, True, None), (None, None, True, columns)]
         for keys, keys_dev, bars, cols in cases:
-            want = vertical_slash_layout(index, blocks(rank, "cpu"), keys, bars, cols)
-            got = vertical_slash_tables(
+            want = vertical_slash_tables(index, blocks(rank, "cpu"), keys, bars, cols)
+            got = launch_vertical_slash_tables(
                 index.to(device), blocks(rank, device), keys_dev, bars, None if cols is None else cols.to(device)
             )
             names = {"tiles", "tile_count", "tiles_t", "tile_t_count"} | (
@@ -309,7 +327,7 @@ def test_layout_kernel_equals_the_composed_layout_of_ring_pieces(kind, world, rn
                 assert torch.equal(cols[want.vertical.clamp(min=0).long()].masked_fill(want.vertical < 0, -1), vertical)
                 assert torch.equal(want.vertical_ptr[..., -1], (vertical >= 0).sum(-1).int())
     with pytest.raises(ValueError, match=r"bars=True is not accepted.*whole-sequence keys"):
-        vertical_slash_layout(index, blocks(0, "cpu"), blocks(1, "cpu"), True)
+        vertical_slash_tables(index, blocks(0, "cpu"), blocks(1, "cpu"), True)
 
 
 @pytest.mark.parametrize("n,cap,forced", [(3000, 1500, 5), (50, 64, 0), (40, 8, 60)])
@@ -318,7 +336,7 @@ def test_top_p_kernel_equals_the_torch_take(n, cap, forced, rng, device):
     entries: the same candidate lists, forced entries first (more of them than scores too)."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels.top_p import take_top_p
+    from megatron_mtraining.sparse.kernels.index_build.top_p import take_top_p
 
     scores = torch.rand(2, 3, n, generator=rng) + 0.01
     scores[..., ::7] = 0
@@ -342,13 +360,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])
 def test_graphed_build_equals_eager_call_after_call(heads, rng, graphs):
     """Fresh random inputs each call, two shapes interleaved: each graphed build (index and
-    layout) equals the eager one bit for bit, and earlier calls' results stay intact."""
+    tile tables) equals the eager one bit for bit, and earlier calls' results stay intact."""
     kept = []
     for seq in (3000, 4096, 3000, 4096, 3000):
         q, k = qk(rng, seq=seq, heads=heads)
         got = build_vertical_slash_index(q, k, CFG)
-        result = (got, kernel_layout(got))
-        assert result[1] is got.precomputed_layout
+        result = (got, tile_tables(got))
+        assert result[1] is kept_tables(got)
         assert_same(result, eager(q, k))
         kept.append((result, snapshot(result)))
     for result, copy in kept:
@@ -370,7 +388,7 @@ def test_one_graph_serves_other_scales_dtypes_and_kv_heads(rng, graphs):
     ):
         q, k = qk(rng, heads=heads, dtype=dtype)
         got = build_vertical_slash_index(q, k, CFG, softmax_scale=scale)
-        assert_same((got, kernel_layout(got)), eager(q, k, softmax_scale=scale))
+        assert_same((got, tile_tables(got)), eager(q, k, softmax_scale=scale))
     assert len(graphs.graphs) == 1
 
 
@@ -384,21 +402,21 @@ def test_graphed_build_on_another_stream(rng, graphs):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         second = build_vertical_slash_index(q2, k2, CFG)
-        second = (second, kernel_layout(second))
+        second = (second, tile_tables(second))
     torch.cuda.current_stream().wait_stream(side)
     assert_same(second, eager(q2, k2))
-    assert_same((first, kernel_layout(first)), eager(q, k))
+    assert_same((first, tile_tables(first)), eager(q, k))
 
 
 @pytest.mark.gpu
 @gpu
-def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
-    from megatron_mtraining.sparse.kernels import layout_kernel
+def test_sparse_attention_uses_the_kept_tables(rng, graphs, monkeypatch):
+    from megatron_mtraining.sparse.kernels.block_bar import tables_kernel
 
     q, k = qk(rng)
     v = torch.randn(k.shape, generator=rng).to(k)
     index = build_vertical_slash_index(q, k, CFG)
-    monkeypatch.setattr(layout_kernel, "vertical_slash_tables", lambda index: pytest.fail("layout built again"))
+    monkeypatch.setattr(tables_kernel, "launch_vertical_slash_tables", lambda *args: pytest.fail("tables built again"))
     out, lse = sparse_attention(q, k, v, index)
     monkeypatch.undo()
     want_out, want_lse = sparse_attention(q, k, v, eager(q, k)[0])
@@ -409,20 +427,20 @@ def test_sparse_attention_uses_the_carried_layout(rng, graphs, monkeypatch):
 @gpu
 def test_fallbacks_build_eagerly(rng, graphs, monkeypatch):
     """The switch, the reference backend and a capture under way (Megatron's CUDA graphs)
-    build eagerly: no graph is made and the index carries no layout."""
+    build eagerly: no graph is made and no tables are kept for the index."""
     q, k = qk(rng)
     want = eager(q, k)
     monkeypatch.setenv(cuda_graphs.GRAPHS_ENV, "0")
-    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    assert kept_tables(build_vertical_slash_index(q, k, CFG)) is None
     monkeypatch.delenv(cuda_graphs.GRAPHS_ENV)
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
-    assert build_vertical_slash_index(q, k, CFG).precomputed_layout is None
+    assert kept_tables(build_vertical_slash_index(q, k, CFG)) is None
     monkeypatch.delenv("MTRAINING_ATTENTION_BACKEND")
     assert not graphs.graphs
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
         captured = build_vertical_slash_index(q, k, CFG)
-    assert captured.precomputed_layout is None and not graphs.graphs
+    assert kept_tables(captured) is None and not graphs.graphs
     outer.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.vertical, want[0].vertical) and torch.equal(captured.slash, want[0].slash)

@@ -131,15 +131,15 @@ def test_future_keys_far_above_the_visible_ones(rng, kdevice):
 
 
 def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
-    """A vertical-slash index's kernel layout split into two over disjoint key sets: its
+    """A vertical-slash index's tile tables split into two over disjoint key sets: its
     tiles alone, and its bars alone (columns inside attended tiles still skipped). With
-    ``positions``, the layouts carry the global block ids of the query and key blocks (the
+    ``positions``, the tables carry the global block ids of the query and key blocks (the
     block indices themselves) and the bars' positions, as context-parallel steps do."""
     import dataclasses
 
-    from megatron_mtraining.sparse.kernels.layout import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 
-    whole = kernel_layout(index)
+    whole = tile_tables(index)
     if positions:
         blocks = torch.arange(whole.tiles.shape[2], dtype=torch.int32, device=index.device)
         whole = dataclasses.replace(whole, query_blocks=blocks, key_blocks=blocks, bar_positions=index.vertical)
@@ -162,7 +162,7 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice)
     fp64 dense attention over the union (gradients through out and lse), rows that see
     no key in either part included; ``-positions``: with global block ids given, as
     context-parallel steps give them."""
-    from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward
+    from megatron_mtraining.sparse.kernels.block_bar.attention import kernel_backward, kernel_forward
 
     if dtype == torch.bfloat16 and kdevice.type == "cpu":
         pytest.skip("Triton's interpreter mishandles bf16")
@@ -203,18 +203,18 @@ def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice)
 
 
 def test_accumulation_needs_fp32_running_buffers(rng, kdevice):
-    from megatron_mtraining.sparse.kernels.attention import kernel_backward, kernel_forward
-    from megatron_mtraining.sparse.kernels.layout import kernel_layout
+    from megatron_mtraining.sparse.kernels.block_bar.attention import kernel_backward, kernel_forward
+    from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 
     q, k, v = (t.detach() for t in make_inputs(rng, 1, 32, 2, 1, 16, torch.float16, kdevice))
-    layout = kernel_layout(DenseIndex(1, 2, 32, device=kdevice))
-    out, lse = kernel_forward(q, k, v, layout, 0.25)
+    tables = tile_tables(DenseIndex(1, 2, 32, device=kdevice))
+    out, lse = kernel_forward(q, k, v, tables, 0.25)
     with pytest.raises(ValueError, match=r"running\[0\]='torch.float16 \(1, 32, 2, 16\)'.*contiguous torch.float32"):
-        kernel_forward(q, k, v, layout, 0.25, running=(out, lse))
+        kernel_forward(q, k, v, tables, 0.25, running=(out, lse))
     with pytest.raises(ValueError, match=r"running\[1\]='torch.float32 \(1, 2, 16\)'.*shape \(1, 2, 32\)"):
-        kernel_forward(q, k, v, layout, 0.25, running=(out.float(), lse[..., :16].contiguous()))
+        kernel_forward(q, k, v, tables, 0.25, running=(out.float(), lse[..., :16].contiguous()))
     with pytest.raises(ValueError, match=r"dq_running='torch.float16"):
-        kernel_backward(q, k, v, layout, 0.25, out, lse, out, None, dq_running=q)
+        kernel_backward(q, k, v, tables, 0.25, out, lse, out, None, dq_running=q)
 
 
 @pytest.mark.gpu
@@ -269,25 +269,25 @@ def test_backend_errors_name_the_choice(rng):
 def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
     """Key sub-tiles (BLOCK_N) and query-row steps of the dK/dV kernels (BLOCK_M) narrower
     than the index block: same results."""
-    from megatron_mtraining.sparse.kernels import attention as kernels
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
-    for name in kernels.KERNELS:
+    for name in block_bar.KERNELS:
         monkeypatch.setitem(
-            kernels.OVERRIDES, name, kernels.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
+            block_bar.OVERRIDES, name, block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
         )
     q, k, v = make_inputs(rng, 1, 150, 4, 2, 16, torch.float32, kdevice)
     check(q, k, v, make_index("vertical_slash", q, k, block=32), rng)
     check(q, k, v, make_index("dense", q, k, block=32), rng)
 
 
-# Vertical-slash window statistics (megatron_mtraining.sparse.kernels.window_stats).
+# Vertical-slash window statistics (megatron_mtraining.sparse.kernels.index_build.window_stats).
 
 
 @pytest.fixture
 def stats_kernels(kdevice, monkeypatch):
     """Statistics on the kernels (``MTRAINING_ATTENTION_BACKEND=triton``), with tiles small
     enough that tiny inputs span several key tiles, chunks, row tiles and mass blocks."""
-    from megatron_mtraining.sparse.kernels import window_stats
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(
@@ -335,7 +335,7 @@ def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
     held), reduced as the context-parallel builder does, equal those of all keys: no term
     depends on the split and the sums across tiles and devices are fp64."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
-    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
 
     seq, w = 96, 20
     q = torch.randn(1, seq, 4, 32, generator=rng).half().to(stats_kernels)
@@ -358,7 +358,7 @@ def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, rng, stats_ker
     their sum pooled by ``_pool_diagonals`` (the reference's pooling): random runs, nonzero
     outside the window that holds the token diagonals too, lengths that are no multiple of
     the block, several programs, a block wider than a program's usual span."""
-    from megatron_mtraining.sparse.kernels.window_stats import WindowKernels
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
     from megatron_mtraining.sparse.vertical_slash import _pool_diagonals
 
     q = torch.randn(1, seq, 4, 16, generator=rng).half().to(stats_kernels)

@@ -25,7 +25,7 @@ from megatron_mtraining.sparse import (
     msa_select_blocks,
 )
 from megatron_mtraining.sparse import attention as api
-from megatron_mtraining.sparse.kernels.reverse_index import reverse_index, work_list
+from megatron_mtraining.sparse.kernels.kv_outer.reverse_index import reverse_index, work_list
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +37,9 @@ def kv_outer_everywhere(monkeypatch):
 
 @pytest.fixture
 def kv():
-    from megatron_mtraining.sparse.kernels import kv_outer_attention
+    from megatron_mtraining.sparse.kernels.kv_outer import attention
 
-    return kv_outer_attention
+    return attention
 
 
 def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
@@ -176,8 +176,8 @@ def test_sink_block_is_split_and_backward_is_deterministic(hq, hs, hkv, rng, kde
     real = kv.work_list
     monkeypatch.setattr(kv, "work_list", lambda *a, **kw: lists.append(real(*a, **kw)) or lists[-1])
     monkeypatch.setattr(kv, "reduce_programs", lambda device: 2)  # on CUDA too
-    reduce = Launches(kv.kv_outer._reduce_kernel)
-    monkeypatch.setattr(kv.kv_outer, "_reduce_kernel", reduce)
+    reduce = Launches(kv.kernels._reduce_kernel)
+    monkeypatch.setattr(kv.kernels, "_reduce_kernel", reduce)
     q, k, v = make_inputs(rng, 1, 96, hq, hkv, 16, torch.float32, kdevice)
     index = sink_index(rng, 96, hq, hs, 16, kdevice)
     _, _, grads = check(q, k, v, index, rng)
@@ -209,7 +209,7 @@ def test_dq_slots_are_bf16_for_bf16_inputs(rng, kv, monkeypatch):
         names = ("_delta_kernel", "_bwd_kernel", "_dq_kernel", "_reduce_kernel", "_sum_slots_kernel")
         launches = {name: Launches() for name in names}
         for name, spy in launches.items():
-            monkeypatch.setattr(kv.kv_outer, name, spy)
+            monkeypatch.setattr(kv.kernels, name, spy)
         q = torch.randn(b, s, hq, d).to(dtype)
         k, v = (torch.randn(b, s, hkv, d).to(dtype) for _ in range(2))
         p = kv._Problem.of(q, k, v, BlockTopKIndex(blocks=blocks, block_size=block, num_heads=hq), d**-0.5)

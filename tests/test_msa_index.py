@@ -1,4 +1,4 @@
-"""The Triton MSA selection (``sparse.kernels.msa_index``) against the torch path of
+"""The Triton MSA selection (``sparse.kernels.index_build.msa_index``) against the torch path of
 ``sparse.msa``: block-max scores, the top-k selection, and its tie rule."""
 
 import pytest
@@ -12,7 +12,7 @@ from megatron_mtraining.sparse.msa import block_max_scores
 def small_tiles(monkeypatch):
     """Tiles small enough that a few hundred tokens span several row tiles per key block,
     several key blocks per tile and several matrix products per key block."""
-    from megatron_mtraining.sparse.kernels import msa_index
+    from megatron_mtraining.sparse.kernels.index_build import msa_index
 
     monkeypatch.setattr(msa_index, "LAUNCH", msa_index.SelectLaunch(block_m=32, block_m_wide=16, block_n=16))
     return msa_index

@@ -1,4 +1,4 @@
-"""PyTorch's fused attention behind ``sparse_attention`` (``sparse/kernels/sdpa_backend.py``).
+"""PyTorch's fused attention behind ``sparse_attention`` (``sparse/kernels/dense_backends/sdpa.py``).
 
 On a CPU the backend runs PyTorch's CPU flash kernel, on a GPU cuDNN's (Hopper) or
 FlashAttention-2's (Ampere); both are checked against fp64 dense attention under an explicit
@@ -16,7 +16,7 @@ from dense_reference import TOLERANCE, check_against_dense, make_inputs
 
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, sparse_attention
 from megatron_mtraining.sparse import attention as api
-from megatron_mtraining.sparse.kernels import sdpa_backend
+from megatron_mtraining.sparse.kernels.dense_backends import sdpa as sdpa_backend
 
 
 @pytest.fixture

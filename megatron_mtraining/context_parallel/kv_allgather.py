@@ -1,7 +1,7 @@
 """Context-parallel attention over all-gathered K/V (``ring_attention(kv_exchange="allgather")``).
 
 Every rank gathers the whole sequence's K/V, attends its own queries to it in one
-piece (one kernel launch, under one layout of tiles and vertical columns), and returns
+piece (one kernel launch, under one set of tile tables: tiles and vertical columns), and returns
 the K/V gradients to their owners with one reduce-scatter. Under GQA the K/V are a
 small share of the activations (Qwen2.5-3B: 2 of 16 heads), so holding them whole is
 cheap. What it buys over the ring: one piece per rank, each program with its query
@@ -9,7 +9,7 @@ block's whole work, as on one device, and keys that are their own positions (the
 kernels skip the key-position arithmetic, ``block_bar``'s ``HAS_KPOS``). On 2 H200s its
 forward reaches 0.95 of the single GPU's throughput at 256K tokens (the ring's 0.82-0.84)
 and 0.97 at 512K (``docs/benchmarks.md``). What it gives up: the transfer overlaps the index
-build and the host's layout work instead of attention kernels, the gathered K/V grow
+build and the host's tile-table work instead of attention kernels, the gathered K/V grow
 with the group, and the backward's reduce-scatter is exposed: across nodes, where
 those bytes cross the slow link, ``auto`` keeps the ring. On 8 H200s of one node at
 512K it was 0.79 of the single GPU's forward throughput against the ring's 0.58.
@@ -76,7 +76,7 @@ def reduce_scatter_to_owners(grads, layout: ContextParallelLayout, group, timer:
 
 class AllGatherAttention(torch.autograd.Function):
     """A rank's queries over the gathered K/V, in one piece: the whole index over the whole
-    sequence's keys (on the kernels one layout, tiles and vertical columns, as on one
+    sequence's keys (on the kernels one set of tile tables, tiles and vertical columns, as on one
     device).
 
     Backward: the piece's gradients over the whole sequence are reduce-scattered to the

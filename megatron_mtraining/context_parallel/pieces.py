@@ -10,17 +10,17 @@ import functools
 import torch
 from torch.profiler import record_function
 
-from ..sparse.kernels.layout import KernelLayout
+from ..sparse.kernels.block_bar.tables import TileTables
 from ..sparse.reference import backward_partial, combine, compute_dtype, forward_partial
 from .imbalance import KernelTimer, timed
 from .step_index import StepIndex
-from .step_layout import StepLayouts
+from .step_tables import StepTables
 
 
 class Piece:
     """One piece of a rank's attention work (a ring step, or the local vertical-column
     pass): its index view, whether it has anything to compute (``attends``) and, where the
-    kernels serve it (``layouts`` given), its kernel layout (built once, used by the
+    kernels serve it (``step_tables`` given), its tile tables (built once, used by the
     forward and the backward); with a ``timer`` its computations are timed (``RingStats``).
 
     Each piece adds its part into the running result of the pieces before it: the
@@ -34,28 +34,28 @@ class Piece:
     ``forward`` / ``backward`` as ``cols``) this step's kernels attend as bars beside its
     tiles (``ColumnKeys``); the step then also returns the columns' gradients."""
 
-    def __init__(self, index: StepIndex, layouts: StepLayouts | None, timer: KernelTimer | None, attends: bool):
-        self.index, self.layouts, self.timer, self.attends = index, layouts, timer, attends
+    def __init__(self, index: StepIndex, step_tables: StepTables | None, timer: KernelTimer | None, attends: bool):
+        self.index, self.step_tables, self.timer, self.attends = index, step_tables, timer, attends
         self.columns: Piece | None = None
 
     @functools.cached_property
-    def layout(self) -> KernelLayout | None:
-        # Built when the forward reaches the step: building it reads nothing from the device,
+    def tables(self) -> TileTables | None:
+        # Built when the forward reaches the step: building them reads nothing from the device,
         # so the host does it while the previous step's kernel runs.
-        if self.layouts is None:
+        if self.step_tables is None:
             return None
-        with record_function("mtraining.ring.step_layout"):
-            return self.layouts.of(self.index.keys)
+        with record_function("mtraining.ring.step_tables"):
+            return self.step_tables.of(self.index.keys)
 
     def _column_keys(self, cols):
         if self.columns is None:
             return None
-        if self.layout is None or self.columns.layout is None:
-            # ``StepLayouts.whole_blocks`` promised both layouts before they were built.
-            raise RuntimeError("a ring step attending the vertical columns has no kernel layout")
-        from ..sparse.kernels.attention import ColumnKeys  # imports Triton
+        if self.tables is None or self.columns.tables is None:
+            # ``StepTables.whole_blocks`` promised both tables before they were built.
+            raise RuntimeError("a ring step attending the vertical columns has no tile tables")
+        from ..sparse.kernels.block_bar.attention import ColumnKeys  # imports Triton
 
-        return ColumnKeys(*cols, self.columns.layout)
+        return ColumnKeys(*cols, self.columns.tables)
 
     def forward(self, q, k, v, scale, running, last: bool, cols=None):
         """``running`` (out, lse) with this piece's keys added (this piece's alone when
@@ -64,13 +64,13 @@ class Piece:
             return running
         with timed(self.timer, "fwd"):
             columns = self._column_keys(cols)
-            if self.layout is None:
+            if self.tables is None:
                 partial = forward_partial(q, k, v, self.index, scale)
                 return partial if running is None else combine(*running, *partial)
-            from ..sparse.kernels.attention import kernel_forward  # imports Triton
+            from ..sparse.kernels.block_bar.attention import kernel_forward  # imports Triton
 
             out_dtype = q.dtype if last else torch.float32
-            return kernel_forward(q, k, v, self.layout, scale, running, out_dtype, columns=columns)
+            return kernel_forward(q, k, v, self.tables, scale, running, out_dtype, columns=columns)
 
     def backward(self, q, k, v, scale, out, lse, dout, dlse, dq, last: bool, cols=None):
         """(``dq`` with this piece's added (its own when ``dq`` is None), (dk, dv), the
@@ -80,15 +80,15 @@ class Piece:
             return dq, (torch.zeros_like(k), torch.zeros_like(v)), None
         with timed(self.timer, "bwd"):
             columns = self._column_keys(cols)
-            if self.layout is None:
+            if self.tables is None:
                 dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
                 dq_s, dk, dv = backward_partial(q, k, v, self.index, scale, out, lse, dout, dlse)
                 return (dq_s if dq is None else dq.add_(dq_s)), (dk, dv), None
-            from ..sparse.kernels.attention import kernel_backward  # imports Triton
+            from ..sparse.kernels.block_bar.attention import kernel_backward  # imports Triton
 
             dq_dtype = q.dtype if last else torch.float32
             dq, *grads = kernel_backward(
-                q, k, v, self.layout, scale, out, lse, dout, dlse, dq, dq_dtype, columns=columns
+                q, k, v, self.tables, scale, out, lse, dout, dlse, dq, dq_dtype, columns=columns
             )
             return dq, tuple(grads[:2]), (tuple(grads[2:]) if self.columns is not None else None)
 

@@ -10,8 +10,8 @@ vertical-slash index's vertical columns are attended locally, against their gath
 K/V rather than on the ring, which keeps the ring's work balanced; on the kernels, in
 the launch of the last ring step, so that its tiles and the columns share one program
 per query block. Their K/V are taken from the chunks as they pass, and the host builds
-their layout once the first step's kernel is launched, so that no host work but that
-step's one-launch layout (``layout_kernel``) precedes the GPU's first attention kernel.
+their tile tables once the first step's kernel is launched, so that no host work but that
+step's one-launch tables (``tables_kernel``) precedes the GPU's first attention kernel.
 
 ``ring_attention`` also runs the all-gather exchange (``kv_allgather``), which ``auto``
 picks for a flat group on one node.
@@ -37,7 +37,7 @@ from .kv_allgather import AllGatherAttention, GatheredKV
 from .layout import ContextParallelLayout, TokenPositions
 from .pieces import Piece, last_attending, nothing_attended
 from .step_index import StepIndex
-from .step_layout import StepLayouts
+from .step_tables import StepTables
 
 KV_EXCHANGES = ("auto", "ring", "allgather")
 
@@ -144,7 +144,7 @@ class _VerticalColumns:
     """A vertical-slash index's vertical columns, which every rank attends locally against
     their K/V gathered from every rank (balanced, where on the ring a chunk holding sink
     columns would load one rank per step). ``rides``: whether the ring's last step attends
-    them in its own launch (``ColumnKeys``, both as kernel layouts; tiles and bars in
+    them in its own launch (``ColumnKeys``, both as tile tables; tiles and bars in
     programs of their own cost about 14% on one GPU), else they are a piece of their own.
 
     Forward: ``take`` copies the columns held in each chunk as it passes this rank: every
@@ -152,13 +152,13 @@ class _VerticalColumns:
     one small copy per step and no collective of their own (a sum over ranks after the
     first step's kernel waited for that kernel and for the other rank; docs/benchmarks.md,
     "Context-parallel layouts in one launch"). ``start`` takes this rank's own chunk's and makes the columns'
-    piece and its layout while the first step's kernel runs. Backward, ``add_grads``: the
+    piece and its tables while the first step's kernel runs. Backward, ``add_grads``: the
     columns' gradients, summed over ranks, added to the owners' dK/dV."""
 
     def __init__(self, index: VerticalSlashIndex, queries: TokenPositions, use_kernels: bool, timer, carrier):
         self.index, self.queries, self.use_kernels, self.timer = index, queries, use_kernels, timer
         self.carrier = carrier
-        self.rides = use_kernels and StepLayouts(VerticalSlashPart(index, "bars"), queries).whole_blocks()
+        self.rides = use_kernels and StepTables(VerticalSlashPart(index, "bars"), queries).whole_blocks()
         self.positions = vertical_columns(index)
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.piece: Piece | None = None
@@ -178,7 +178,7 @@ class _VerticalColumns:
 
     def start(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Once the first step's kernel is launched: this rank's own columns, and the
-        columns' piece and its layout, which the host builds while that kernel runs."""
+        columns' piece and its tables, which the host builds while that kernel runs."""
         if self.piece is not None:
             return
         self.mine = self.take(self.queries, k, v)
@@ -186,7 +186,7 @@ class _VerticalColumns:
             self.piece = _column_piece(self.index, self.queries, self.positions, self.use_kernels, self.timer)
             if self.rides:
                 self.carrier.columns = self.piece
-                _ = self.piece.layout
+                _ = self.piece.tables
 
     def add_grads(self, grads, dk: torch.Tensor, dv: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
@@ -220,7 +220,7 @@ def _column_piece(index: VerticalSlashIndex, queries: TokenPositions, keys, use_
     gathered columns, or the whole sequence)."""
     bars = StepIndex(VerticalSlashPart(index, "bars"), queries, keys)
     # Taken as attending: asking (``may_attend``) would read gathered positions from the device.
-    return Piece(bars, StepLayouts(bars.index, queries) if use_kernels else None, timer, True)
+    return Piece(bars, StepTables(bars.index, queries) if use_kernels else None, timer, True)
 
 
 def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[int]]:
@@ -318,7 +318,7 @@ def ring_attention(
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
     use_kernels = backend_choice(q, backend) == "triton"
-    layouts = StepLayouts(work, queries) if use_kernels else None
+    step_tables = StepTables(work, queries) if use_kernels else None
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
         rank, n_outer * n_inner, q.device
     )
@@ -326,14 +326,14 @@ def ring_attention(
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
     # Nothing here reads the device (bar a top-k index's table widths, once), so the host
-    # runs ahead of the GPU: it builds each ring step's layout while the kernel of the
+    # runs ahead of the GPU: it builds each ring step's tables while the kernel of the
     # step before runs (the first's before any launch).
     if gathered is not None:
         # One piece: the whole index (tiles and vertical columns) over the whole sequence's
-        # keys, in one layout, as on one device.
+        # keys, in one set of tile tables, as on one device.
         keys = layout.whole_sequence(q.device)
         whole = Piece(
-            StepIndex(index, queries, keys), StepLayouts(index, queries) if use_kernels else None, step_timers[0], True
+            StepIndex(index, queries, keys), StepTables(index, queries) if use_kernels else None, step_timers[0], True
         )
         with record_function("mtraining.allgather.attention"):
             out, lse = AllGatherAttention.apply(q, k, v, gathered, whole, scale, comm_timer)
@@ -346,10 +346,10 @@ def ring_attention(
         def step(o: int, i: int) -> Piece:
             source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
             view = StepIndex(work, queries, layout.token_positions(source, q.device))
-            return Piece(view, layouts, step_timers[o * n_inner + i], view.may_attend())
+            return Piece(view, step_tables, step_timers[o * n_inner + i], view.may_attend())
 
         steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]
-        # The last step carries the columns: its layout is built while earlier steps run.
+        # The last step carries the columns: its tables are built while earlier steps run.
         columns = _VerticalColumns(index, queries, use_kernels, local_timer, steps[-1][-1]) if has_columns else None
         with record_function("mtraining.ring.steps"):
             out, lse = _RingAttention.apply(q, k, v, columns, steps, inner, outer, cp_group, scale, comm_timer)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..sparse.index import DenseIndex
-from . import register
 from .base import Pattern
+from .registry import register
 
 
 @register

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from ..context_parallel.distributed_index import all_reduce_fn
 from ..sparse.index import BlockTopKIndex
 from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
-from . import register
 from .base import Pattern
+from .registry import register
 
 
 @register

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from ..context_parallel.comm import RingExchange
 from ..sparse.index import BlockTopKIndex, select_topk_blocks
-from ..sparse.msa import MSAConfig, block_max_scores, check_index_inputs, msa_select_blocks
-from ..sparse.validation import fail
-from . import register
+from ..sparse.msa import MSAConfig, block_max_scores, msa_select_blocks
+from ..sparse.validation import check_index_qk, fail
 from .base import Pattern
+from .registry import register
 
 KL_METRIC = "msa_kl_loss"
 
@@ -35,7 +35,7 @@ class MSAPattern(Pattern):
     def __init__(self, config: MSAConfig | None = None, q_idx: torch.Tensor | None = None, k_idx=None):
         super().__init__(config)
         if q_idx is not None or k_idx is not None:
-            check_index_inputs(q_idx, k_idx, self.config.index_head_dim)
+            check_index_qk(q_idx, k_idx, self.config.index_head_dim)
         self.q_idx, self.k_idx = q_idx, k_idx
 
     def with_inputs(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> MSAPattern:

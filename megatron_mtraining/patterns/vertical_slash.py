@@ -20,8 +20,8 @@ from ..sparse.vertical_slash import (
     select_vertical_slash,
     window_statistics_from_parts,
 )
-from . import register
 from .base import Pattern
+from .registry import register
 
 
 @register

@@ -1,11 +1,11 @@
 """Single-device sparse attention: index types, pattern builders, exact attention.
 
-Layout: q ``[B, S, Hq, D]``, k and v ``[B, S, Hkv, D]`` (Hq a multiple of Hkv),
+Shapes: q ``[B, S, Hq, D]``, k and v ``[B, S, Hkv, D]`` (Hq a multiple of Hkv),
 lse ``[B, Hq, S]`` float32; causal.
 """
 
 from .attention import merge_attention_outputs, sparse_attention
-from .index import BlockColumnLayout, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from .index import BlockColumns, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
 from .metrics import attention_recall
 from .moba import MoBAConfig, build_moba_index
 from .msa import IndexBranch, MSAConfig, block_max_scores, msa_kl_loss, msa_select_blocks
@@ -18,7 +18,7 @@ from .vertical_slash import (
 )
 
 __all__ = [
-    "BlockColumnLayout",
+    "BlockColumns",
     "BlockTopKIndex",
     "DenseIndex",
     "IndexBranch",

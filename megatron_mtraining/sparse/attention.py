@@ -7,8 +7,9 @@ import os
 import torch
 
 from .index import BlockTopKIndex, SparseIndex
-from .kernels import flash_attn_backend, sdpa_backend, triton_available
-from .kernels.layout import KernelLayout, kernel_layout
+from .kernels import triton_available
+from .kernels.block_bar.tables import TileTables, tile_tables
+from .kernels.dense_backends import flash_attn, sdpa
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
 
@@ -48,19 +49,19 @@ def sparse_attention(
     scale = check_softmax_scale(softmax_scale, d)
     dense = dense_backend(q, index, backend)
     if dense == "flash_attn":
-        return flash_attn_backend.FlashAttention.apply(q, k, v, scale)
+        return flash_attn.FlashAttention.apply(q, k, v, scale)
     if dense == "sdpa":
-        return sdpa_backend.SDPAAttention.apply(q, k, v, scale)
+        return sdpa.SDPAAttention.apply(q, k, v, scale)
     if kv_outer_preferred(index) and backend_choice(q, backend) == "triton":
-        from .kernels.kv_outer_attention import KVOuterAttention  # imports Triton
+        from .kernels.kv_outer.attention import KVOuterAttention  # imports Triton
 
         return KVOuterAttention.apply(q, k, v, index, scale)
-    layout = _kernel_layout(q, index, backend)
-    if layout is None:
+    tables = _tile_tables(q, index, backend)
+    if tables is None:
         return ReferenceSparseAttention.apply(q, k, v, index, scale)
-    from .kernels.attention import TritonBlockBarAttention  # imports Triton
+    from .kernels.block_bar.attention import TritonBlockBarAttention  # imports Triton
 
-    return TritonBlockBarAttention.apply(q, k, v, layout, scale)
+    return TritonBlockBarAttention.apply(q, k, v, tables, scale)
 
 
 # The loop order of a top-k index on the kernels, by measurement (H100, Qwen2.5-3B attention,
@@ -120,26 +121,26 @@ def dense_backend(q: torch.Tensor, index: SparseIndex, backend: str | None = Non
     """The library that computes ``sparse_attention(q, k, v, index)`` as whole causal
     attention: ``"flash_attn"``, ``"sdpa"``, or None when the index goes to the plugin's
     kernels or the reference. Under ``auto``, for CUDA inputs: flash-attn where it serves
-    the call (``flash_attn_backend.unsupported``), else PyTorch's fused attention where it
-    does (``sdpa_backend.unsupported``); never under ``reference`` or ``triton``. Asking for
+    the call (``flash_attn.unsupported``), else PyTorch's fused attention where it
+    does (``sdpa.unsupported``); never under ``reference`` or ``triton``. Asking for
     ``flash_attn`` or ``sdpa`` where it cannot run is a ``ValueError`` that names the reason."""
     choice = _backend_setting(backend)
     name = "backend" if backend else BACKEND_ENV
     if choice == "flash_attn":
-        why_not = flash_attn_backend.unsupported(q, index)
+        why_not = flash_attn.unsupported(q, index)
         if why_not is not None:
-            fail(name, choice, f"{flash_attn_backend.REQUIREMENTS}; {why_not}")
+            fail(name, choice, f"{flash_attn.REQUIREMENTS}; {why_not}")
         return choice
     if choice == "sdpa":
-        why_not = sdpa_backend.unsupported(q, index)
+        why_not = sdpa.unsupported(q, index)
         if why_not is not None:
-            fail(name, choice, f"{sdpa_backend.REQUIREMENTS}; {why_not}")
+            fail(name, choice, f"{sdpa.REQUIREMENTS}; {why_not}")
         return choice
     if choice != "auto":
         return None
-    if flash_attn_backend.unsupported(q, index) is None:
+    if flash_attn.unsupported(q, index) is None:
         return "flash_attn"
-    return "sdpa" if q.is_cuda and sdpa_backend.unsupported(q, index) is None else None
+    return "sdpa" if q.is_cuda and sdpa.unsupported(q, index) is None else None
 
 
 def _backend_setting(backend: str | None) -> str:
@@ -155,14 +156,14 @@ def index_kernels(t: torch.Tensor) -> bool:
     return _backend_setting(None) != "reference" and t.is_cuda and triton_available()
 
 
-def _kernel_layout(q: torch.Tensor, index: SparseIndex, backend: str | None) -> KernelLayout | None:
-    """The kernel layout when the Triton backend runs this call, else None."""
+def _tile_tables(q: torch.Tensor, index: SparseIndex, backend: str | None) -> TileTables | None:
+    """The tile tables when the Triton backend runs this call, else None."""
     if backend_choice(q, backend) == "reference":
         return None
-    layout = kernel_layout(index)
-    if layout is None and (backend or os.environ.get(BACKEND_ENV)) == "triton":
+    tables = tile_tables(index)
+    if tables is None and (backend or os.environ.get(BACKEND_ENV)) == "triton":
         fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
-    return layout
+    return tables
 
 
 def merge_attention_outputs(
@@ -186,7 +187,7 @@ def merge_attention_outputs(
             fail(f"{name}.shape", tuple(t.shape), f"[B, H, S] = {[bsz, heads, seq]} to match out_a")
     if backend_choice(out_a) == "triton":
         # One fused pass instead of ``combine``'s ~8 elementwise passes and their autograd graph.
-        from .kernels.combine import FusedCombine  # imports Triton
+        from .kernels.shared.combine import FusedCombine  # imports Triton
 
         out, lse = FusedCombine.apply(out_a, lse_a.float(), out_b, lse_b.float())
     else:

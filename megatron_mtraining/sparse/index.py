@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .validation import check_int, check_tensor, fail
-
-if TYPE_CHECKING:
-    from .kernels.layout import KernelLayout
 
 INT32_MAX = torch.iinfo(torch.int32).max
 # Entries of a top-k index's selections that attended_area gathers per operation.
@@ -57,7 +54,7 @@ class SparseIndex:
                 return v.to(device)
             return torch.device(device) if isinstance(v, torch.device) else v
 
-        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init})
+        return type(self)(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @property
     def selection_heads(self) -> int:
@@ -299,7 +296,7 @@ class DenseIndex(SparseIndex):
 
 
 @dataclass
-class BlockColumnLayout:
+class BlockColumns:
     """Kernel form of a vertical-slash index for a range of query blocks: per query
     block, the active KV blocks (whole tiles, ascending) and the extra single key
     columns ("bars", ascending) that no active tile covers. ``-1`` pads."""
@@ -323,10 +320,6 @@ class VerticalSlashIndex(SparseIndex):
     slash: torch.Tensor  # [B, Hq, max_slash] int32
     seq_len: int
     block_size: int
-    # The kernel layout, when the builder made it with the index (``build_vertical_slash_index``
-    # in a CUDA graph); ``kernel_layout`` then returns it rather than build it again. Derived
-    # from the fields above: not compared, not moved by ``to``.
-    precomputed_layout: KernelLayout | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -356,7 +349,7 @@ class VerticalSlashIndex(SparseIndex):
 
     def block_columns(
         self, qblock_start: int = 0, qblock_end: int | None = None, qblocks: torch.Tensor | None = None
-    ) -> BlockColumnLayout:
+    ) -> BlockColumns:
         """The kernel form of query blocks ``qblock_start .. qblock_end`` (or of the query
         blocks listed in ``qblocks``, e.g. a context-parallel rank's)."""
         qblock_end = self.num_blocks if qblock_end is None else qblock_end
@@ -375,7 +368,7 @@ class VerticalSlashIndex(SparseIndex):
         last_row = torch.clamp((qb + 1) * bs, max=self.seq_len) - 1
         visible = (self.vertical.unsqueeze(2) >= 0) & (self.vertical.unsqueeze(2) <= last_row.view(1, 1, -1, 1))
         column_idx, column_count = compact(self.vertical.unsqueeze(2).expand_as(diag), visible & ~in_tile)
-        return BlockColumnLayout(block_idx, block_count, column_idx, column_count)
+        return BlockColumns(block_idx, block_count, column_idx, column_count)
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         return torch.cat(self.tile_and_bar_keys(q_start), dim=-1)
@@ -383,8 +376,8 @@ class VerticalSlashIndex(SparseIndex):
     def tile_and_bar_keys(self, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key positions of the query block at ``q_start``: (its tiles' tokens, its bars)."""
         qb = q_start // self.block_size
-        layout = self.block_columns(qb, qb + 1)
-        return _blocks_to_tokens(layout.block_idx, self.block_size, self.seq_len), layout.column_idx.long()
+        columns = self.block_columns(qb, qb + 1)
+        return _blocks_to_tokens(columns.block_idx, self.block_size, self.seq_len), columns.column_idx.long()
 
     def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
         return self._part_area(rows, keys, "tiles") + self._part_area(rows, keys, "bars")

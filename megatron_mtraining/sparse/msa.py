@@ -26,6 +26,7 @@ from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
     ValidatedConfig,
+    check_index_qk,
     check_int,
     check_positive_float,
     check_power_of_two,
@@ -78,19 +79,6 @@ class IndexBranch(nn.Module):
         return q_idx, self.linear_k(x).unsqueeze(2)
 
 
-def check_index_inputs(q_idx, k_idx, index_head_dim: int | None = None) -> None:
-    check_tensor("q_idx", q_idx, ndim=4)
-    check_tensor("k_idx", k_idx, ndim=4)
-    if k_idx.shape[2] != 1:
-        fail("k_idx.shape[2]", k_idx.shape[2], "1 (one index key head shared by all groups)")
-    if k_idx.shape[:2] != q_idx.shape[:2] or k_idx.shape[3] != q_idx.shape[3]:
-        fail("k_idx.shape", tuple(k_idx.shape), f"[B, S, 1, d_idx] matching q_idx {tuple(q_idx.shape)}")
-    if k_idx.device != q_idx.device or k_idx.dtype != q_idx.dtype:
-        fail("k_idx", f"{k_idx.dtype} on {k_idx.device}", f"{q_idx.dtype} on {q_idx.device} like q_idx")
-    if index_head_dim is not None and q_idx.shape[3] != index_head_dim:
-        fail("q_idx.shape[3]", q_idx.shape[3], f"MSAConfig.index_head_dim ({index_head_dim})")
-
-
 def block_max_scores(
     q_idx: torch.Tensor,
     query_positions: torch.Tensor,
@@ -116,16 +104,16 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
     Where the kernels run (``attention.backend_choice``: CUDA inputs, not ruled out by
     ``MTRAINING_ATTENTION_BACKEND=reference``) and ``topk`` fits its register-resident set,
     one Triton launch scores and selects with no token-level scores in memory
-    (``kernels/msa_index.py``; ties go to the lower block id). Otherwise the rows go in
+    (``kernels/index_build/msa_index.py``; ties go to the lower block id). Otherwise the rows go in
     chunks through :func:`block_max_scores` and ``select_topk_blocks``, the reference."""
-    check_index_inputs(q_idx, k_idx, config.index_head_dim)
+    check_index_qk(q_idx, k_idx, config.index_head_dim)
     bsz, seq, groups, d = q_idx.shape
     check_int("num_heads", num_heads, minimum=1)
     if num_heads % groups:
         fail("num_heads", num_heads, f"a multiple of the index query head count {groups} (one per GQA group)")
     bs = config.block_size
     if backend_choice(q_idx) == "triton":
-        from .kernels import msa_index
+        from .kernels.index_build import msa_index  # imports Triton
 
         if config.topk <= msa_index.MAX_TOPK:
             blocks = msa_index.select_blocks(q_idx, k_idx, bs, config.topk)
@@ -212,7 +200,7 @@ def msa_kl_loss(
     and k_idx receive gradient.
     """
     check_qk(q, k)
-    check_index_inputs(q_idx, k_idx)
+    check_index_qk(q_idx, k_idx)
     bsz, seq, hq, d = q.shape
     hkv = k.shape[2]
     if q_idx.shape[:3] != (bsz, seq, hkv):

@@ -41,7 +41,7 @@ class _Chunk:
         return g.squeeze(2) if self.shared else g
 
     def scatter_add(self, dest_flat: torch.Tensor, grad: torch.Tensor) -> None:
-        """Adds per-key gradients (layout of :meth:`gather`) into ``dest_flat``."""
+        """Adds per-key gradients (shaped as :meth:`gather` returns them) into ``dest_flat``."""
         dest_flat.index_add_(0, self.flat.reshape(-1), grad.reshape(-1, grad.shape[-1]))
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:

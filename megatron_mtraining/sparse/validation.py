@@ -90,6 +90,22 @@ def check_qk(q, k, *, q_name: str = "q", k_name: str = "k") -> None:
         fail(f"{k_name}.shape[2]", hk, f"a divisor of the query head count {hq} (GQA)")
 
 
+def check_index_qk(q_idx, k_idx, index_head_dim: int | None = None) -> None:
+    """MSA's index queries ``[B, S, Hkv, d_idx]`` against its one index key head
+    ``[B, S, 1, d_idx]``: same batch, length, head dim, dtype and device (and ``d_idx`` the
+    config's ``index_head_dim`` where given)."""
+    check_tensor("q_idx", q_idx, ndim=4)
+    check_tensor("k_idx", k_idx, ndim=4)
+    if k_idx.shape[2] != 1:
+        fail("k_idx.shape[2]", k_idx.shape[2], "1 (one index key head shared by all groups)")
+    if k_idx.shape[:2] != q_idx.shape[:2] or k_idx.shape[3] != q_idx.shape[3]:
+        fail("k_idx.shape", tuple(k_idx.shape), f"[B, S, 1, d_idx] matching q_idx {tuple(q_idx.shape)}")
+    if k_idx.device != q_idx.device or k_idx.dtype != q_idx.dtype:
+        fail("k_idx", f"{k_idx.dtype} on {k_idx.device}", f"{q_idx.dtype} on {q_idx.device} like q_idx")
+    if index_head_dim is not None and q_idx.shape[3] != index_head_dim:
+        fail("q_idx.shape[3]", q_idx.shape[3], f"MSAConfig.index_head_dim ({index_head_dim})")
+
+
 def check_qkv(q, k, v) -> None:
     check_qk(q, k)
     check_tensor("v", v, ndim=4)

@@ -34,7 +34,7 @@ import torch
 from .attention import backend_choice, index_kernels
 from .cuda_graphs import GraphedCalls, graphs_enabled
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
-from .kernels.layout import kernel_layout
+from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (
     ValidatedConfig,
     check_fraction,
@@ -113,7 +113,7 @@ def _key_passes(
     and their mass pass, ``mass()``, for the caller to run (the graphed build has it write
     into its graph's input buffers: ``mass(out)``)."""
     if backend_choice(q_window) == "triton":
-        from .kernels.window_stats import WindowKernels  # imports Triton
+        from .kernels.index_build.window_stats import WindowKernels  # imports Triton
 
         parts = WindowKernels(q_window, k, key_positions, seq_len, scale)
     else:
@@ -213,7 +213,7 @@ def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Te
     limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
     n_first = min(forced, scores.shape[-1])
     if index_kernels(scores):
-        from .kernels.top_p import take_top_p  # imports Triton
+        from .kernels.index_build.top_p import take_top_p  # imports Triton
 
         values = take_top_p(top, order, limit, forced, n_first)
     else:
@@ -248,7 +248,7 @@ def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, 
 # buffers, the mass pass's outputs (the [B, Hq, S] fp32 vertical mass and the fp64 runs,
 # 4 x [B, Hq, S] for a 64-query window: 72 MiB at 128K with 16 heads), and a private memory
 # pool with the rest of the build's intermediates: the [B, Hq, S] fp32 and fp64 statistics,
-# the top-p selection's buffers and the layout tables.
+# the top-p selection's buffers and the tile tables.
 _GRAPHS = GraphedCalls(size=2)
 
 
@@ -261,11 +261,12 @@ def build_vertical_slash_index(
     Where the statistics run on the kernels and CUDA graphs apply (``cuda_graphs.graphs_enabled``;
     ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the passes over the keys run as they come
     (three Triton kernels and a few reductions) and what follows from the mass pass (the
-    statistics, the selection and the kernel layout: dozens of small kernels) replays one graph, equal
-    bit for bit to the eager build; the index carries the layout (``precomputed_layout``)
-    for ``sparse_attention``. The passes that read K stay out of the graph because K
-    differs per layer: a graph reads fixed addresses, so it would need a copy of K (64 MiB
-    at 128K tokens); the mass kernel writes into the graph's input buffers instead."""
+    statistics, the selection and the tile tables: dozens of small kernels) replays one
+    graph, equal bit for bit to the eager build; the tables are kept for the index
+    (``tables.keep_tables``), so that ``sparse_attention`` does not build them again. The
+    passes that read K stay out of the graph because K differs per layer: a graph reads
+    fixed addresses, so it would need a copy of K (64 MiB at 128K tokens); the mass kernel
+    writes into the graph's input buffers instead."""
     check_qk(q, k)
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
@@ -274,11 +275,11 @@ def build_vertical_slash_index(
         return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
     parts, mass = _key_passes(q_window, k, None, seq, scale)
 
-    def index_and_layout(*outputs):
+    def index_and_tables(*outputs):
         index = select_vertical_slash(_from_mass(parts, outputs, config), config, seq)
-        return index, kernel_layout(index)
+        return index, tile_tables(index)
 
     key = (q.device, q.shape[0], q.shape[2], seq, config, parts.block)
-    index, layout = _GRAPHS.call(key, index_and_layout, mass)
-    index.precomputed_layout = layout
+    index, tables = _GRAPHS.call(key, index_and_tables, mass)
+    keep_tables(index, tables)
     return index

@@ -48,9 +48,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .combine import merge_weights
-
-LOG2E = 1.4426950408889634
+from ..shared.combine import merge_weights
+from ..shared.kernels import _dq_step, _load_rows, _online_step, _store_rows, _transposed_grads
 
 
 @triton.jit
@@ -89,15 +88,6 @@ def _first_reader(QBLK, n_qb, col_pos, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    """Scaled log2-domain logits [BLOCK, N]; if ``masked``, invisible keys at -inf."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if masked:
-        s = tl.where(col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
-    return s
-
-
-@triton.jit
 def _diagonal_tiles(ENTRY, n_tiles, BLK, own, HAS_POS: tl.constexpr, HAS_ROWSEL: tl.constexpr):
     """How many of a block's ``n_tiles`` listed tiles need the causal mask: the one whose
     other block is the block's own (global id ``own``), where ``ENTRY`` points at the list
@@ -105,36 +95,13 @@ def _diagonal_tiles(ENTRY, n_tiles, BLK, own, HAS_POS: tl.constexpr, HAS_ROWSEL:
     query block of a key block's); every other listed tile lies wholly before the
     diagonal (lists are causal), so its rows see all its keys. A ragged last block (one
     device, a length not a multiple of the block) is read only as a diagonal tile. Top-k
-    layouts filter every tile by row, so all of theirs are masked."""
+    tables filter every tile by row, so all of theirs are masked."""
     n = n_tiles
     if not HAS_ROWSEL:
         listed = n_tiles > 0
         entry = tl.load(ENTRY, mask=listed, other=0)
         n = (listed & (_global_block(BLK, entry, HAS_POS) == own)).to(tl.int32)
     return n
-
-
-@triton.jit
-def _load_rows(base, idx, ok, row_stride, d, d_ok):
-    return tl.load(base + idx[:, None] * row_stride + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _store_rows(base, idx, ok, row_stride, d, d_ok, x):
-    """``x`` stored in the buffer's dtype at the rows ``_load_rows`` reads."""
-    ptrs = base + idx[:, None] * row_stride + d[None, :]
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -146,22 +113,22 @@ def _in_tile(ACTIVE, bh, N_ACTIVE, q_block, col_pos, col_ok, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _block_step(BLOCKS, lay, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.constexpr, HAS_POS: tl.constexpr):
-    """Step ``j`` through list ``lay`` of ``BLOCKS``, ``STEP`` indices a step (``BLOCK // STEP``
+def _block_step(BLOCKS, trow, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.constexpr, HAS_POS: tl.constexpr):
+    """Step ``j`` through list ``trow`` of ``BLOCKS``, ``STEP`` indices a step (``BLOCK // STEP``
     steps a block): (the block, the step's indices, their in-range mask, their positions).
     Steps of part of a block keep each software-pipeline stage small, so more stages fit
     in shared memory."""
-    blk = tl.load(BLOCKS + lay * T_MAX + j // (BLOCK // STEP))
+    blk = tl.load(BLOCKS + trow * T_MAX + j // (BLOCK // STEP))
     idx = blk * BLOCK + (j % (BLOCK // STEP)) * STEP + tl.arange(0, STEP)
     return blk, idx, idx < N, _positions(POS, blk, idx, HAS_POS, BLOCK)
 
 
 @triton.jit
-def _tile_keys(TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok,
+def _tile_keys(TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
     """Step ``j`` of the row-major kernels' tile loop: (KV block, k, v, key positions, key
     mask) for ``BLOCK_N`` keys of the ``j // (BLOCK // BLOCK_N)``-th listed tile."""
-    kb, cols, col_ok, col_pos = _block_step(TILES, lay, T_MAX, j, KBLK, SK, BLOCK, BLOCK_N, HAS_POS)
+    kb, cols, col_ok, col_pos = _block_step(TILES, trow, T_MAX, j, KBLK, SK, BLOCK, BLOCK_N, HAS_POS)
     k = _load_rows(K_base, cols, col_ok, kv_stride, d, d_ok)
     v = _load_rows(V_base, cols, col_ok, kv_stride, d, d_ok)
     return kb, k, v, col_pos, col_ok
@@ -198,20 +165,20 @@ def _program_rows(BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _layout_row(b, h, H, LB, LH, N_BLOCKS, block):
-    """(row of the layout tables for this batch, head and block; the head's layout head)."""
-    lh = h // (H // LH)
-    return ((b % LB) * LH + lh) * N_BLOCKS + block, lh
+def _table_row(b, h, H, TB, TH, N_BLOCKS, block):
+    """(row of the tile tables for this batch, head and block; the head's head in the tables)."""
+    th = h // (H // TH)
+    return ((b % TB) * TH + th) * N_BLOCKS + block, th
 
 
 @triton.jit
-def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexpr, HAS_ROWSEL: tl.constexpr):
-    """Each row's selected index blocks ``[BLOCK, K_PAD]`` (-1 padded) for top-k layouts;
+def _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD: tl.constexpr, HAS_ROWSEL: tl.constexpr):
+    """Each row's selected index blocks ``[BLOCK, K_PAD]`` (-1 padded) for top-k tables;
     the rows themselves otherwise (``_tile_rows`` ignores them)."""
     sel = rows
     if HAS_ROWSEL:
         kk = tl.arange(0, K_PAD)
-        ptrs = ROWSEL + ((b * LH + lh) * S + rows[:, None]) * K_SEL + kk[None, :]
+        ptrs = ROWSEL + ((b * TH + th) * S + rows[:, None]) * K_SEL + kk[None, :]
         sel = tl.load(ptrs, mask=row_ok[:, None] & (kk < K_SEL)[None, :], other=-1)
     return sel
 
@@ -219,7 +186,7 @@ def _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD: tl.constexp
 @triton.jit
 def _tile_rows(row_pos, sel, KBLK, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: tl.constexpr, HAS_POS: tl.constexpr):
     """Row positions for tile ``kb``; -1 (sees nothing) on rows that did not select its
-    index block (top-k layouts). Selections hold global block ids."""
+    index block (top-k tables). Selections hold global block ids."""
     out = row_pos
     if HAS_ROWSEL:
         global_tile = _global_block(KBLK, kb, HAS_POS)
@@ -228,22 +195,22 @@ def _tile_rows(row_pos, sel, KBLK, kb, BLOCK: tl.constexpr, RATIO, HAS_ROWSEL: t
 
 
 @triton.jit
-def _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK: tl.constexpr, STEP: tl.constexpr,
+def _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK: tl.constexpr, STEP: tl.constexpr,
                 HAS_POS: tl.constexpr, HAS_ROWSEL: tl.constexpr):  # fmt: skip
     """(the first step of a query block's masked tile, its tile steps), ``STEP`` keys a
     step: the diagonal tile is last in its ascending list. Steps before the first masked
     one skip the mask by a branch inside the one tile loop: a loop of their own would
     drain the software pipeline's prefetched loads before the masked tile (two loops ran
     4-7% slower on an H100)."""
-    n_tiles = tl.load(TILE_CNT + lay)
-    n_masked = _diagonal_tiles(TILES + lay * T_MAX + n_tiles - 1, n_tiles, KBLK, own, HAS_POS, HAS_ROWSEL)
+    n_tiles = tl.load(TILE_CNT + trow)
+    n_masked = _diagonal_tiles(TILES + trow * T_MAX + n_tiles - 1, n_tiles, KBLK, own, HAS_POS, HAS_ROWSEL)
     return (n_tiles - n_masked) * (BLOCK // STEP), n_tiles * (BLOCK // STEP)
 
 
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QBLK, KBLK,
-    S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
+    S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -265,14 +232,14 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
-    sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
+    trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
+    sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     # Every tile masked: a branch skipping the mask off the diagonal makes ptxas serialise
     # the forward's matrix products on sm90 (the accumulator of QK^T is then defined by
     # the branch), and a loop of its own for the diagonal tile ran 4% slower on an H100.
-    for j in range(tl.load(TILE_CNT + lay) * (BLOCK // BLOCK_N)):
+    for j in range(tl.load(TILE_CNT + trow) * (BLOCK // BLOCK_N)):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
+            TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
         )
         acc, m_i, l_i = _online_step(
             acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS),
@@ -311,17 +278,9 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION) - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-
-
-@triton.jit
 def _dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL,
-    QBLK, KBLK, S, SK, H, HKV, LB, LH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
+    QBLK, KBLK, S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -347,13 +306,13 @@ def _dq_kernel(
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    lay, lh = _layout_row(b, h, H, LB, LH, NQB, qb)
-    sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
+    trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
+    sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     own = _global_block(QBLK, qb, HAS_QPOS)
-    split, n_steps = _tile_split(TILES, TILE_CNT, lay, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_KPOS, HAS_ROWSEL)
+    split, n_steps = _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_KPOS, HAS_ROWSEL)
     for j in range(n_steps):
         kb, k, v, col_pos, col_ok = _tile_keys(
-            TILES, lay, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
+            TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
         )
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
@@ -381,7 +340,8 @@ def _kv_grads(
 ):  # fmt: skip
     """Adds a step of query rows' contribution to the dK/dV of a set of key rows. It works
     on transposed scores (keys x rows): P^T and dS^T then leave the matrix unit in the
-    layout that the dV and dK products take, with no round trip through shared memory.
+    register arrangement that the dV and dK products take, with no round trip through
+    shared memory.
     Unmasked steps need no row mask either: a row past ``S`` loads zero q, dO and
     statistics, so it adds exact zeros."""
     row_ok = rows < S
@@ -394,21 +354,6 @@ def _kv_grads(
         s = tl.where(visible, s, float("-inf"))
     dk, dv, _ = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
     return dk, dv
-
-
-@triton.jit
-def _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION: tl.constexpr):
-    """dK/dV sums with one step of rows added, from that step's unscaled transposed logits
-    ``s`` (keys x rows, invisible at -inf), and the step's dS^T in q's dtype (for a dQ). The
-    scale is folded into the exponent's argument, one fused multiply-add an element, which
-    made both dK/dV kernels faster; in the forward and dQ kernels the same fold measured no
-    gain (docs/benchmarks.md, "Forward mask variants, the scale fold and a launch sweep")."""
-    p = tl.exp2(s * qk_scale - lse[None, :])
-    dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-    dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds = (p * (dp - delta[None, :])).to(q.dtype)
-    dk += tl.dot(ds, q, input_precision=PRECISION)
-    return dk, dv, ds
 
 
 @triton.jit
@@ -482,7 +427,7 @@ def _fold_bars(
 @triton.jit
 def _tile_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK,
-    S, SK, H, HKV, LB, LH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    S, SK, H, HKV, TB, TH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
@@ -516,13 +461,15 @@ def _tile_dkdv_kernel(
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
-        lay, lh = _layout_row(b, h, H, LB, LH, NKB, kb)
-        n_tiles = tl.load(TILE_T_CNT + lay)
+        trow, th = _table_row(b, h, H, TB, TH, NKB, kb)
+        n_tiles = tl.load(TILE_T_CNT + trow)
         # The reading query blocks ascend: the diagonal one, if listed, is first.
-        n_masked = _diagonal_tiles(TILES_T + lay * T_MAX, n_tiles, QBLK, own, HAS_QPOS, HAS_ROWSEL) * (BLOCK // BLOCK_M)
+        n_masked = _diagonal_tiles(TILES_T + trow * T_MAX, n_tiles, QBLK, own, HAS_QPOS, HAS_ROWSEL) * (
+            BLOCK // BLOCK_M
+        )
         for j in range(n_tiles * (BLOCK // BLOCK_M)):
-            _, rows, row_ok, row_pos = _block_step(TILES_T, lay, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
-            sel = _row_selection(ROWSEL, b, lh, LH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
+            _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
+            sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), q_stride, d, d_ok, qk_scale,

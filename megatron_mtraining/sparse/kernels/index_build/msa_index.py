@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import check_int, fail
+from ...validation import check_index_qk, check_int, fail
 
 # The set of kept blocks lives in registers, [BLOCK_M, next_pow2(topk)] scores and ids.
 MAX_TOPK = 128
@@ -141,9 +141,7 @@ def _block_select_kernel(
 
 
 def _check(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int) -> None:
-    from ..msa import check_index_inputs
-
-    check_index_inputs(q_idx, k_idx)
+    check_index_qk(q_idx, k_idx)
     if q_idx.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         fail("q_idx.dtype", q_idx.dtype, "torch.float16, torch.bfloat16 or torch.float32 (the Triton selection)")
     check_int("block_size", block_size, minimum=16)

@@ -7,14 +7,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..validation import fail
-from .block_bar import LOG2E, _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
-from .layout import KernelLayout
-
-
-def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every kernel output is allocated here (uninitialised); tests poison it."""
-    return torch.empty(shape, dtype=dtype, device=device)
+from ...validation import fail
+from ..shared import buffers
+from ..shared.kernels import LOG2E
+from .kernels import _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
+from .tables import TileTables
 
 
 @dataclass(frozen=True)
@@ -48,41 +45,41 @@ def launch_config(kernel: str, block: int, head_dim: int) -> LaunchConfig:
     return LaunchConfig(min(block, 128), 8 if block >= 128 else 4, 3, 64)
 
 
-def _opts(kernel: str, layout: KernelLayout, q: torch.Tensor) -> dict:
-    cfg = launch_config(kernel, layout.block, q.shape[-1])
+def _opts(kernel: str, tables: TileTables, q: torch.Tensor) -> dict:
+    cfg = launch_config(kernel, tables.block, q.shape[-1])
     return {
         "BLOCK_N": cfg.block_n,
-        "BLOCK_M": min(cfg.block_m, layout.block),
+        "BLOCK_M": min(cfg.block_m, tables.block),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
 
 
-def _row_selection(layout: KernelLayout) -> dict:
+def _row_selection(tables: TileTables) -> dict:
     """Kernel arguments of the per-row block filter (a placeholder pointer when absent)."""
-    sel = layout.rowsel
+    sel = tables.rowsel
     return {
-        "ROWSEL": layout.tile_count if sel is None else sel,
+        "ROWSEL": tables.tile_count if sel is None else sel,
         "K_SEL": 1 if sel is None else sel.shape[-1],
-        "RATIO": layout.rowsel_ratio,
+        "RATIO": tables.rowsel_ratio,
         "HAS_ROWSEL": sel is not None,
         "K_PAD": 2 if sel is None else max(2, triton.next_power_of_2(sel.shape[-1])),
     }
 
 
-def _positions(layout: KernelLayout) -> dict:
+def _positions(tables: TileTables) -> dict:
     """Global block ids of the query and key blocks, for context-parallel steps (each side
     its own: all-gathered keys are their own positions). Absent ids get a placeholder
     pointer, never read: the tile count table, whose entries outnumber the blocks."""
     return {
-        "QBLK": layout.query_blocks if layout.query_blocks is not None else layout.tile_count,
-        "KBLK": layout.key_blocks if layout.key_blocks is not None else layout.tile_t_count,
-        "HAS_QPOS": layout.query_blocks is not None,
-        "HAS_KPOS": layout.key_blocks is not None,
+        "QBLK": tables.query_blocks if tables.query_blocks is not None else tables.tile_count,
+        "KBLK": tables.key_blocks if tables.key_blocks is not None else tables.tile_t_count,
+        "HAS_QPOS": tables.query_blocks is not None,
+        "HAS_KPOS": tables.key_blocks is not None,
     }
 
 
-def _bars(layout: KernelLayout, k: torch.Tensor, v: torch.Tensor) -> dict:
+def _bars(tables: TileTables, k: torch.Tensor, v: torch.Tensor) -> dict:
     """Kernel arguments of the bar pass (placeholders without bars).
 
     Each query head's vertical K/V rows are gathered once per call into contiguous
@@ -91,11 +88,11 @@ def _bars(layout: KernelLayout, k: torch.Tensor, v: torch.Tensor) -> dict:
     gathering through an index loaded in the same step. The copies hold at most
     ``vertical_cap`` rows per head; the backward gathers them again rather than keep
     them alive between the passes."""
-    if not layout.has_bars:
-        t = layout.tile_count
+    if not tables.has_bars:
+        t = tables.tile_count
         return {"KBAR": k, "VBAR": v, "BAR_POS": t, "BAR_CNT": t, "ACTIVE": t, "V_MAX": 1, "N_ACTIVE": 1,
                 "HAS_BARS": False}  # fmt: skip
-    vertical = layout.vertical
+    vertical = tables.vertical
     b, h, _ = vertical.shape
     cols = vertical.clamp(min=0).long()
     batch = torch.arange(b, device=k.device).view(-1, 1, 1)
@@ -103,56 +100,54 @@ def _bars(layout: KernelLayout, k: torch.Tensor, v: torch.Tensor) -> dict:
     return {
         "KBAR": k[batch, cols, kv_head],
         "VBAR": v[batch, cols, kv_head],
-        "BAR_POS": vertical if layout.bar_positions is None else layout.bar_positions,
-        "BAR_CNT": layout.bar_count,
-        "ACTIVE": layout.active,
+        "BAR_POS": vertical if tables.bar_positions is None else tables.bar_positions,
+        "BAR_CNT": tables.bar_count,
+        "ACTIVE": tables.active,
         "V_MAX": vertical.shape[-1],
-        "N_ACTIVE": layout.active.shape[-1],
+        "N_ACTIVE": tables.active.shape[-1],
         "HAS_BARS": True,
     }
 
 
-def _common(q: torch.Tensor, k: torch.Tensor, layout: KernelLayout) -> dict:
+def _common(q: torch.Tensor, k: torch.Tensor, tables: TileTables) -> dict:
     b, s, h, d = q.shape
     return {
         "S": s,
         "SK": k.shape[1],
         "H": h,
         "HKV": k.shape[2],
-        "LB": layout.tiles.shape[0],
-        "LH": layout.tiles.shape[1],
+        "TB": tables.tiles.shape[0],
+        "TH": tables.tiles.shape[1],
         "HEAD_DIM": d,
         "D_PAD": max(16, triton.next_power_of_2(d)),
-        "BLOCK": layout.block,
+        "BLOCK": tables.block,
         # fp32 inputs get exact fp32 products; 16-bit inputs use the tensor cores as they are.
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        **_row_selection(layout),
-        **_positions(layout),
+        **_row_selection(tables),
+        **_positions(tables),
     }
 
 
 @dataclass(frozen=True)
 class ColumnKeys:
     """Key / value rows attended as bars apart from the tiles' keys: gathered vertical
-    columns ``k`` / ``v`` ``[B, V, Hkv, D]`` and their bars-only ``layout`` over the same
+    columns ``k`` / ``v`` ``[B, V, Hkv, D]`` and their bars-only ``tables`` over the same
     query rows (a context-parallel rank's column piece). Attending them in the launch of
     a ring step's tiles keeps tiles and bars in one program per query block, as on one
     device: in programs of their own, they cost 15% more (one rank's pieces on an H100)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    layout: KernelLayout
+    tables: TileTables
 
 
-def _bar_source(
-    layout: KernelLayout, k, v, columns: ColumnKeys | None
-) -> tuple[KernelLayout, torch.Tensor, torch.Tensor]:
-    """(layout, k, v) of the bars: ``columns``' where given, else the tiles' own."""
+def _bar_source(tables: TileTables, k, v, columns: ColumnKeys | None) -> tuple[TileTables, torch.Tensor, torch.Tensor]:
+    """(tables, k, v) of the bars: ``columns``' where given, else the tiles' own."""
     if columns is None:
-        return layout, k, v
-    if layout.has_bars:
-        fail("layout", "a layout with bars", "a tiles-only layout when the bars come from `columns`")
-    return columns.layout, columns.k.contiguous(), columns.v.contiguous()
+        return tables, k, v
+    if tables.has_bars:
+        fail("tables", "tables with bars", "tiles-only tables when the bars come from `columns`")
+    return columns.tables, columns.k.contiguous(), columns.v.contiguous()
 
 
 def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype, device) -> tuple:
@@ -160,7 +155,7 @@ def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype,
     Without ``running``: a new buffer in ``dtype``, passed for both (the running one then
     unread). With it: ``running`` itself where ``dtype`` is fp32, else a new buffer."""
     if running is None:
-        out = new_buffer(shape, dtype, device)
+        out = buffers.new_buffer(shape, dtype, device)
         return out, out, False
     if running.dtype != torch.float32 or tuple(running.shape) != tuple(shape) or not running.is_contiguous():
         fail(
@@ -168,15 +163,15 @@ def _outputs(name: str, running: torch.Tensor | None, shape, dtype: torch.dtype,
             f"{running.dtype} {tuple(running.shape)}",
             f"a contiguous torch.float32 tensor of shape {tuple(shape)}",
         )
-    return (running if dtype == torch.float32 else new_buffer(shape, dtype, device)), running, True
+    return (running if dtype == torch.float32 else buffers.new_buffer(shape, dtype, device)), running, True
 
 
 def kernel_forward(
-    q, k, v, layout: KernelLayout, scale: float, running=None, out_dtype: torch.dtype | None = None, columns=None
+    q, k, v, tables: TileTables, scale: float, running=None, out_dtype: torch.dtype | None = None, columns=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse fp32) of q over k/v under ``layout``; k/v may be another length (a
+    """(out, lse fp32) of q over k/v under ``tables``; k/v may be another length (a
     context-parallel chunk, gathered columns). ``out_dtype``: q's unless given.
-    ``columns``: ``ColumnKeys`` attended as bars besides the tiles of ``layout``.
+    ``columns``: ``ColumnKeys`` attended as bars besides the tiles of ``tables``.
 
     ``running``: an fp32 (out, lse) of the same rows over other keys. The result is then
     attention over both key sets, merged in the kernel (each row's running values are
@@ -184,21 +179,21 @@ def kernel_forward(
     ``out_dtype`` is fp32)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
-    n_qb = layout.tiles.shape[2]
+    n_qb = tables.tiles.shape[2]
     run_out, run_lse = (None, None) if running is None else running
     out, run_out, accumulate = _outputs("running[0]", run_out, q.shape, out_dtype or q.dtype, q.device)
     lse, run_lse, _ = _outputs("running[1]", run_lse, (b, h, s), torch.float32, q.device)
-    opts = _opts("fwd", layout, q)
-    _fwd_kernel[(n_qb * (layout.block // opts["BLOCK_M"]), b * h)](
-        q, k, v, out, lse, run_out, run_lse, layout.tiles, layout.tile_count, **_bars(*_bar_source(layout, k, v, columns)),
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, ACCUMULATE=accumulate,
-        **_common(q, k, layout), **opts,
+    opts = _opts("fwd", tables, q)
+    _fwd_kernel[(n_qb * (tables.block // opts["BLOCK_M"]), b * h)](
+        q, k, v, out, lse, run_out, run_lse, tables.tiles, tables.tile_count, **_bars(*_bar_source(tables, k, v, columns)),
+        NQB=n_qb, T_MAX=tables.tiles.shape[3], qk_scale=scale * LOG2E, ACCUMULATE=accumulate,
+        **_common(q, k, tables), **opts,
     )  # fmt: skip
     return out, lse
 
 
 def kernel_backward(
-    q, k, v, layout: KernelLayout, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None, columns=None
+    q, k, v, tables: TileTables, scale: float, out, lse, dout, dlse, dq_running=None, dq_dtype=None, columns=None
 ):
     """(dq, dk, dv), dk / dv in k / v's dtype, given each row's *final* out and lse (so the
     partials of several K/V chunks add up); ``dlse`` may be None. ``dq_running``: an fp32
@@ -208,57 +203,57 @@ def kernel_backward(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, s, h, d = q.shape
     out, dout, lse = out.contiguous(), dout.to(q.dtype).contiguous(), lse.float().contiguous()
-    delta = new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
-    common = _common(q, k, layout)
-    n_qb = layout.tiles.shape[2]
-    bar_layout, bar_k, bar_v = _bar_source(layout, k, v, columns)
-    bars = _bars(bar_layout, bar_k, bar_v)
-    bar_common = common if columns is None else _common(q, bar_k, bar_layout)
+    delta = buffers.new_buffer(lse.shape, torch.float32, q.device)  # written by the dQ kernel
+    common = _common(q, k, tables)
+    n_qb = tables.tiles.shape[2]
+    bar_tables, bar_k, bar_v = _bar_source(tables, k, v, columns)
+    bars = _bars(bar_tables, bar_k, bar_v)
+    bar_common = common if columns is None else _common(q, bar_k, bar_tables)
 
     dq, dq_run, accumulate = _outputs("dq_running", dq_running, q.shape, dq_dtype or q.dtype, q.device)
-    dq_opts = _opts("dq", layout, q)
-    _dq_kernel[(n_qb * (layout.block // dq_opts["BLOCK_M"]), b * h)](
+    dq_opts = _opts("dq", tables, q)
+    _dq_kernel[(n_qb * (tables.block // dq_opts["BLOCK_M"]), b * h)](
         q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq, dq_run,
-        layout.tiles, layout.tile_count, **bars,
-        NQB=n_qb, T_MAX=layout.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
+        tables.tiles, tables.tile_count, **bars,
+        NQB=n_qb, T_MAX=tables.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
         HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, **common, **dq_opts,
     )  # fmt: skip
 
     partials = None
-    if bar_layout.has_bars:
-        v_max = bar_layout.vertical.shape[-1]
-        partials = new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
-        bar_opts = _opts("bar_dkdv", bar_layout, q)
+    if bar_tables.has_bars:
+        v_max = bar_tables.vertical.shape[-1]
+        partials = buffers.new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
+        bar_opts = _opts("bar_dkdv", bar_tables, q)
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
-            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_layout.active, partials[0],
-            partials[1], bar_common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=bar_layout.active.shape[-1], V_MAX=v_max,
-            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=bar_common["D_PAD"], BLOCK=bar_layout.block,
+            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_tables.active, partials[0],
+            partials[1], bar_common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=bar_tables.active.shape[-1], V_MAX=v_max,
+            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=bar_common["D_PAD"], BLOCK=bar_tables.block,
             HAS_QPOS=bar_common["HAS_QPOS"], PRECISION=bar_common["PRECISION"], **bar_opts,
         )  # fmt: skip
     if columns is None:
-        return dq, *_key_grads(q, k, v, layout, common, dout, lse, delta, partials, scale)
+        return dq, *_key_grads(q, k, v, tables, common, dout, lse, delta, partials, scale)
     return (
         dq,
-        *_key_grads(q, k, v, layout, common, dout, lse, delta, None, scale),
-        *_key_grads(q, bar_k, bar_v, bar_layout, bar_common, dout, lse, delta, partials, scale),
+        *_key_grads(q, k, v, tables, common, dout, lse, delta, None, scale),
+        *_key_grads(q, bar_k, bar_v, bar_tables, bar_common, dout, lse, delta, partials, scale),
     )
 
 
-def _key_grads(q, k, v, layout: KernelLayout, common: dict, dout, lse, delta, partials, scale: float):
-    """(dk, dv) of ``k`` / ``v``: over the tiles of ``layout`` (KV-major), plus, with
+def _key_grads(q, k, v, tables: TileTables, common: dict, dout, lse, delta, partials, scale: float):
+    """(dk, dv) of ``k`` / ``v``: over the tiles of ``tables`` (KV-major), plus, with
     ``partials`` (the bar dK/dV kernel's ``[2, B * Hq, V, D_PAD]``), the partials of
-    ``layout``'s vertical columns, which are rows of ``k`` / ``v``."""
+    the vertical columns of ``tables``, which are rows of ``k`` / ``v``."""
     b, _, h, d = q.shape
-    n_kb = layout.tiles_t.shape[2]
+    n_kb = tables.tiles_t.shape[2]
     if partials is None:
-        v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, layout.tile_count, layout.tile_count
+        v_max, bar_dk, bar_dv, vert, vptr = 1, delta, delta, tables.tile_count, tables.tile_count
     else:
-        v_max, (bar_dk, bar_dv), vert, vptr = layout.vertical.shape[-1], partials, layout.vertical, layout.vertical_ptr
-    dk, dv = new_buffer(k.shape, k.dtype, k.device), new_buffer(v.shape, v.dtype, v.device)
-    opts = _opts("tile_dkdv", layout, q)
-    _tile_dkdv_kernel[(n_kb * (layout.block // opts["BLOCK_N"]), b * k.shape[2])](
-        q, k, v, dout, lse, delta, dk, dv, layout.tiles_t, layout.tile_t_count, bar_dk, bar_dv, vert, vptr,
-        NKB=n_kb, T_MAX=layout.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
+        v_max, (bar_dk, bar_dv), vert, vptr = tables.vertical.shape[-1], partials, tables.vertical, tables.vertical_ptr
+    dk, dv = buffers.new_buffer(k.shape, k.dtype, k.device), buffers.new_buffer(v.shape, v.dtype, v.device)
+    opts = _opts("tile_dkdv", tables, q)
+    _tile_dkdv_kernel[(n_kb * (tables.block // opts["BLOCK_N"]), b * k.shape[2])](
+        q, k, v, dout, lse, delta, dk, dv, tables.tiles_t, tables.tile_t_count, bar_dk, bar_dv, vert, vptr,
+        NKB=n_kb, T_MAX=tables.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
         HAS_BARS=partials is not None, FOLD=32, **common, **opts,
     )  # fmt: skip
     return dk, dv
@@ -266,13 +261,13 @@ def _key_grads(q, k, v, layout: KernelLayout, common: dict, dout, lse, delta, pa
 
 class TritonBlockBarAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: KernelLayout, scale: float):
-        out, lse = kernel_forward(q, k, v, layout, scale)
+    def forward(ctx, q, k, v, tables: TileTables, scale: float):
+        out, lse = kernel_forward(q, k, v, tables, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.tables, ctx.scale = tables, scale
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*kernel_backward(q, k, v, ctx.layout, ctx.scale, out, lse, dout, dlse), None, None)
+        return (*kernel_backward(q, k, v, ctx.tables, ctx.scale, out, lse, dout, dlse), None, None)

@@ -1,5 +1,5 @@
-"""Kernel inputs derived from an index: tile lists per query block, their transpose
-per KV block, and the vertical-column ("bar") tables of the backward.
+"""Tile tables: the tile + bar kernels' inputs derived from an index: tile lists per
+query block, their transpose per KV block, and the vertical-column ("bar") tables.
 
 Everything here is a few vectorised torch ops on index-sized tensors, done once
 per attention call and shared by the forward and backward kernels. Table widths
@@ -11,41 +11,43 @@ longest row (``compact``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
-from ..validation import fail
-from . import triton_available
+from ...index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, compact
+from ...validation import fail
+from .. import triton_available
+from .block_map import BlockMap
 
 
 @dataclass
-class KernelLayout:
-    """Tiles are ``block x block``; layout tensors have batch and head dims of 1 (shared)
+class TileTables:
+    """Tiles are ``block x block``; the tables have batch and head dims of 1 (shared)
     or the full size, which the kernels index modulo."""
 
     block: int
-    tiles: torch.Tensor  # [LB, LH, n_qblocks, max_tiles] int32 KV blocks, ascending
-    tile_count: torch.Tensor  # [LB, LH, n_qblocks] int32
-    tiles_t: torch.Tensor  # [LB, LH, n_kvblocks, max] int32 query blocks reading each KV block
-    tile_t_count: torch.Tensor  # [LB, LH, n_kvblocks] int32
+    tiles: torch.Tensor  # [TB, TH, n_qblocks, max_tiles] int32 KV blocks, ascending
+    tile_count: torch.Tensor  # [TB, TH, n_qblocks] int32
+    tiles_t: torch.Tensor  # [TB, TH, n_kvblocks, max] int32 query blocks reading each KV block
+    tile_t_count: torch.Tensor  # [TB, TH, n_kvblocks] int32
     # Bars: query block i reads the first bar_count[..., i] entries of its head's vertical
     # list (those at or before its last row), skipping columns inside its own attended
-    # tiles in the kernel; a prefix count keeps the layout O(n_qblocks) per head.
+    # tiles in the kernel; a prefix count keeps the tables O(n_qblocks) per head.
     vertical: torch.Tensor | None = None  # [B, Hq, V] int32 key indices, ascending by position, -1 padded
     bar_count: torch.Tensor | None = None  # [B, Hq, n_qblocks] int32
     vertical_ptr: torch.Tensor | None = None  # [B, Hq, n_kvblocks + 1] int32: vertical entries per KV block
     active: torch.Tensor | None = None  # [B, Hq, n_blocks] int8: attended block diagonals
-    # Top-k layouts: the tiles of a query block are the union of its rows' choices, and
+    # Top-k tables: the tiles of a query block are the union of its rows' choices, and
     # each row keeps only tiles of the index blocks it selected.
-    rowsel: torch.Tensor | None = None  # [B, LH, S, k] int32 selected index blocks per row
+    rowsel: torch.Tensor | None = None  # [B, TH, S, k] int32 selected index blocks per row
     rowsel_ratio: int = 1  # index block size / tile size
     # Context-parallel steps: the global block ids (int32, ascending for queries) of the
     # local query blocks and of the chunk's key blocks, whose rows and keys are whole
     # global blocks; causality compares the positions they give. None on one device
-    # (positions = indices). Gathered vertical columns are no blocks: a bars-only layout
-    # has no key blocks and gives its columns' positions in ``bar_positions``.
+    # (positions = indices). Gathered vertical columns are no blocks: bars-only tables
+    # have no key blocks and give their columns' positions in ``bar_positions``.
     query_blocks: torch.Tensor | None = None
     key_blocks: torch.Tensor | None = None
     bar_positions: torch.Tensor | None = None  # [B, Hq, V] int32, as ``vertical`` (None: ``vertical``)
@@ -62,32 +64,15 @@ class KernelLayout:
         return self.vertical is not None and self.vertical.shape[-1] > 0
 
 
-@dataclass(frozen=True)
-class BlockMap:
-    """Which of a sequence's blocks a context-parallel side holds (a rank's query rows, a
-    ring step's chunk): ``ids`` [n] int32, the global block id of each local block,
-    ascending; ``local`` [n_blocks] int32, the local index of each global block, -1 where
-    not held (the inverse, so that a lookup costs one load)."""
-
-    ids: torch.Tensor
-    local: torch.Tensor
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, n_blocks: int) -> BlockMap:
-        local = torch.full((n_blocks,), -1, dtype=torch.int32, device=ids.device)
-        local[ids.long()] = torch.arange(len(ids), dtype=torch.int32, device=ids.device)
-        return cls(ids.int().contiguous(), local)
-
-
 def transpose_tiles(
     tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query block KV-block lists -> per KV block query-block lists (ascending),
     ``width`` wide (see ``compact``)."""
-    lb, lh, nq, listed = tiles.shape
+    tb, th, nq, listed = tiles.shape
     valid = torch.arange(listed, device=tiles.device) < count.unsqueeze(-1)
     # A dense [.., n_kv, n_q] membership table keeps this simple; it is n_blocks^2 bits per head.
-    member = torch.zeros(lb, lh, n_kv_blocks + 1, nq, dtype=torch.bool, device=tiles.device)
+    member = torch.zeros(tb, th, n_kv_blocks + 1, nq, dtype=torch.bool, device=tiles.device)
     kv = torch.where(valid, tiles.long(), n_kv_blocks)
     member.scatter_(2, kv.transpose(2, 3), valid.transpose(2, 3))
     member = member[:, :, :n_kv_blocks]
@@ -95,9 +80,9 @@ def transpose_tiles(
     return compact(q_idx, member, width)
 
 
-def dense_layout(index: DenseIndex, block: int) -> KernelLayout:
+def dense_tables(index: DenseIndex, block: int) -> TileTables:
     kb = torch.arange(-(-index.seq_len // block), device=index.device)
-    return layout_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
+    return tables_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
 
 
 def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Tensor, n_blocks: int):
@@ -130,42 +115,40 @@ def vertical_counts(vertical_positions: torch.Tensor, bounds: torch.Tensor, righ
     return torch.searchsorted(sortable.contiguous(), wanted, right=right).to(torch.int32)
 
 
-def vertical_slash_layout(
+def vertical_slash_tables(
     index: VerticalSlashIndex,
     queries: BlockMap | None = None,
     keys: BlockMap | None = None,
     bars: bool = True,
     columns: torch.Tensor | None = None,
-) -> KernelLayout:
-    """The layout of a vertical-slash index between the query blocks and the key blocks
+) -> TileTables:
+    """The tile tables of a vertical-slash index between the query blocks and the key blocks
     held (``BlockMap``s: a context-parallel rank's rows, a ring step's chunk), each the
     whole sequence's where None; with ``bars``, which needs whole-sequence keys, the
     vertical columns' tables too. With ``columns`` (int32 positions, ascending, -1 padded
     at the end, holding every vertical column: a rank's gathered column keys) the keys are
     those columns: bars only, no tiles. In one Triton launch for CUDA indices
-    (``layout_kernel``), else composed from the torch helpers below."""
+    (``tables_kernel``), else composed from the torch helpers below."""
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
         fail("columns", "given", "None unless keys=None and bars=True (the columns are the keys)")
-    if queries is None and keys is None and columns is None and bars and index.precomputed_layout is not None:
-        return index.precomputed_layout
     ids = {"query_blocks": None if queries is None else queries.ids, "key_blocks": None if keys is None else keys.ids}
     vertical = {"vertical": index.vertical} if bars else {}
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
         vertical = {"bar_positions": index.vertical}
     if index.device.type == "cuda" and triton_available():
-        from .layout_kernel import vertical_slash_tables  # imports Triton
+        from .tables_kernel import launch_vertical_slash_tables  # imports Triton
 
-        tables = vertical_slash_tables(index, queries, keys, bars, columns)
-        return KernelLayout(index.block_size, **vertical, **tables, **ids)
+        written = launch_vertical_slash_tables(index, queries, keys, bars, columns)
+        return TileTables(index.block_size, **vertical, **written, **ids)
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
     if columns is None:
         tiles = slash_tiles(index.slash, gq, gk, n)
         if not bars:
-            return KernelLayout(bs, *tiles, **ids)
+            return TileTables(bs, *tiles, **ids)
         key_vertical, key_starts = index.vertical, blocks * bs
     else:
         n_column_blocks = -(-len(columns) // bs)
@@ -177,7 +160,7 @@ def vertical_slash_layout(
         key_starts = torch.arange(n_column_blocks + 1, device=index.device, dtype=torch.int32) * bs
         vertical["vertical"] = key_vertical
     last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
-    return KernelLayout(
+    return TileTables(
         bs,
         *tiles,
         **vertical,
@@ -210,18 +193,18 @@ def selection_union(rowsel: torch.Tensor, block: int, n_index_blocks: int) -> to
     return chosen[..., :n_index_blocks]
 
 
-def layout_from_membership(
+def tables_from_membership(
     member: torch.Tensor, block: int, widths: tuple[int, int] | None = None, **fields
-) -> KernelLayout:
-    """A layout from ``member [LB, LH, n_q, n_k]`` (query block i reads KV block j);
+) -> TileTables:
+    """Tile tables from ``member [TB, TH, n_q, n_k]`` (query block i reads KV block j);
     ``widths``: bounds on the tiles per query block and per KV block (see ``compact``)."""
     kb = torch.arange(member.shape[-1], device=member.device, dtype=torch.int32)
     width, width_t = widths if widths is not None else (None, None)
     tiles, count = compact(kb.expand_as(member), member, width)
-    return KernelLayout(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1], width_t), **fields)
+    return TileTables(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1], width_t), **fields)
 
 
-def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayout:
+def block_topk_tables(index: BlockTopKIndex, max_tile: int = 128) -> TileTables:
     tile = min(index.block_size, max_tile)
     ratio = index.block_size // tile
     n_tiles = -(-index.seq_len // tile)
@@ -230,15 +213,47 @@ def block_topk_layout(index: BlockTopKIndex, max_tile: int = 128) -> KernelLayou
     member = chosen.repeat_interleave(ratio, dim=-1)[..., :n_tiles]
     kb = torch.arange(n_tiles, device=index.device)
     member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
-    return layout_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
+    return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
 
 
-def kernel_layout(index: SparseIndex, dense_block: int = 128) -> KernelLayout | None:
-    """The kernel layout of ``index``, or None when the kernels do not serve its type."""
+def tile_tables(index: SparseIndex, dense_block: int = 128) -> TileTables | None:
+    """The tile tables of ``index`` (those kept for it, ``keep_tables``, if any), or None when
+    the kernels do not serve its type."""
     if isinstance(index, VerticalSlashIndex):
-        return vertical_slash_layout(index)
+        kept = kept_tables(index)
+        return kept if kept is not None else vertical_slash_tables(index)
     if isinstance(index, DenseIndex):
-        return dense_layout(index, dense_block)
+        return dense_tables(index, dense_block)
     if isinstance(index, BlockTopKIndex):
-        return block_topk_layout(index)
+        return block_topk_tables(index)
     return None
+
+
+# Tile tables made together with their index, by the index object's identity: the
+# single-device vertical-slash build writes them in the same CUDA graph as the index, and
+# building them again for the forward would repeat that work. Kept here rather than on the
+# index, they leave the index plain data that knows nothing of the kernels, and every
+# caller that hands the index object on to ``sparse_attention`` (the single-device
+# ``mtraining`` attention, the ring at CP size 1 and the recall metric, all through
+# ``build_local_index``) reuses them with no argument added to its signature. An entry
+# lasts as long as its index: a weak reference's callback drops it. A moved or copied
+# index (``to``, ``dataclasses.replace``) is another object and builds its own.
+# Keyed by ``id`` since the index dataclasses compare by value and so do not hash.
+_KEPT: dict[int, tuple[weakref.ref, TileTables]] = {}
+
+
+def keep_tables(index: SparseIndex, tables: TileTables) -> None:
+    """Makes ``tile_tables(index)`` return ``tables`` for as long as ``index`` lives."""
+    key = id(index)
+
+    def forget(ref: weakref.ref) -> None:
+        if _KEPT.get(key, (None,))[0] is ref:
+            del _KEPT[key]
+
+    _KEPT[key] = (weakref.ref(index, forget), tables)
+
+
+def kept_tables(index: SparseIndex) -> TileTables | None:
+    """The tile tables kept for ``index`` (``keep_tables``), or None."""
+    ref, tables = _KEPT.get(id(index), (None, None))
+    return tables if ref is not None and ref() is index else None

@@ -1,4 +1,4 @@
-"""Autograd function running a ``BlockTopKIndex`` through the KV-outer kernels (``kv_outer.py``).
+"""Autograd function running a ``BlockTopKIndex`` through the KV-outer kernels (``kernels``).
 
 Both passes stream over query chunks: each chunk's slot buffers hold k partial results per
 (token, head), so the chunk length bounds them (``CHUNKS``) and the buffers are reused from
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..index import BlockTopKIndex
-from ..validation import check_power_of_two, fail
-from . import attention, kv_outer
-from .block_bar import LOG2E
-from .combine import ROWS
+from ...index import BlockTopKIndex
+from ...validation import check_power_of_two, fail
+from ..shared import buffers
+from ..shared.combine import ROWS
+from ..shared.kernels import LOG2E
+from . import kernels
 from .reverse_index import reverse_index, work_list
 
 
@@ -56,7 +57,7 @@ DEFAULTS = {
     "bwd": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
     "dq": PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
 }
-"""Untuned first choices, with ``OVERRIDES`` replacing them per pass as in ``attention.py``.
+"""Untuned first choices, with ``OVERRIDES`` replacing them per pass as in ``block_bar.attention``.
 Forward: 64 rows (8 tokens x 8 heads for Qwen2.5-3B's MSA) against a whole 128-key block,
 4 warps, so that two programs share a multiprocessor. dK/dV: 64 rows against a 128-key
 block, the shape of ``block_bar``'s dK/dV kernel. The alternatives measured once (a 128-row
@@ -192,17 +193,17 @@ def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = query_chunk("fwd", q, p.topk)
     rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
     work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
-    out = attention.new_buffer(q.shape, q.dtype, q.device)
-    lse = attention.new_buffer((b, hq, s), torch.float32, q.device)
+    out = buffers.new_buffer(q.shape, q.dtype, q.device)
+    lse = buffers.new_buffer((b, hq, s), torch.float32, q.device)
     rows = p.slot_rows(chunk) * p.topk
-    o_buf = attention.new_buffer((rows, d), q.dtype, q.device)
-    lse_buf = attention.new_buffer((rows,), torch.float32, q.device)
+    o_buf = buffers.new_buffer((rows, d), q.dtype, q.device)
+    lse_buf = buffers.new_buffer((rows,), torch.float32, q.device)
     for c in range(rev.n_chunks):
-        kv_outer._fwd_kernel[(work.items_per_chunk,)](
+        kernels._fwd_kernel[(work.items_per_chunk,)](
             q, p.k, p.v, rev.entries, work.tiles, work.items, work.chunk_items, o_buf, lse_buf, c,
             *p.chunk_args(chunk), p.scale * LOG2E, **p.dims(), **_opts(cfg, block_m, block_n),
         )  # fmt: skip
-        kv_outer._merge_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
+        kernels._merge_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
             o_buf, lse_buf, p.blocks, out, lse, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=p.dims()["D_PAD"]
         )
     return out, lse
@@ -214,9 +215,9 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
     b, s, hq, d = q.shape
     dims = p.dims()
     dout = dout.to(q.dtype).contiguous()
-    delta = attention.new_buffer((b, hq, s), torch.float32, q.device)
+    delta = buffers.new_buffer((b, hq, s), torch.float32, q.device)
     dlse = delta if dlse is None else dlse.float().contiguous()  # the placeholder is not read
-    kv_outer._delta_kernel[(triton.cdiv(b * s * hq, ROWS),)](
+    kernels._delta_kernel[(triton.cdiv(b * s * hq, ROWS),)](
         out.contiguous(), dout, dlse, delta, b * s * hq, hq, s, d,
         ROWS=ROWS, D_PAD=dims["D_PAD"], HAS_DLSE=dlse is not delta,
     )  # fmt: skip
@@ -239,26 +240,26 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
 
     dk_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv_sum = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dq = attention.new_buffer(q.shape, q.dtype, q.device)
-    dq_buf = attention.new_buffer(slot_shape, slot_dtype, q.device)
-    dk_part, dv_part = (attention.new_buffer((pool * p.block, d), torch.float32, q.device) for _ in range(2))
+    dq = buffers.new_buffer(q.shape, q.dtype, q.device)
+    dq_buf = buffers.new_buffer(slot_shape, slot_dtype, q.device)
+    dk_part, dv_part = (buffers.new_buffer((pool * p.block, d), torch.float32, q.device) for _ in range(2))
     reduce_grid = (min(work.splits_per_chunk * (p.block // ROWS), reduce_programs(q.device)),)
     for c in range(rev.n_chunks):
-        kv_outer._bwd_kernel[(work.items_per_chunk, steps)](
+        kernels._bwd_kernel[(work.items_per_chunk, steps)](
             q, k, p.v, dout, lse, delta, rev.entries, work.tiles, work.items, work.chunk_items, work.partial,
             dk_sum, dv_sum, dk_part, dv_part, dq_buf, c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale,
             **dims, HAS_DQ=steps == 1, **_opts(cfg, block_m, block_n),
         )  # fmt: skip
         if steps > 1:
-            kv_outer._dq_kernel[(dq_work.items_per_chunk,)](
+            kernels._dq_kernel[(dq_work.items_per_chunk,)](
                 q, k, p.v, dout, lse, delta, rev.entries, dq_work.tiles, dq_work.items, dq_work.chunk_items, dq_buf,
                 c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale, **dims, **_opts(dq_cfg, dq_block_m, dq_block_n),
             )  # fmt: skip
-        kv_outer._reduce_kernel[reduce_grid](
+        kernels._reduce_kernel[reduce_grid](
             work.splits, work.chunk_splits, dk_part, dv_part, dk_sum, dv_sum, c, s, k.shape[2], p.n_blocks,
             HEAD_DIM=d, D_PAD=dims["D_PAD"], BLOCK=p.block, ROWS=ROWS,
         )  # fmt: skip
-        kv_outer._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
+        kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
             dq_buf, p.blocks, dq, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=dims["D_PAD"]
         )
     return dq, dk_sum.to(k.dtype), dv_sum.to(k.dtype)

@@ -1,17 +1,17 @@
-"""Kernel layouts of ring steps: a ``StepIndex`` in the kernels' tile + bar form.
+"""Tile tables of ring steps: a ``StepIndex`` in the kernels' tile + bar form.
 
 Local query block ``i`` and chunk key block ``j`` are global blocks ``gq[i]`` and
 ``gk[j]`` when the layout's stripes (or zigzag chunks) are whole blocks, which
-``StepLayouts`` checks; tiles are then decided per global block pair and
+``StepTables`` checks; tiles are then decided per global block pair and
 causality inside a tile is left to the kernels, which compare global positions.
 The local vertical-column pass gets the bars of each local query block over the
 gathered columns.
 
-Building a layout reads nothing from the device, so the host can build step
+Building a step's tables reads nothing from the device, so the host can build step
 ``s + 1``'s while step ``s``'s kernel runs: block alignment and global block ids are
 facts of the positions, computed once per layout, rank and device
 (``TokenPositions``), and table widths follow from shapes, except a top-k index's,
-read once per layer call (``StepLayouts``).
+read once per layer call (``StepTables``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import functools
 import torch
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex, VerticalSlashPart
-from ..sparse.kernels.layout import (
-    BlockMap,
-    KernelLayout,
-    layout_from_membership,
+from ..sparse.kernels.block_bar.block_map import BlockMap
+from ..sparse.kernels.block_bar.tables import (
+    TileTables,
     selection_union,
-    vertical_slash_layout,
+    tables_from_membership,
+    vertical_slash_tables,
 )
 from .layout import TokenPositions
 
@@ -74,8 +74,8 @@ def _tiles_per_index_block(positions: TokenPositions, block: int, ratio: int) ->
     )
 
 
-class StepLayouts:
-    """The kernel layouts of one rank's steps under one index (one layer call), for the
+class StepTables:
+    """The tile tables of one rank's steps under one index (one layer call), for the
     rank's rows at ``queries``. What depends on those rows alone (a top-k index's
     selections and its table widths) is built once and shared by the steps."""
 
@@ -84,13 +84,13 @@ class StepLayouts:
 
     def whole_blocks(self) -> bool:
         """Whether the rows are whole, ascending blocks of the vertical-slash index, which the
-        bars-only layout needs, and so every tiles layout of a layout's ring steps: each
+        bars-only tables need, and so do the tiles-only tables of every ring step: each
         rank's positions run in the same stripes (or zigzag chunks), so a chunk's keys are
         whole blocks where the rows are. Reads nothing from the device and builds nothing."""
         return _global_blocks(self.queries, self.work.index.block_size) is not None
 
-    def of(self, keys: TokenPositions) -> KernelLayout | None:
-        """The layout of the step over the chunk at ``keys``, or None when the kernels
+    def of(self, keys: TokenPositions) -> TileTables | None:
+        """The tile tables of the step over the chunk at ``keys``, or None when the kernels
         cannot serve it (the tokens are not whole blocks, or the index type has no kernel
         form)."""
         work, queries = self.work, self.queries
@@ -115,16 +115,16 @@ class StepLayouts:
         if isinstance(work, DenseIndex):
             # One table for every head, and the latest query block reads about every key
             # block: full widths are what trimming would give.
-            return layout_from_membership(causal.view(1, 1, *causal.shape), block, (len(gk), len(gq)), **fields)
+            return tables_from_membership(causal.view(1, 1, *causal.shape), block, (len(gk), len(gq)), **fields)
         rowsel, chosen, most_chosen, most_readers = self._selections
         ratio = work.block_size // block
         member = chosen[..., gk // ratio] & causal
         # A query block's tiles lie in the index blocks it chose; a tile's readers chose its block.
         widths = (min(len(gk), most_chosen * _tiles_per_index_block(keys, block, ratio)), min(len(gq), most_readers))
-        return layout_from_membership(member, block, widths, rowsel=rowsel, rowsel_ratio=ratio, **fields)
+        return tables_from_membership(member, block, widths, rowsel=rowsel, rowsel_ratio=ratio, **fields)
 
-    def _vertical_slash(self, keys: TokenPositions) -> KernelLayout | None:
-        """A vertical-slash step's layout (one launch on CUDA, ``layout_kernel``): the tiles
+    def _vertical_slash(self, keys: TokenPositions) -> TileTables | None:
+        """A vertical-slash step's tables (one launch on CUDA, ``tables_kernel``): the tiles
         of the ring's part between the rows and the chunk, or the whole index (tiles and
         bars) over whole-sequence keys (the all-gather's one piece)."""
         work = self.work
@@ -135,7 +135,7 @@ class StepLayouts:
         bars = isinstance(work, VerticalSlashIndex)
         if rows is None or chunk is None or (bars and not whole):
             return None
-        return vertical_slash_layout(index, rows, None if whole else chunk, bars)
+        return vertical_slash_tables(index, rows, None if whole else chunk, bars)
 
     @functools.cached_property
     def _selections(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -152,10 +152,10 @@ class StepLayouts:
         most_chosen, most_readers = torch.stack([chosen.sum(-1).amax(), chosen.sum(-2).amax()]).tolist()
         return rowsel, chosen, most_chosen, most_readers
 
-    def _bars(self, keys: TokenPositions) -> KernelLayout | None:
+    def _bars(self, keys: TokenPositions) -> TileTables | None:
         """No tiles; each local query block reads a prefix of its head's vertical columns,
-        as indices into the gathered keys at ``keys`` (see ``KernelLayout.bar_count``),
+        as indices into the gathered keys at ``keys`` (see ``TileTables.bar_count``),
         which hold every column in position order. None unless the rows are whole blocks."""
         index = self.work.index
         rows = _block_map(self.queries, index.block_size, index.num_blocks)
-        return None if rows is None else vertical_slash_layout(index, rows, columns=keys.int32)
+        return None if rows is None else vertical_slash_tables(index, rows, columns=keys.int32)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import INT32_MAX
+from ...index import INT32_MAX
 
 CHUNK = 1024  # candidates per loop step
 _DROPPED = tl.constexpr(INT32_MAX)  # a candidate not taken; sort_kept turns it into padding

@@ -12,16 +12,16 @@ The fused ops return the LSE but do not differentiate it, and merging partial re
 own autograd graph inside its forward and replays it in the backward when only ``out``
 carries a gradient (the usual case: Megatron's core attention drops the LSE); with an LSE
 gradient the backward runs on the dense Triton kernels, whose softmax gradient takes it
-(as ``flash_attn_backend`` does).
+(as ``flash_attn`` does).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..index import DenseIndex, SparseIndex
-from . import triton_available
-from .layout import kernel_layout
+from ...index import DenseIndex, SparseIndex
+from .. import triton_available
+from ..block_bar.tables import tile_tables
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -105,10 +105,10 @@ class SDPAAttention(torch.autograd.Function):
         del ctx.graph
         if not triton_available():
             raise RuntimeError("a gradient through the LSE of the 'sdpa' backend needs the Triton kernels")
-        from .attention import kernel_backward  # imports Triton
+        from ..block_bar.attention import kernel_backward  # imports Triton
 
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         b, s, h, _ = q.shape
-        layout = kernel_layout(DenseIndex(b, h, s, device=q.device))
-        return *kernel_backward(q, k, v, layout, ctx.scale, out, lse, dout, dlse), None
+        tables = tile_tables(DenseIndex(b, h, s, device=q.device))
+        return *kernel_backward(q, k, v, tables, ctx.scale, out, lse, dout, dlse), None

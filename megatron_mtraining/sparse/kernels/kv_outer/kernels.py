@@ -1,9 +1,9 @@
 """Triton kernels of KV-outer attention over a per-query top-k block selection (MSA, MoBA).
 
-Iterating queries on the outer loop (``block_bar.py`` on a ``block_topk_layout``) walks the
+Iterating queries on the outer loop (``block_bar`` on a ``block_topk_tables``) walks the
 union of the blocks that a query block's rows chose and masks each row to its own, so at
 long lengths most of the computed area is thrown away. Here a program takes one key block
-and a work item's tiles (``reverse_index.py``) of the queries that chose it: ``BLOCK_M``
+and a work item's tiles (``reverse_index``) of the queries that chose it: ``BLOCK_M``
 rows of ``BLOCK_M // G`` tokens x the ``G`` query heads of their selection head, gathered
 (the heads of a token are adjacent in q), so every row of every product wants the block.
 
@@ -21,7 +21,7 @@ the block per tile). An item that is its group's only one in the chunk adds its 
 the running fp32 sums; items of a split group write partials that ``_reduce_kernel`` adds
 in item order, its programs striding over the chunk's split groups. ``_sum_slots_kernel``
 adds each row's dQ slots in slot order, in fp32 whatever the slots' dtype (bf16 for bf16
-inputs, see ``kv_outer_attention``).
+inputs, see ``attention``).
 
 The kernels of one query chunk index their slot buffers by the row's offset in the chunk,
 ``chunk * CHUNK`` tokens in. All statistics are fp32; exponentials are base 2 with the scale
@@ -33,8 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_bar import LOG2E, _dq_step, _load_rows, _online_step, _store_rows, _transposed_grads
-from .combine import _rows, merge_weights
+from ..shared.combine import _rows, merge_weights
+from ..shared.kernels import LOG2E, _dq_step, _load_rows, _online_step, _store_rows, _transposed_grads
 
 _LOG2E = tl.constexpr(LOG2E)  # kernels read only constexpr globals
 
@@ -181,7 +181,7 @@ def _bwd_kernel(
 ):  # fmt: skip
     """dK/dV of step ``program_id(1)`` of an item's block over its tiles, and with ``HAS_DQ``
     (the step is the whole block) the rows' dQ partials. Scores are transposed (keys x rows)
-    as in ``block_bar._kv_grads``: P^T and dS^T then feed the dV and dK products as they are."""
+    as in ``block_bar.kernels._kv_grads``: P^T and dS^T then feed the dV and dK products as they are."""
     item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)

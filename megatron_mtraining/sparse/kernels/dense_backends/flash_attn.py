@@ -19,9 +19,9 @@ from types import ModuleType
 
 import torch
 
-from ..index import DenseIndex, SparseIndex
-from . import triton_available
-from .layout import kernel_layout
+from ...index import DenseIndex, SparseIndex
+from .. import triton_available
+from ..block_bar.tables import tile_tables
 
 # flash-attn 2.7 gave ``_flash_attn_forward`` / ``_flash_attn_backward`` the signatures
 # called below (split window sizes, four forward results); earlier versions differ.
@@ -118,10 +118,10 @@ class FlashAttention(torch.autograd.Function):
                 dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=ctx.scale, deterministic=True, **_EXACT_CAUSAL
             )
             return dq, dk, dv, None
-        from .attention import kernel_backward  # imports Triton
+        from ..block_bar.attention import kernel_backward  # imports Triton
 
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         b, s, h, _ = q.shape
-        layout = kernel_layout(DenseIndex(b, h, s, device=q.device))
-        return *kernel_backward(q, k, v, layout, ctx.scale, out, lse, dout, dlse), None
+        tables = tile_tables(DenseIndex(b, h, s, device=q.device))
+        return *kernel_backward(q, k, v, tables, ctx.scale, out, lse, dout, dlse), None

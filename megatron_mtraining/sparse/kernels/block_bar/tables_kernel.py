@@ -1,7 +1,7 @@
-"""A vertical-slash index's kernel layout in one Triton launch (CUDA inputs), on one
+"""A vertical-slash index's tile tables in one Triton launch (CUDA inputs), on one
 device or for a context-parallel piece.
 
-``layout.vertical_slash_layout`` (one device) and ``StepLayouts`` (a ring step) compose
+``tables.vertical_slash_tables`` on the torch path (one device) and ``StepTables`` (a ring step) compose
 ``slash_tiles``, ``vertical_counts`` and ``active_diagonals``: about 55 small torch
 operations, each a kernel launch and microseconds of host time (docs/benchmarks.md,
 "Context-parallel layouts in one launch"),
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import VerticalSlashIndex
-from .layout import BlockMap
+from ...index import VerticalSlashIndex
+from .block_map import BlockMap
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _global(BLK, r, ok, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def _layout_kernel(
+def _tables_kernel(
     SLASH, VERT, QBLK, QLOC, KBLK, KLOC, COLS, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
     VERT_LOCAL, n_slash, n_vert, n_blocks, n_q, n_k, n_cols, seq_len, width, width_t,
     BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, WP_T: tl.constexpr,
@@ -174,15 +174,15 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def vertical_slash_tables(
+def launch_vertical_slash_tables(
     index: VerticalSlashIndex,
     query_blocks: BlockMap | None = None,
     key_blocks: BlockMap | None = None,
     bars: bool = True,
     columns: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tables of ``layout.vertical_slash_layout(index, query_blocks, key_blocks, bars,
-    columns)`` (``KernelLayout``'s fields by name, but ``block``, ``bar_positions`` and the
+    """The tables of ``tables.vertical_slash_tables(index, query_blocks, key_blocks, bars,
+    columns)`` (``TileTables``'s fields by name, but ``block``, ``bar_positions`` and the
     block ids): the tiles, and with ``bars`` (whole-sequence keys only) ``bar_count``,
     ``vertical_ptr`` and ``active``. With ``columns`` (the gathered vertical columns'
     positions as keys) no tiles, and ``vertical``: the columns' indices among them."""
@@ -212,7 +212,7 @@ def vertical_slash_tables(
     # SDC x SDC tables, which fit in registers at these sizes (sm90).
     g, sdc = 32, min(_pow2(n_slash), 64)
     rows = max(n_q, n_k + 1 if bars else n_k, n if bars else 0, n_vert if columns is not None else 0)
-    _layout_kernel[(triton.cdiv(rows, g), b * h)](
+    _tables_kernel[(triton.cdiv(rows, g), b * h)](
         index.slash.contiguous(), index.vertical.contiguous(), qblk, qloc, kblk, kloc,
         placeholder if columns is None else columns.contiguous(), out["tiles"], out["tile_count"], out["tiles_t"],
         out["tile_t_count"], out.get("bar_count", placeholder), out.get("vertical_ptr", placeholder),
