@@ -119,7 +119,7 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
     PyTorch path (``MTRAINING_ATTENTION_BACKEND=reference``; one warm call timed, it takes
     seconds at 128K), with each one's peak memory above its inputs; and how many rows pick
     the same blocks (the two differ only among equally scored blocks)."""
-    from megatron_mtraining.sparse.attention import BACKEND_ENV
+    from megatron_mtraining.sparse.dispatch import BACKEND_ENV
 
     results = {}
     for name in ("triton", "reference"):
@@ -149,7 +149,7 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
     and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
     (its tile tables built in each call, as ``sparse_attention`` builds them), each called directly;
     memory and kernel times through ``sparse_attention``, on the loop order it picks."""
-    from megatron_mtraining.sparse.attention import kv_outer_preferred
+    from megatron_mtraining.sparse.dispatch import kv_outer_preferred
     from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
     from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
 

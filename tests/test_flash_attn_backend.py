@@ -21,7 +21,7 @@ import torch
 from dense_reference import TOLERANCE, check_against_dense, make_inputs
 
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex, sparse_attention
-from megatron_mtraining.sparse import attention as api
+from megatron_mtraining.sparse import dispatch as api
 from megatron_mtraining.sparse.kernels.dense_backends import flash_attn as backend
 
 

@@ -151,7 +151,7 @@ def test_top_k_loop_order_follows_the_measurements():
     """KV-outer kernels for MSA's selections at 128K (1.6% of the keys) and MoBA's at 256K
     (19%); the union of tiles for MSA's at 32K (6.25%), MoBA's at 128K (37.5%) and other
     index types (docs/benchmarks.md has the measurements behind the limits)."""
-    from megatron_mtraining.sparse.attention import kv_outer_preferred
+    from megatron_mtraining.sparse.dispatch import kv_outer_preferred
 
     def topk(s, k, block):
         return BlockTopKIndex(blocks=torch.zeros(1, s, 1, k, dtype=torch.int32), block_size=block, num_heads=1)

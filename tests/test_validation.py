@@ -328,7 +328,7 @@ def test_index_on_another_device_is_rejected(rng):
 
 
 def test_kernels_refuse_inputs_past_int32_offsets():
-    from megatron_mtraining.sparse.attention import backend_choice
+    from megatron_mtraining.sparse.dispatch import backend_choice
 
     # An expanded view: 2^31 + 2^17 elements without the memory.
     q = torch.zeros((), dtype=torch.bfloat16).expand(1, 2**20 + 64, 16, 128)

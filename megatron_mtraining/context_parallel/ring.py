@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..sparse.attention import backend_choice, sparse_attention
+from ..sparse.attention import sparse_attention
+from ..sparse.dispatch import attention_kernel, log_decision
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
 from ..sparse.reference import compute_dtype
 from ..sparse.validation import check_choice, check_qkv, check_softmax_scale, fail
@@ -317,7 +318,9 @@ def ring_attention(
     index = build_index(pattern, q, k, scale, layout, cp_group)
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
-    use_kernels = backend_choice(q, backend) == "triton"
+    decision = attention_kernel(q, index, backend, piece=True)
+    log_decision(decision, f"ring_attention ({exchange}) rank {rank}")
+    use_kernels = decision.kernel == "block_bar"
     step_tables = StepTables(work, queries) if use_kernels else None
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
         rank, n_outer * n_inner, q.device

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import backend_choice
+from .dispatch import backend_choice
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
@@ -101,7 +101,7 @@ def block_max_scores(
 def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int) -> BlockTopKIndex:
     """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count.
 
-    Where the kernels run (``attention.backend_choice``: CUDA inputs, not ruled out by
+    Where the kernels run (``dispatch.backend_choice``: CUDA inputs, not ruled out by
     ``MTRAINING_ATTENTION_BACKEND=reference``) and ``topk`` fits its register-resident set,
     one Triton launch scores and selects with no token-level scores in memory
     (``kernels/index_build/msa_index.py``; ties go to the lower block id). Otherwise the rows go in

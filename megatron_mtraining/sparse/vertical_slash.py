@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import backend_choice, index_kernels
 from .cuda_graphs import GraphedCalls, graphs_enabled
+from .dispatch import backend_choice, index_kernels
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
 from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (

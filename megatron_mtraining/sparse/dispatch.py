@@ -1,0 +1,196 @@
+"""Which implementation runs a call, and why: the one place that decides.
+
+An attention call goes to one of :data:`KERNELS`:
+
+* ``flash_attn`` / ``sdpa``: another library's whole causal attention (flash-attn 2 where it
+  is installed, else PyTorch's fused attention: cuDNN on sm90+, FlashAttention-2 on sm80). Only
+  a ``DenseIndex`` over the whole sequence on one device, in fp16/bf16: these libraries take
+  no index, no key positions and no running result.
+* ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
+  queries select a small share of the keys (:func:`kv_outer_preferred`).
+* ``block_bar``: the Triton query-major tile + bar kernels (``kernels/block_bar``), for every
+  index type. The only kernels that take keys at arbitrary global positions and add into an
+  fp32 running result, which a piece of a context-parallel rank's attention (a ring step, the
+  vertical-column pass, the all-gathered K/V) needs; so every piece on the kernels runs here,
+  top-k indices included (the KV-outer kernels would need both).
+* ``reference``: the PyTorch path (``reference.py``), for what no kernel serves: CPU tensors,
+  dtypes and head dims outside the kernels', Triton missing, or
+  ``MTRAINING_ATTENTION_BACKEND=reference``.
+
+The user's setting (``backend`` argument, else ``MTRAINING_ATTENTION_BACKEND``, else
+``auto``) is one of :data:`BACKENDS`; forcing a backend that cannot run the call is a
+``ValueError`` that says why. :func:`attention_kernel` returns the choice with its reason;
+with ``logging.getLogger("megatron_mtraining.dispatch")`` at DEBUG every single-device call
+and every ring call logs it. The other kernel families follow the same setting:
+:func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
+(the vertical-slash selection).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from .kernels import triton_available
+from .kernels.dense_backends import flash_attn, sdpa
+from .validation import fail
+
+BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
+BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
+KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
+# Index types the block-bar kernels serve (their tile tables exist for these).
+BLOCK_BAR_INDEXES = (VerticalSlashIndex, DenseIndex, BlockTopKIndex)
+
+# The loop order of a top-k index on the kernels, by measurement (docs/benchmarks.md,
+# "KV-outer kernels for top-k indexes" and "Kernels at 256K on one H100"): KV-outer programs
+# compute only the rows that chose their key block, but stream the queries in chunks whose
+# fixed cost is paid per chunk; the query-major union-of-tiles kernels compute every row of
+# a query block against the union of its rows' blocks. KV-outer wins where the selections
+# are a small share of the keys; the union where they are not, and for wide blocks, whose
+# rows of a query block mostly agree. The thresholds sit between the measured crossovers.
+KV_OUTER_MAX_BLOCK = 128
+KV_OUTER_MAX_SHARE = 1 / 16  # blocks of at most KV_OUTER_MAX_BLOCK tokens
+KV_OUTER_MAX_SHARE_WIDE = 1 / 4  # wider blocks
+
+logger = logging.getLogger("megatron_mtraining.dispatch")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The implementation that runs a call (one of :data:`KERNELS`) and why."""
+
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.reason}"
+
+
+def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = None, piece: bool = False) -> Decision:
+    """Where attention of ``q`` under ``index`` runs: a whole single-device call
+    (``sparse_attention``), or with ``piece`` a piece of a context-parallel rank's attention."""
+    setting = _backend_setting(backend)
+    if not piece:
+        dense = dense_backend(q, index, backend)
+        if dense is not None:
+            why = "forced" if setting == dense else "auto: whole causal attention of a DenseIndex on CUDA"
+            if dense == "sdpa" and setting != "sdpa":
+                why += f" (not flash-attn: {flash_attn.unsupported(q, index)})"
+            return Decision(dense, why)
+    if backend_choice(q, backend) == "reference":
+        return Decision("reference", _reference_reason(q, setting))
+    if not isinstance(index, BLOCK_BAR_INDEXES):
+        if setting == "triton":
+            fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
+        return Decision("reference", f"no kernel serves a {type(index).__name__}")
+    if piece:
+        return Decision("block_bar", "a context-parallel piece: keys at global positions, an fp32 running result")
+    if kv_outer_preferred(index):
+        return Decision(
+            "kv_outer", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
+        )
+    if isinstance(index, BlockTopKIndex):
+        return Decision(
+            "block_bar", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
+        )
+    return Decision("block_bar", f"a {type(index).__name__} on CUDA")
+
+
+def log_decision(decision: Decision, where: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s -> %s", where, decision)
+
+
+def _share(index: BlockTopKIndex) -> float:
+    return index.blocks.shape[-1] * index.block_size / index.seq_len
+
+
+def kv_outer_preferred(index: SparseIndex) -> bool:
+    """Whether a top-k ``index`` runs on the KV-outer kernels rather than the union of tiles:
+    each query selecting under ``KV_OUTER_MAX_SHARE`` of the sequence in blocks of at most
+    ``KV_OUTER_MAX_BLOCK`` tokens, or under ``KV_OUTER_MAX_SHARE_WIDE`` in wider blocks
+    (the union's waste grows as the selections spread)."""
+    if not isinstance(index, BlockTopKIndex):
+        return False
+    limit = KV_OUTER_MAX_SHARE if index.block_size <= KV_OUTER_MAX_BLOCK else KV_OUTER_MAX_SHARE_WIDE
+    return _share(index) < limit
+
+
+def _kernels_serve(q: torch.Tensor) -> bool:
+    # The kernels address elements with int32 offsets (2^31 elements: 1M tokens x 16 heads x 128).
+    return (
+        triton_available()
+        and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and q.shape[-1] <= 256
+        and q.numel() < 2**31
+    )
+
+
+def _reference_reason(q: torch.Tensor, setting: str) -> str:
+    if setting == "reference":
+        return "forced"
+    if not q.is_cuda:
+        return f"{q.device.type} tensors"
+    if not triton_available():
+        return "Triton is not installed"
+    return f"no kernel serves {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements"
+
+
+def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
+    """``"triton"`` when the kernels run this call, else ``"reference"`` (``backend``, else
+    ``MTRAINING_ATTENTION_BACKEND``, else ``auto``: kernels for CUDA inputs they serve).
+    ``flash_attn`` and ``sdpa`` count as ``auto`` here: they compute whole dense attention
+    only (``dense_backend``), so what else a run needs (index statistics, merges, the steps
+    of a context-parallel ring) goes where ``auto`` sends it."""
+    choice = _backend_setting(backend)
+    kernel_ok = _kernels_serve(q)
+    if choice == "triton" and not kernel_ok:
+        fail(
+            "backend",
+            "triton",
+            f"inputs the kernels serve (fp16/bf16/fp32, head dim <= 256, fewer than 2^31 elements, Triton "
+            f"installed), got {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements; split longer sequences "
+            "with context parallelism",
+        )
+    if choice in ("auto", "flash_attn", "sdpa"):
+        choice = "triton" if q.is_cuda and kernel_ok else "reference"
+    return choice
+
+
+def dense_backend(q: torch.Tensor, index: SparseIndex, backend: str | None = None) -> str | None:
+    """The library that computes ``sparse_attention(q, k, v, index)`` as whole causal
+    attention: ``"flash_attn"``, ``"sdpa"``, or None when the index goes to the plugin's
+    kernels or the reference. Under ``auto``, for CUDA inputs: flash-attn where it serves
+    the call (``flash_attn.unsupported``), else PyTorch's fused attention where it does
+    (``sdpa.unsupported``); never under ``reference`` or ``triton``. Asking for
+    ``flash_attn`` or ``sdpa`` where it cannot run is a ``ValueError`` that names the reason."""
+    choice = _backend_setting(backend)
+    name = "backend" if backend else BACKEND_ENV
+    if choice in ("flash_attn", "sdpa"):
+        library = flash_attn if choice == "flash_attn" else sdpa
+        why_not = library.unsupported(q, index)
+        if why_not is not None:
+            fail(name, choice, f"{library.REQUIREMENTS}; {why_not}")
+        return choice
+    if choice != "auto":
+        return None
+    if flash_attn.unsupported(q, index) is None:
+        return "flash_attn"
+    return "sdpa" if q.is_cuda and sdpa.unsupported(q, index) is None else None
+
+
+def _backend_setting(backend: str | None) -> str:
+    choice = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if choice not in BACKENDS:
+        fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def index_kernels(t: torch.Tensor) -> bool:
+    """Whether the index builders' Triton kernels (top-p selection) serve ``t``: CUDA, Triton
+    installed, and ``MTRAINING_ATTENTION_BACKEND`` not ``reference``."""
+    return _backend_setting(None) != "reference" and t.is_cuda and triton_available()

@@ -1,0 +1,79 @@
+"""The kernel dispatch: which implementation runs each kind of call, and the reason it gives.
+
+CUDA calls are described by stand-ins for q (device, dtype, shape): the decision reads nothing
+else, so every rule is checked on a CPU; the GPU tests run the kernels it picks.
+"""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex, dispatch, sparse_attention
+from megatron_mtraining.sparse.kernels import triton_available
+from megatron_mtraining.sparse.kernels.dense_backends import flash_attn
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="the kernel rules need Triton installed")
+
+
+def cuda_q(seq=4096, heads=4, dim=64, dtype=torch.bfloat16):
+    shape = torch.Size((1, seq, heads, dim))
+    return types.SimpleNamespace(is_cuda=True, dtype=dtype, shape=shape, device=torch.device("cuda"), numel=shape.numel)
+
+
+def topk(seq, k, block, heads=2):
+    blocks = torch.full((1, seq, heads, k), -1, dtype=torch.int32)
+    blocks[..., 0] = (torch.arange(seq) // block).view(1, seq, 1).int()
+    return BlockTopKIndex(blocks=blocks, block_size=block, num_heads=4)
+
+
+@pytest.fixture(autouse=True)
+def auto_setting(monkeypatch):
+    monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(flash_attn, "interface", lambda: (None, "flash-attn is not installed"))
+
+
+def test_whole_dense_attention_goes_to_the_fused_library_and_pieces_do_not():
+    q, dense = cuda_q(), DenseIndex(1, 4, 4096)
+    decision = dispatch.attention_kernel(q, dense)
+    assert decision.kernel == "sdpa"
+    assert "not flash-attn: flash-attn is not installed" in decision.reason
+    piece = dispatch.attention_kernel(q, dense, piece=True)
+    assert piece.kernel == "block_bar" and "running result" in piece.reason
+    assert dispatch.attention_kernel(q, dense, "triton").kernel == "block_bar"
+    assert dispatch.attention_kernel(q, dense, "sdpa") == dispatch.Decision("sdpa", "forced")
+    # fp32 is outside the fused libraries' dtypes: the plugin's kernels take it.
+    assert dispatch.attention_kernel(cuda_q(dtype=torch.float32), dense).kernel == "block_bar"
+
+
+def test_top_k_indices_pick_their_loop_order_by_the_share_they_select():
+    q = cuda_q(seq=4096)
+    narrow = dispatch.attention_kernel(q, topk(4096, 8, 16))  # 128 of 4096 keys: 1/32
+    assert narrow.kernel == "kv_outer" and "0.0312 of the keys in blocks of 16" in narrow.reason
+    wide = dispatch.attention_kernel(q, topk(4096, 32, 16))  # 1/8
+    assert wide.kernel == "block_bar" and "0.1250" in wide.reason
+    assert dispatch.attention_kernel(q, topk(4096, 8, 16), piece=True).kernel == "block_bar"
+    vs = VerticalSlashIndex(
+        torch.zeros(1, 4, 1, dtype=torch.int32), torch.zeros(1, 4, 1, dtype=torch.int32), seq_len=4096, block_size=64
+    )
+    assert dispatch.attention_kernel(q, vs).kernel == "block_bar"
+
+
+def test_the_reference_path_says_why():
+    cpu = torch.zeros(1, 64, 4, 16)
+    assert dispatch.attention_kernel(cpu, DenseIndex(1, 4, 64)) == dispatch.Decision("reference", "cpu tensors")
+    assert dispatch.attention_kernel(cuda_q(), DenseIndex(1, 4, 4096), "reference").reason == "forced"
+    wide_head = dispatch.attention_kernel(cuda_q(dim=512), topk(4096, 8, 16))
+    assert wide_head.kernel == "reference" and "head dim 512" in wide_head.reason
+    with pytest.raises(ValueError, match=r"backend='triton'.*head dim <= 256"):
+        dispatch.attention_kernel(cuda_q(dim=512), topk(4096, 8, 16), "triton")
+    with pytest.raises(ValueError, match=r"backend='sdpa'.*got a BlockTopKIndex"):
+        dispatch.attention_kernel(cuda_q(), topk(4096, 8, 16), "sdpa")
+
+
+def test_a_call_logs_its_decision_at_debug(caplog, rng):
+    q = torch.randn(1, 32, 2, 8, generator=rng)
+    with caplog.at_level(logging.DEBUG, logger="megatron_mtraining.dispatch"):
+        sparse_attention(q, q[:, :, :1], q[:, :, :1], DenseIndex(1, 2, 32))
+    assert [r.getMessage() for r in caplog.records] == ["sparse_attention -> reference: cpu tensors"]
