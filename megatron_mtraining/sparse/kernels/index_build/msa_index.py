@@ -25,9 +25,11 @@ ascending), exactly. ``torch.topk`` (the torch path) leaves the order of ties
 unspecified, so the two can pick different blocks among equally scored ones only.
 Blocks with no visible key score -inf and are never taken; a NaN score never enters.
 
-Scores are fp32 ``q . k / sqrt(d_idx)``; 16-bit products are exact in fp32, fp32 inputs
-use IEEE fp32 products (no TF32), so scores differ from the torch path's only by the
-order of the fp32 sums.
+Scores are fp32 ``q . k / sqrt(d_idx)``; 16-bit products are exact in fp32. fp32 inputs
+use 3xTF32 products (``tf32x3``: fp32 accuracy on the tensor cores), not IEEE products: a
+128-row tile of fp32 index queries held for an IEEE (FMA) product spills its registers
+and ran three orders of magnitude slower (docs/benchmarks.md, "MSA selection"). Scores
+then differ from the torch path's by the order of the fp32 sums and the 3xTF32 rounding.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: 
         q, k, scores, blocks, seq, n_blocks, groups, *q.stride()[:3], *k.stride()[:2], n_slots, width,
         1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
         BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=LAUNCH.num_warps,
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", num_warps=LAUNCH.num_warps,
         num_stages=LAUNCH.num_stages,
     )  # fmt: skip
 
