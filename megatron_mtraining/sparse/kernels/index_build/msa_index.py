@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ...validation import check_index_qk, check_int, fail
 
@@ -60,6 +61,9 @@ class SelectLaunch:
     block_n: int = 64  # keys per matrix product (at most the block size)
     num_warps: int = 8
     num_stages: int = 2
+    # fp32 inputs (3xTF32 products) keep split copies of both tiles in shared memory: one
+    # stage fits 128-row tiles in an H100's / H200's 227 KiB, two do not.
+    num_stages_fp32: int = 1
 
 
 # Tests shrink the tiles so that tiny inputs span several of each in Triton's interpreter.
@@ -163,14 +167,23 @@ def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: 
     n_blocks = -(-seq // block_size)
     select = blocks is not None
     kp = triton.next_power_of_2(max(n_slots, 1))
-    grid = (bsz * groups, triton.cdiv(seq, block_m))
-    _block_select_kernel[grid](
-        q, k, scores, blocks, seq, n_blocks, groups, *q.stride()[:3], *k.stride()[:2], n_slots, width,
-        1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
-        BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
-        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", num_warps=LAUNCH.num_warps,
-        num_stages=LAUNCH.num_stages,
-    )  # fmt: skip
+    fp32 = q.dtype == torch.float32
+    while True:
+        try:
+            _block_select_kernel[(bsz * groups, triton.cdiv(seq, block_m))](
+                q, k, scores, blocks, seq, n_blocks, groups, *q.stride()[:3], *k.stride()[:2], n_slots, width,
+                1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+                BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
+                PRECISION="tf32x3" if fp32 else "tf32", num_warps=LAUNCH.num_warps,
+                num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages,
+            )  # fmt: skip
+            return
+        except OutOfResources:
+            # Less shared memory than the tiles need (an A100 has 164 KiB): smaller row
+            # tiles. Raised before the launch, so nothing ran.
+            if block_m <= 16:
+                raise
+            block_m //= 2
 
 
 @torch.no_grad()
