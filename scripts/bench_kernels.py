@@ -155,7 +155,8 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
 
     sq, sk = structured_qk(seq, gen)
     q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
-    msa_selection(q_idx, k_idx, msa_config, seq, rows, rep)
+    # Timed on bf16 index queries and keys, the dtype the index branch gives in training.
+    msa_selection(q_idx.bfloat16(), k_idx.bfloat16(), msa_config, seq, rows, rep)
     indices = {
         "msa k16 b128": msa_select_blocks(q_idx, k_idx, msa_config, HQ),
         "moba c4096 k12": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
