@@ -216,7 +216,7 @@ class Quickstart:
         return pretrain_command(self.launch.processes, self.config, overrides)
 
     def phase1(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from .training.metrics_line import parse_metrics
 
         # Phase 1 starts the run over: earlier checkpoints, events and W&B runs would mix in.
         for output in (CHECKPOINTS, TENSORBOARD, WANDB, LOGS):
@@ -229,7 +229,7 @@ class Quickstart:
             )
 
     def phase2(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from .training.metrics_line import parse_metrics
 
         output = self.train("phase2", self.phase2_overrides())
         loaded = [int(i) for i in LOADED.findall(output)]
@@ -282,7 +282,7 @@ class Quickstart:
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from .training.metrics_line import parse_metrics
 
         first = parse_metrics(self.path(LOGS / "phase1.log").read_text())
         last = parse_metrics(self.path(LOGS / "phase2.log").read_text())
@@ -325,7 +325,7 @@ class _Progress:
         self.start = time.monotonic()
 
     def show(self, line: str) -> None:
-        from .megatron.metrics_line import parse_metrics_line
+        from .training.metrics_line import parse_metrics_line
 
         parsed = parse_metrics_line(line)
         if parsed is not None:
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     import torch
 
-    from .megatron.yaml_config import ConfigError, load_config
+    from .training.yaml_config import ConfigError, load_config
 
     try:
         run_config = load_config(args.config, args.overrides)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from gloo import run
 
-from megatron_mtraining.megatron import chunked_loss
-from megatron_mtraining.megatron import linear_cross_entropy as lce
+from megatron_mtraining.training import chunked_loss
+from megatron_mtraining.training import linear_cross_entropy as lce
 
 ROWS_PER_CHUNK = 24  # divides neither the 256 tokens nor a TP rank's 128
 

@@ -18,9 +18,9 @@ import gloo
 import pytest
 
 from megatron_mtraining import pretrain
-from megatron_mtraining.megatron.dry_run import dry_run, resolve
-from megatron_mtraining.megatron.memory import estimate_memory, layer_activation_bytes
-from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
+from megatron_mtraining.training.dry_run import dry_run, resolve
+from megatron_mtraining.training.memory import estimate_memory, layer_activation_bytes
+from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p for p in CONFIGS.rglob("*.yaml") if "data" not in p.relative_to(CONFIGS).parts)
@@ -176,9 +176,9 @@ def _check_parameter_count(rank, world):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.training import global_vars
 
-    from megatron_mtraining.megatron import training
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_compat
-    from megatron_mtraining.megatron.memory import count_parameters
+    from megatron_mtraining.training import job
+    from megatron_mtraining.training.memory import count_parameters
 
     apply_cpu_compat()
     cases = [(1, c) for c in PARAMETER_CASES] + [(2, PARAMETER_CASES[0]), (2, PARAMETER_CASES[1])]
@@ -195,7 +195,7 @@ def _check_parameter_count(rank, world):
         count = count_parameters(args, config.attention)
         args.padded_vocab_size = 128
         global_vars._GLOBAL_ARGS = args
-        model = training.model_provider()
+        model = job.model_provider()
         local = sum(p.numel() for p in model.parameters())
         assert count.per_rank == local, (overrides, count, local)
         if tp == 1:

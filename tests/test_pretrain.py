@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mtraining.megatron.metrics_line import parse_metrics as metrics
-from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
 from megatron_mtraining.quickstart import pretrain_command
+from megatron_mtraining.training.metrics_line import parse_metrics as metrics
+from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 # CI installs W&B (the dev extra); the GPU machines' image has none, and the tests run there too.
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from megatron_mtraining.megatron.metrics_line import parse_metrics
 from megatron_mtraining.quickstart import LOADED, Launch, main, plan_launch
+from megatron_mtraining.training.metrics_line import parse_metrics
 
 SHORT = ["--steps", "4", "megatron.seq_length=1024", "megatron.max_position_embeddings=1024"]
 

@@ -53,7 +53,7 @@ def resolve(run_config: RunConfig, world_size: int | None = None):
     by default), with the attention config checked against the model's ``TransformerConfig``."""
     from megatron.training import arguments
 
-    from .training import _megatron_defaults, resolve_megatron_args
+    from .job import _megatron_defaults, resolve_megatron_args
 
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size {world_size}: not a number of ranks (accepted: a positive integer)")

@@ -37,15 +37,16 @@ from megatron.training import get_args, get_tensorboard_writer, get_tokenizer, g
 from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split, print_rank_0
 
+from ..megatron.config import MTrainingAttentionConfig, attach_attention_config
+from ..megatron.layer_specs import get_gpt_decoder_block_spec
+from ..megatron.msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
+from ..megatron.profiler_ranges import part_range
 from .attention_metrics import METRICS as ATTENTION_METRICS
 from .attention_metrics import collect_attention_metrics, measured
 from .chunked_loss import chunked_lm_loss
-from .config import MTrainingAttentionConfig, attach_attention_config
 from .dry_run import check_attention
 from .finite_guard import check_losses, install_finite_guard
-from .layer_specs import get_gpt_decoder_block_spec
-from .msa_loss import KL_METRIC, get_attention_metrics_tracker, set_training_iteration
-from .step_report import StepReport, annotate_model, part_range
+from .step_report import StepReport, annotate_model
 from .yaml_config import ConfigError, RunConfig
 
 ARGS_ATTRIBUTE = "mtraining_attention"
@@ -441,7 +442,7 @@ def parse_megatron_args(run_config: RunConfig, defaults: dict):
 def _megatron_defaults(cpu: bool) -> dict:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    from .cpu_compat import CPU_MEGATRON_ARGUMENTS
+    from ..megatron.cpu_compat import CPU_MEGATRON_ARGUMENTS
 
     # Without Transformer Engine only the local spec exists, its torch norms cannot persist and
     # Megatron's fused RoPE is TE's.
@@ -461,7 +462,7 @@ def _megatron_defaults(cpu: bool) -> dict:
 
 
 def memory_report(args, run_config: RunConfig) -> str:
-    """The memory estimate of ``megatron_mtraining.megatron.memory`` for these arguments,
+    """The memory estimate of ``megatron_mtraining.training.memory`` for these arguments,
     against the config's ``cluster.gpu`` when it names one."""
     from .memory import GPU_MEMORY_GIB, estimate_memory
 
@@ -486,8 +487,8 @@ def run(
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
+    from ..megatron.cpu_compat import apply_cpu_compat
     from ..patches import apply_patches
-    from .cpu_compat import apply_cpu_compat
 
     # Megatron's validate_args requires 1 for TP / CP > 1 (kernel order for comm-compute
     # overlap) and refuses 1 with FSDP; a launcher's value wins.

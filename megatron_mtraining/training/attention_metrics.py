@@ -33,10 +33,10 @@ import torch.distributed as dist
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_distributed_index, build_local_index
 from ..context_parallel.recall import distributed_attention_recall
+from ..megatron.core_attention import SparseCoreAttention
+from ..megatron.msa_loss import get_attention_metrics_tracker
+from ..megatron.profiler_ranges import part_range
 from ..sparse import SparseIndex, attention_recall
-from .core_attention import SparseCoreAttention
-from .msa_loss import get_attention_metrics_tracker
-from .step_report import part_range
 
 FRACTION_METRIC = "attended_fraction"
 WORKER_METRIC = "worker_imbalance"
