@@ -177,7 +177,7 @@ def _check_parameter_count(rank, world):
     from megatron.training import global_vars
 
     from megatron_mtraining.megatron.cpu_compat import apply_cpu_compat
-    from megatron_mtraining.training import job
+    from megatron_mtraining.training.forward_step import model_provider
     from megatron_mtraining.training.memory import count_parameters
 
     apply_cpu_compat()
@@ -195,7 +195,7 @@ def _check_parameter_count(rank, world):
         count = count_parameters(args, config.attention)
         args.padded_vocab_size = 128
         global_vars._GLOBAL_ARGS = args
-        model = job.model_provider()
+        model = model_provider()
         local = sum(p.numel() for p in model.parameters())
         assert count.per_rank == local, (overrides, count, local)
         if tp == 1:

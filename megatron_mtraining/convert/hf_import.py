@@ -28,7 +28,7 @@ from .hf_mapping import ConversionError, ModelSpec, hf_to_megatron, spec_from_hf
 # The common-state key holding the Hugging Face config the checkpoint came from (for the export).
 HF_CONFIG_KEY = "hf_config"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-# Where megatron_mtraining.training.job stores the attention section in Megatron's args.
+# Where megatron_mtraining.training.megatron_args stores the attention section in Megatron's args.
 ATTENTION_ARG = "mtraining_attention"
 
 

@@ -3,8 +3,7 @@
 Megatron-Core assumes a CUDA device in a few dozen places. :func:`apply_cpu_compat` patches
 them so the plugin's CPU tests (and a CPU run of the training entry point) use the same
 Megatron code as a GPU run, with gloo for communication. With ``training=True`` it also
-patches what ``megatron.training.pretrain`` needs, and :data:`CPU_MEGATRON_ARGUMENTS` are the
-Megatron arguments a CPU run defaults to. It does nothing when CUDA is available, and
+patches what ``megatron.training.pretrain`` needs. It does nothing when CUDA is available, and
 applying it twice is the same as once. Each patch below says why it exists; the
 measurements behind them are in the project's research notes on megatron-core 0.19.2.
 """
@@ -19,25 +18,6 @@ from torch.overrides import TorchFunctionMode
 
 _applied = False
 _training_applied = False
-
-# Megatron argument defaults (argparse dests) for a CPU run: gloo, CPU initialisation, no
-# fused kernels (they need Apex, Transformer Engine or CUDA), and no RNG state on load: the
-# CPU RNG tracker holds no states, and Megatron refuses a checkpoint whose tracker states are
-# empty (training/checkpointing.py, load_checkpoint).
-CPU_MEGATRON_ARGUMENTS = {
-    "distributed_backend": "gloo",
-    "use_cpu_initialization": True,
-    "transformer_impl": "local",
-    "gradient_accumulation_fusion": False,
-    "bias_gelu_fusion": False,
-    "bias_swiglu_fusion": False,
-    "bias_dropout_fusion": False,
-    "masked_softmax_fusion": False,
-    "apply_rope_fusion": False,
-    "cross_entropy_loss_fusion": False,
-    "no_persist_layer_norm": True,
-    "no_load_rng": True,
-}
 
 
 class _NoStream:

@@ -19,7 +19,7 @@ loss mask given), the loss is :func:`~.linear_cross_entropy.linear_cross_entropy
 autograd function that computes the gradients chunk by chunk in its forward, so the backward
 neither recomputes the logits nor runs Megatron's cross entropy again. Its weight gradient
 assumes that the per-token losses reach the loss as ``sum(losses * loss_mask)`` times a scalar
-(what ``job.loss_func`` does). It computes the same loss as Megatron's fused and unfused
+(what ``forward_step.loss_func`` does). It computes the same loss as Megatron's fused and unfused
 cross entropy, so ``cross_entropy_loss_fusion`` does not choose between the paths.
 """
 
