@@ -176,11 +176,11 @@ def _check_parameter_count(rank, world):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.training import global_vars
 
-    from megatron_mtraining.megatron.cpu_compat import apply_cpu_compat
+    from megatron_mtraining.patches import apply_cpu_patches
     from megatron_mtraining.training.forward_step import model_provider
     from megatron_mtraining.training.memory import count_parameters
 
-    apply_cpu_compat()
+    apply_cpu_patches()
     cases = [(1, c) for c in PARAMETER_CASES] + [(2, PARAMETER_CASES[0]), (2, PARAMETER_CASES[1])]
     for tp, overrides in cases:
         if tp > world:

@@ -191,14 +191,14 @@ def single_process_megatron(seed: int = 1234):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from ..megatron import apply_cpu_compat
+    from ..patches import apply_cpu_patches
 
     owned = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:
         if owned:
             dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
         try:
-            apply_cpu_compat()
+            apply_cpu_patches()
             parallel_state.initialize_model_parallel()
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
             yield

@@ -45,8 +45,7 @@ def run(
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    from ..megatron.cpu_compat import apply_cpu_compat
-    from ..patches import apply_patches
+    from ..patches import apply_cpu_patches, apply_patches, use_prebuilt_dataset_helpers
 
     # Megatron's validate_args requires 1 for TP / CP > 1 (kernel order for comm-compute
     # overlap) and refuses 1 with FSDP; a launcher's value wins.
@@ -56,8 +55,8 @@ def run(
     # docs/benchmarks.md); read at the first CUDA allocation, so set before any.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     _single_process_rendezvous()
-    _use_prebuilt_dataset_helpers()
-    defaults = megatron_defaults(cpu=apply_cpu_compat(training=True))
+    use_prebuilt_dataset_helpers()
+    defaults = megatron_defaults(cpu=apply_cpu_patches(training=True))
     # Before the model exists, so Megatron's batch split and RoPE slice follow the layout.
     apply_patches(run_config.attention.layout, run_config.attention.stripe)
     args = parse_megatron_args(run_config, defaults)
@@ -95,19 +94,6 @@ def _record_memory_history(container) -> None:
     if profiling.profile_ranks and torch.distributed.get_rank() not in profiling.profile_ranks:
         return
     torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=1_000_000, trace_alloc_record_context=True)
-
-
-def _use_prebuilt_dataset_helpers() -> None:
-    """The megatron-core wheel ships the compiled dataset helpers but no Makefile, so the
-    ``make`` Megatron runs at start-up (``initialize._compile_dependencies``) fails: use the
-    prebuilt module when it imports."""
-    from megatron.core.datasets import utils as dataset_utils
-
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return
-    dataset_utils.compile_helpers = lambda: None
 
 
 def _single_process_rendezvous() -> None:
