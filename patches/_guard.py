@@ -29,16 +29,15 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "0.19.2"
-# The torch minor releases the stand-ins for torch's functions were checked on: the package's
-# floor (pyproject.toml) to the newest with a tested CPU path (constraints.txt). torch is
-# guarded by version rather than by fingerprints because the stand-ins do not reproduce what
-# they replace: they stand for CUDA entry points (streams, events, synchronize, RNG state,
-# Tensor.cuda / pin_memory / record_stream) that do nothing or cannot run without CUDA. Three
-# are C methods with no source to fingerprint, and the Python ones change their source
-# (docstrings, device checks) in most minor releases without changing what the stand-ins stand
-# for; what can break them is Megatron calling new CUDA entry points, which a new torch minor
-# release comes with. A range of minor releases fails loudly on the first one not checked and
-# passes its patch releases (2.13.1).
+# The torch releases the CPU stand-ins accept: from the package's floor (pyproject.toml) to the
+# newest minor release with a tested CPU path (constraints.txt). torch is guarded by release,
+# not by fingerprints: the stand-ins replace CUDA entry points (streams, events, synchronize,
+# RNG state, Tensor.cuda / pin_memory / record_stream) rather than reproduce them, three of
+# them are C methods with no source, and the Python ones change their source (docstrings,
+# device checks) in releases that change nothing the stand-ins rely on. What can break them is
+# a change of torch's CUDA behaviour (a new entry point on a path Megatron takes, a changed
+# stream API), which comes with minor releases: the range fails loudly on the first minor
+# release not tested and accepts its patch releases (2.13.1).
 TORCH_VERSIONS = ((2, 6), (2, 13))
 
 
