@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mtraining.quickstart import pretrain_command
+from megatron_mtraining.examples.quickstart import pretrain_command
 from megatron_mtraining.training.metrics_line import parse_metrics as metrics
 from megatron_mtraining.training.yaml_config import ConfigError, load_config
 

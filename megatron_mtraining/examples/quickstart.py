@@ -1,4 +1,4 @@
-"""The embedded default: ``python -m megatron_mtraining.quickstart [--workdir DIR] [--steps N] [--fresh]``.
+"""The embedded default: ``python -m megatron_mtraining.examples.quickstart [--workdir DIR] [--steps N] [--fresh]``.
 
 A tiny continued-pretraining run with sparse attention, end to end, in six stages:
 
@@ -38,7 +38,7 @@ import time
 import warnings
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "quickstart.yaml"
 MIX_CONFIG = CONFIGS / "data" / "synthetic_mix.yaml"
 # Relative to the workdir, where the mix config and configs/quickstart.yaml look for them.
@@ -173,7 +173,7 @@ class Quickstart:
 
     # ---- data stages ------------------------------------------------------------------------
     def make_documents(self) -> None:
-        from .data import generate_documents, write_jsonl
+        from ..data import generate_documents, write_jsonl
 
         for name, spec in DOCUMENT_SETS.items():
             path = self.path(DOCS / f"{name}.jsonl")
@@ -181,14 +181,14 @@ class Quickstart:
             print(f"  {count} {' / '.join(spec['kinds'])} documents of ~{spec['length']} characters -> {path}")
 
     def make_tokenizer(self) -> None:
-        from .data import train_tiny_tokenizer
-        from .data.readers import read_texts
+        from ..data import train_tiny_tokenizer
+        from ..data.readers import read_texts
 
         texts = (text for name in DOCUMENT_SETS for text in read_texts(self.path(DOCS / f"{name}.jsonl"), "text"))
         print(f"  trained on the documents, saved to {train_tiny_tokenizer(texts, self.path(TOKENIZER))}")
 
     def make_mix(self) -> None:
-        from .data import MixConfig, prepare
+        from ..data import MixConfig, prepare
 
         # The mix config's paths are relative to the working directory: here, the workdir.
         with contextlib.chdir(self.workdir):
@@ -216,7 +216,7 @@ class Quickstart:
         return pretrain_command(self.launch.processes, self.config, overrides)
 
     def phase1(self) -> None:
-        from .training.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         # Phase 1 starts the run over: earlier checkpoints, events and W&B runs would mix in.
         for output in (CHECKPOINTS, TENSORBOARD, WANDB, LOGS):
@@ -229,7 +229,7 @@ class Quickstart:
             )
 
     def phase2(self) -> None:
-        from .training.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         output = self.train("phase2", self.phase2_overrides())
         loaded = [int(i) for i in LOADED.findall(output)]
@@ -282,14 +282,19 @@ class Quickstart:
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
-        from .training.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         first = parse_metrics(self.path(LOGS / "phase1.log").read_text())
         last = parse_metrics(self.path(LOGS / "phase2.log").read_text())
         start, end = first[min(first)], last[max(last)]
         events = sorted(self.path(TENSORBOARD).glob("events.out.tfevents.*"))
         runs = sorted(self.path(WANDB).glob("wandb/offline-run-*"))
-        rerun = [sys.executable, "-m", "megatron_mtraining.quickstart", *(a for a in self.args.argv if a != "--fresh")]
+        rerun = [
+            sys.executable,
+            "-m",
+            "megatron_mtraining.examples.quickstart",
+            *(a for a in self.args.argv if a != "--fresh"),
+        ]
         resume = f"cd {shlex.quote(str(self.workdir.resolve()))} && WANDB_MODE=offline "
         rows = [
             ("loss", f"{float(start['lm_loss']):.4f} at iteration {min(first)} -> {float(end['lm_loss']):.4f} at iteration {max(last)}"),
@@ -325,7 +330,7 @@ class _Progress:
         self.start = time.monotonic()
 
     def show(self, line: str) -> None:
-        from .training.metrics_line import parse_metrics_line
+        from ..training.metrics_line import parse_metrics_line
 
         parsed = parse_metrics_line(line)
         if parsed is not None:
@@ -348,7 +353,7 @@ class _Progress:
 
 def _parse_cli(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_mtraining.quickstart",
+        prog="python -m megatron_mtraining.examples.quickstart",
         description="The embedded default: synthetic long documents -> tokenizer -> indexed dataset -> "
         "sparse-attention continued pretraining of a tiny model in two phases (save, resume) -> summary.",
         epilog="Overrides go to both training phases (megatron.<dest>=value, attention.<field>=value), except "
@@ -394,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     import torch
 
-    from .training.yaml_config import ConfigError, load_config
+    from ..training.yaml_config import ConfigError, load_config
 
     try:
         run_config = load_config(args.config, args.overrides)
