@@ -22,7 +22,12 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         description="Train a Megatron GPT with the plugin's sparse attention.",
         epilog="Overrides: megatron.<dest>=value or attention.<field>[.<sub>]=value, values as YAML scalars.",
     )
-    parser.add_argument("--config", required=True, help="YAML file with 'megatron' and 'attention' sections")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="YAML file with 'megatron' and 'attention' sections, or the name of a recipe packaged with "
+        "megatron_mtraining (e.g. qwen2.5-3b/512k.yaml) where no such file exists",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument(
         "--dry-run",
@@ -63,17 +68,22 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     cli = _parse_cli(sys.argv[1:] if argv is None else argv)
+    from .configs import find
     from .training.yaml_config import ConfigError, explain_rejection, load_config
 
+    try:
+        config = find(cli.config)
+    except FileNotFoundError as err:
+        sys.exit(f"config error: {err}")
     try:
         if cli.dry_run:
             from .training.dry_run import dry_run
 
-            print(dry_run(cli.config, cli.overrides, cli.world_size)[0])
+            print(dry_run(config, cli.overrides, cli.world_size)[0])
             return
         from .training.job import run
 
-        run_config = load_config(cli.config, cli.overrides)
+        run_config = load_config(config, cli.overrides)
         missing = run_config.missing_paths()
         if missing:
             raise ConfigError("\n".join(missing))

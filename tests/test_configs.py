@@ -65,6 +65,22 @@ def test_qwen_512k_is_the_mtraining_setting(capsys):
     assert "world 64 = TP 1 x PP 1 x CP 32 x DP 2" in capsys.readouterr().out
 
 
+def test_config_names_a_packaged_recipe_where_no_such_file_exists(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    pretrain.main(["--config", "qwen2.5-3b/512k.yaml", "--dry-run"])
+    assert f"dry run of {CONFIGS / 'qwen2.5-3b/512k.yaml'}: valid" in capsys.readouterr().out
+    # A file of that name where the command runs wins over the packaged recipe.
+    (tmp_path / "tiny_cpu.yaml").write_text(TINY.read_text())
+    pretrain.main(["--config", "tiny_cpu.yaml", "--dry-run"])
+    assert "dry run of tiny_cpu.yaml: valid" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        pretrain.main(["--config", "qwen2.5-3b/1m.yaml", "--dry-run"])
+    message = str(err.value)
+    assert message.startswith("config error: --config='qwen2.5-3b/1m.yaml': no such file, and no recipe of that name")
+    assert "accepted: the path of a YAML run config, or a packaged recipe: " in message
+    assert "qwen2.5-3b/512k.yaml" in message and "synthetic_mix" not in message
+
+
 def _write(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)

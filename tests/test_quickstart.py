@@ -129,7 +129,10 @@ def test_launch_follows_the_gpus():
     [
         (["--steps", "1"], r"--steps=1 is too few: accepted an integer >= 2"),
         (["megatron.train_iters=5"], r"override 'megatron.train_iters=5': the quickstart sets megatron.train_iters"),
-        (["--config", "nothere.yaml"], r"--config='nothere.yaml' does not exist"),
+        (
+            ["--config", "nothere.yaml"],
+            r"--config='nothere.yaml': no such file, and no recipe of that name is packaged .*quickstart\.yaml",
+        ),
     ],
 )
 def test_bad_arguments_name_the_option(argv, message, capsys):

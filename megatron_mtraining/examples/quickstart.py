@@ -38,9 +38,10 @@ import time
 import warnings
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CONFIG = CONFIGS / "quickstart.yaml"
-MIX_CONFIG = CONFIGS / "data" / "synthetic_mix.yaml"
+from .. import configs
+
+DEFAULT_CONFIG = configs.packaged("quickstart.yaml")
+MIX_CONFIG = configs.packaged("data/synthetic_mix.yaml")
 # Relative to the workdir, where the mix config and configs/quickstart.yaml look for them.
 DOCS = Path("data/synthetic")
 TOKENIZER = DOCS / "tokenizer"
@@ -364,16 +365,18 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         "--steps", type=int, help="training iterations in all, half per phase (default: the config's train_iters)"
     )
     parser.add_argument(
-        "--config", default=str(DEFAULT_CONFIG), help="training config (default: configs/quickstart.yaml)"
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="training config: a path, or the name of a packaged recipe (default: the packaged quickstart.yaml)",
     )
     parser.add_argument("--fresh", action="store_true", help="redo every stage, even those done before")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     args = parser.parse_args(argv)
     args.argv = argv
-    if not Path(args.config).is_file():
-        parser.error(
-            f"--config={args.config!r} does not exist; expected a training YAML such as configs/quickstart.yaml"
-        )
+    try:
+        args.config = str(configs.find(args.config))
+    except FileNotFoundError as err:
+        parser.error(str(err))
     for override in args.overrides:
         section, _, key = override.partition("=")[0].partition(".")
         if section == "megatron" and key in RESERVED:
