@@ -90,8 +90,8 @@ def apply_cpu_patches(training: bool = False) -> bool:
     global _cpu_applied, _cpu_training_applied
     if torch.cuda.is_available():
         return False
-    # The training patches first: checking them imports megatron.training, which must run
-    # before the CUDA-to-CPU function mode is entered.
+    # The training patches first: checking them imports megatron.training, whose import then
+    # runs outside the CUDA-to-CPU function mode, as it does on a GPU.
     training_pending = training and not _cpu_training_applied
     pending = [
         *(cpu_compat.TRAINING_PATCHES if training_pending else ()),

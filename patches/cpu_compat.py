@@ -54,7 +54,8 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Rewrites ``device='cuda'`` to the CPU and drops ``pin_memory=True`` in every torch call."""
+    """Rewrites ``device='cuda'`` to the CPU and drops ``pin_memory=True`` in every torch call
+    (about 70 Megatron call sites create tensors so)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,17 +85,17 @@ def _seed_with_cpu_tracker(_choice):
     return cpu_seed
 
 
+_RANDOM = "megatron.core.tensor_parallel.random"
 # The default RNG tracker reads torch.cuda.get_rng_state(); the inference tracker's add/fork
 # do nothing, so dropout and initialisation draw from the CPU generator.
 SEED = FunctionPatch(
-    module="megatron.core.tensor_parallel.random",
+    module=_RANDOM,
     name="model_parallel_cuda_manual_seed",
     fingerprints={"model_parallel_cuda_manual_seed": "d3db2ff665789365"},
     import_sites=("megatron/core/tensor_parallel/__init__.py",),
     build=_seed_with_cpu_tracker,
 )
 
-_RANDOM = "megatron.core.tensor_parallel.random"
 # Activation recompute saves and restores the CUDA generator's state around the recomputed
 # region; there is none (Megatron saves the CPU generator's state separately).
 GET_CUDA_RNG_STATE = FunctionPatch(
@@ -125,8 +126,7 @@ PATCHES = (
     ),
     _stand_in("torch.cuda", "synchronize", lambda *a, **k: None),
     # Hard-coded .cuda() calls (e.g. the CP RoPE slice) and DataLoader pin-memory threads,
-    # which the thread-local function mode (CudaToCpu, about 70 call sites that create tensors
-    # with device="cuda" or pin_memory=True) does not reach.
+    # which the thread-local function mode (CudaToCpu) does not reach.
     _stand_in("torch", "Tensor.cuda", lambda self, *a, **k: self),
     _stand_in("torch", "Tensor.pin_memory", lambda self, *a, **k: self),
     _stand_in("torch", "Tensor.record_stream", lambda self, *a, **k: None),
