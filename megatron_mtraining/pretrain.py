@@ -4,10 +4,10 @@ Megatron-LM's own ``pretrain`` runs the job (arguments, initialisation, optimize
 checkpointing, logging); the plugin contributes the model (its attention in Megatron's GPT),
 the forward step and the context-parallel layout. The config file's ``megatron:`` section
 holds Megatron arguments by their argparse dest, its ``attention:`` section the plugin's
-attention (see ``megatron_mtraining.megatron.yaml_config``). Under ``torchrun`` every process
+attention (see ``megatron_mtraining.training.yaml_config``). Under ``torchrun`` every process
 runs this module. Without CUDA it runs on the CPU over gloo. ``--dry-run`` validates the config
 for the recipe's world size and prints the resolved arguments, the parallel layout and the
-memory estimate, with no GPU and no training (``megatron_mtraining.megatron.dry_run``).
+memory estimate, with no GPU and no training (``megatron_mtraining.training.dry_run``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         description="Train a Megatron GPT with the plugin's sparse attention.",
         epilog="Overrides: megatron.<dest>=value or attention.<field>[.<sub>]=value, values as YAML scalars.",
     )
-    parser.add_argument("--config", required=True, help="YAML file with 'megatron' and 'attention' sections")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="YAML file with 'megatron' and 'attention' sections, or the name of a recipe packaged with "
+        "megatron_mtraining (e.g. qwen2.5-3b/512k.yaml) where no such file exists",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument(
         "--dry-run",
@@ -63,17 +68,22 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     cli = _parse_cli(sys.argv[1:] if argv is None else argv)
-    from .megatron.yaml_config import ConfigError, explain_rejection, load_config
+    from .configs import find
+    from .training.yaml_config import ConfigError, explain_rejection, load_config
 
     try:
+        config = find(cli.config)
+    except FileNotFoundError as err:
+        sys.exit(f"config error: {err}")
+    try:
         if cli.dry_run:
-            from .megatron.dry_run import dry_run
+            from .training.dry_run import dry_run
 
-            print(dry_run(cli.config, cli.overrides, cli.world_size)[0])
+            print(dry_run(config, cli.overrides, cli.world_size)[0])
             return
-        from .megatron.training import run
+        from .training.job import run
 
-        run_config = load_config(cli.config, cli.overrides)
+        run_config = load_config(config, cli.overrides)
         missing = run_config.missing_paths()
         if missing:
             raise ConfigError("\n".join(missing))

@@ -1,27 +1,40 @@
-"""Changes megatron-mtraining makes to Megatron-Core, one module per patched function.
+"""Changes megatron-mtraining makes to Megatron-Core (and, for runs without CUDA, to torch),
+one module per patched function, the CPU stand-ins together in ``cpu_compat``.
 
-Installed as ``megatron_mtraining.patches``. Nothing changes on import: one call,
-:func:`apply_patches`, installs them all, so that Megatron's context-parallel batch split
-(``cp_batch_split``) and the RoPE rows of a CP rank (``cp_rope_slice``) follow one
-``ContextParallelLayout`` kind, and RoPE runs in one pass on CUDA without Transformer Engine
-(``fused_rope``); :func:`remove_patches` undoes it. Every patch records the
-megatron-core version it was written for and fingerprints of the upstream functions it
-replaces or reproduces (``_guard``); if they changed, applying fails before anything is
-touched, and the tests fail too.
+Installed as ``megatron_mtraining.patches``. Nothing changes on import. Three calls install
+them, each for its own case:
 
-Call it at start-up, before building the model: code outside ``megatron.*`` that imported
+* :func:`apply_patches`, for every model with the plugin's attention: Megatron's
+  context-parallel batch split (``cp_batch_split``) and the RoPE rows of a CP rank
+  (``cp_rope_slice``) follow one ``ContextParallelLayout`` kind, and RoPE runs in one pass on
+  CUDA without Transformer Engine (``fused_rope``); :func:`remove_patches` undoes it.
+* :func:`apply_cpu_patches`, on a machine without CUDA only: torch's CUDA entry points and
+  Megatron's CUDA-only functions get CPU stand-ins (``cpu_compat``).
+* :func:`use_prebuilt_dataset_helpers`, by the training entry point: Megatron's start-up uses
+  the dataset helpers the megatron-core wheel ships (``dataset_helpers``).
+
+Every patch records the megatron-core version it was written for and fingerprints of the
+upstream functions it replaces or reproduces, or for torch the releases it was checked on
+(``_guard``); if they changed, applying fails before anything is touched, and the tests fail
+too.
+
+Call them at start-up, before building the model: code outside ``megatron.*`` that imported
 a patched function by name before the call keeps Megatron's original.
 """
 
 from __future__ import annotations
 
-from . import cp_batch_split, cp_rope_slice, fused_rope
-from ._guard import SUPPORTED_VERSION, UpstreamChangedError
+import torch
+
+from . import cp_batch_split, cp_rope_slice, cpu_compat, dataset_helpers, fused_rope
+from ._guard import SUPPORTED_VERSION, TORCH_VERSIONS, UpstreamChangedError
 from ._layout import LayoutChoice
 
 PATCHES = (cp_batch_split.PATCH, cp_rope_slice.PATCH, cp_rope_slice.THD_PATCH, fused_rope.PATCH)
 
 _applied: LayoutChoice | None = None
+_cpu_applied = False
+_cpu_training_applied = False
 
 
 def apply_patches(layout_kind: str, stripe: int = 128) -> LayoutChoice:
@@ -65,12 +78,64 @@ def applied_layout() -> LayoutChoice | None:
     return _applied
 
 
+def apply_cpu_patches(training: bool = False) -> bool:
+    """Patches torch and Megatron-Core (with ``training`` also ``megatron.training``) for a
+    machine without CUDA; returns whether they are active (False with CUDA, where nothing
+    changes). Call it in every process before building a model (before ``pretrain``); applying
+    again is the same as once, and ``training`` can be added later. There is no removal: the
+    stand-ins hold for the life of the process. Raises :class:`UpstreamChangedError` if a
+    Megatron function is not the one a patch was written for, or torch is not a release in
+    ``TORCH_VERSIONS``; then nothing is changed.
+    """
+    global _cpu_applied, _cpu_training_applied
+    if torch.cuda.is_available():
+        return False
+    # The training patches first: checking them imports megatron.training, whose import then
+    # runs outside the CUDA-to-CPU function mode, as it does on a GPU.
+    training_pending = training and not _cpu_training_applied
+    pending = [
+        *(cpu_compat.TRAINING_PATCHES if training_pending else ()),
+        *(() if _cpu_applied else cpu_compat.PATCHES),
+    ]
+    for patch in pending:
+        patch.check()
+    for patch in pending:
+        patch.install()
+    if training_pending:
+        cpu_compat.disable_compilation()
+        _cpu_training_applied = True
+    if not _cpu_applied:
+        cpu_compat.CudaToCpu().__enter__()
+        _cpu_applied = True
+    return True
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Makes Megatron's start-up use the dataset helpers the megatron-core wheel ships rather
+    than compile them (the wheel has no Makefile); returns whether it does: False where the
+    prebuilt module does not import, and Megatron compiles them as before. Raises
+    :class:`UpstreamChangedError` if Megatron's ``compile_helpers`` is not the one the patch was
+    written for."""
+    if dataset_helpers.PATCH.replacement is not None:
+        return True
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    dataset_helpers.PATCH.check()
+    dataset_helpers.PATCH.install()
+    return True
+
+
 __all__ = [
     "PATCHES",
     "SUPPORTED_VERSION",
+    "TORCH_VERSIONS",
     "LayoutChoice",
     "UpstreamChangedError",
     "applied_layout",
+    "apply_cpu_patches",
     "apply_patches",
     "remove_patches",
+    "use_prebuilt_dataset_helpers",
 ]

@@ -1,4 +1,4 @@
-"""Version guard, upstream fingerprints and the swap of a Megatron-Core function.
+"""Version guard, upstream fingerprints and the swap of a Megatron-Core or torch function.
 
 A patch replaces a Megatron-Core function wholesale, so it is right only while that
 function (and any upstream helper whose behaviour the replacement reproduces) is the one
@@ -7,7 +7,8 @@ for megatron-core :data:`SUPPORTED_VERSION`. Before anything is changed, the ins
 functions must match: on the supported version this fails only if Megatron was modified in
 place or someone else already replaced the function; on another version the patch still
 applies when upstream left the functions untouched, and otherwise refuses, naming both
-versions.
+versions. A patch of a torch function (the CPU stand-ins of ``cpu_compat``) is guarded by
+torch's version instead (:data:`TORCH_VERSIONS`).
 
 Python binds ``from module import name`` at import time, so replacing the attribute of the
 defining module is not enough: every loaded ``megatron.*`` module that holds the function
@@ -28,6 +29,16 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "0.19.2"
+# The torch releases the CPU stand-ins accept: from the package's floor (pyproject.toml) to the
+# newest minor release with a tested CPU path (constraints.txt). torch is guarded by release,
+# not by fingerprints: the stand-ins replace CUDA entry points (streams, events, synchronize,
+# RNG state, Tensor.cuda / pin_memory / record_stream) rather than reproduce them, three of
+# them are C methods with no source, and the Python ones change their source (docstrings,
+# device checks) in releases that change nothing the stand-ins rely on. What can break them is
+# a change of torch's CUDA behaviour (a new entry point on a path Megatron takes, a changed
+# stream API), which comes with minor releases: the range fails loudly on the first minor
+# release not tested and accepts its patch releases (2.13.1).
+TORCH_VERSIONS = ((2, 6), (2, 13))
 
 
 class UpstreamChangedError(RuntimeError):
@@ -39,6 +50,18 @@ def installed_version() -> str:
     from megatron.core import package_info
 
     return package_info.__version__.split("+")[0]
+
+
+def installed_torch_version() -> tuple[int, int]:
+    """torch's (major, minor) release."""
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _release(version: tuple[int, int]) -> str:
+    return ".".join(map(str, version))
 
 
 def fingerprint(fn: Callable) -> str:
@@ -54,13 +77,15 @@ def _megatron_modules() -> list:
 class FunctionPatch:
     """Replaces ``module.name`` by ``build(choice)`` at every site that holds it.
 
+    ``name`` is an attribute of ``module``, or of a class in it (``Tensor.cuda``).
     ``fingerprints`` maps the patched function and the upstream helpers whose behaviour the
     replacement reproduces (all in ``module``) to their fingerprints on
-    :data:`SUPPORTED_VERSION`. ``import_sites`` lists the files of the installed megatron
+    :data:`SUPPORTED_VERSION`; a patch of torch has none and is checked against
+    :data:`TORCH_VERSIONS`. ``import_sites`` lists the files of the installed megatron
     package that import the function by name; a test keeps the list current, so an upstream
     change there is reviewed. ``on_swap`` runs after each install and uninstall (to drop
-    caches of the old function's results). While installed, ``original`` is the replaced
-    function.
+    caches of the old function's results). While installed, and while ``build`` runs,
+    ``original`` is the replaced function.
     """
 
     module: str
@@ -76,8 +101,24 @@ class FunctionPatch:
     def target(self) -> str:
         return f"{self.module}.{self.name}"
 
+    @property
+    def patches_torch(self) -> bool:
+        return self.module.partition(".")[0] == "torch"
+
+    def _owner(self):
+        """The module or class that holds the patched attribute, and the attribute's name."""
+        owner = importlib.import_module(self.module)
+        *classes, attribute = self.name.split(".")
+        for name in classes:
+            owner = getattr(owner, name)
+        return owner, attribute
+
     def check(self) -> None:
-        """Raises :class:`UpstreamChangedError` unless every fingerprinted function matches."""
+        """Raises :class:`UpstreamChangedError` unless every fingerprinted function matches
+        (for a patch of torch: unless torch is a release in :data:`TORCH_VERSIONS`)."""
+        if self.patches_torch:
+            self._check_torch()
+            return
         module = importlib.import_module(self.module)
         version = installed_version()
         for name, recorded in self.fingerprints.items():
@@ -113,12 +154,30 @@ class FunctionPatch:
                 self.target,
             )
 
-    def install(self, choice) -> list[str]:
+    def _check_torch(self) -> None:
+        import torch
+
+        first, last = TORCH_VERSIONS
+        supported = f"torch {_release(first)} to {_release(last)}"
+        if not first <= installed_torch_version() <= last:
+            raise UpstreamChangedError(
+                f"{self.target} is patched for {supported}, not the installed torch {torch.__version__}: review "
+                f"the stand-ins in megatron_mtraining.patches.cpu_compat against this release and widen "
+                f"TORCH_VERSIONS in megatron_mtraining.patches._guard"
+            )
+        owner, attribute = self._owner()
+        if getattr(owner, attribute, None) is None:
+            raise UpstreamChangedError(
+                f"{self.target} does not exist in the installed torch {torch.__version__}; the patch was "
+                f"written for {supported}"
+            )
+
+    def install(self, choice=None) -> list[str]:
         """Swaps in ``build(choice)``; returns the ``module.attribute`` sites changed."""
-        original = getattr(importlib.import_module(self.module), self.name)
-        replacement = self.build(choice)
-        sites = _swap(original, replacement)
-        self.original, self.replacement = original, replacement
+        owner, attribute = self._owner()
+        self.original = getattr(owner, attribute)
+        self.replacement = self.build(choice)
+        sites = _swap(self.original, self.replacement, owner, attribute, self.target)
         if self.on_swap is not None:
             self.on_swap()
         return sites
@@ -126,14 +185,16 @@ class FunctionPatch:
     def uninstall(self) -> None:
         if self.replacement is None:
             return
-        _swap(self.replacement, self.original)
+        _swap(self.replacement, self.original, *self._owner(), self.target)
         self.original = self.replacement = None
         if self.on_swap is not None:
             self.on_swap()
 
 
-def _swap(old: Callable, new: Callable) -> list[str]:
-    sites = []
+def _swap(old: Callable, new: Callable, owner, attribute: str, target: str) -> list[str]:
+    # The owner first: a torch module or class is not among the megatron modules.
+    setattr(owner, attribute, new)
+    sites = [target]
     for module in _megatron_modules():
         for attr, value in list(vars(module).items()):
             if value is old:

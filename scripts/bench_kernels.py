@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from megatron_mtraining.examples.synthetic import rope
 from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
@@ -57,7 +58,6 @@ from megatron_mtraining.sparse import (
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
 from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_tables, tile_tables
-from megatron_mtraining.synthetic import rope
 
 HQ, HKV, D = 16, 2, 128
 

@@ -2,7 +2,7 @@
 
 Each row is a real training run of ``python -m megatron_mtraining.pretrain`` (Megatron's own
 loop) on mock data, for a recipe's model shape (Qwen2.5-3B by default) cut to ``--num-layers``,
-at ``--seq-length``, on one process; ``--step-report`` (``megatron/step_report.py``) gives its
+at ``--seq-length``, on one process; ``--step-report`` (``training/step_report.py``) gives its
 steady seconds per iteration, peak memory and one profiled step's device time by part. The
 script prints a table and writes ``OUT/bench_training.json`` (the rows' reports, the FLOP
 counts and floors) and each row's log and report.
@@ -155,7 +155,7 @@ def model_flops(shape: dict, seq: int, attended_fraction: float) -> dict:
 
 def _shape(config: str, overrides: list[str]) -> dict:
     sys.path.insert(0, str(ROOT))
-    from megatron_mtraining.megatron.yaml_config import load_config
+    from megatron_mtraining.training.yaml_config import load_config
 
     m = load_config(config, overrides).megatron
     shape = {k: m[k] for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads")}

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, ring_work, simulate_ring_areas
-from megatron_mtraining.synthetic import slash_heavy_index
+from megatron_mtraining.examples.synthetic import slash_heavy_index
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.megatron import (
     MTrainingAttentionConfig,
     SparseCoreAttention,
-    apply_cpu_compat,
     attach_attention_config,
     core_attention,
     get_attention_metrics_tracker,
@@ -66,7 +65,7 @@ PATTERNS = {
 
 
 def init_megatron(cp_size: int = 1, hierarchical: list[int] | None = None) -> None:
-    apply_cpu_compat()
+    patches.apply_cpu_patches()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         context_parallel_size=cp_size, hierarchical_context_parallel_sizes=hierarchical
@@ -517,10 +516,10 @@ def check_msa_kl_and_checkpoint(rank, world):
     assert (sparse_loss - dense_loss).abs() > 1e-5, "after warmup the main branch is still dense"
 
 
-def check_cpu_compat_ddp_and_optimizer(rank, world):
+def check_cpu_patches_ddp_and_optimizer(rank, world):
     """Megatron DDP + get_megatron_optimizer take a step on the CPU, index projections included."""
     init_megatron()
-    assert apply_cpu_compat(), "apply_cpu_compat is not active without CUDA"
+    assert patches.apply_cpu_patches(), "apply_cpu_patches is not active without CUDA"
     assert torch.tensor([1.0], device="cuda").device.type == "cpu"
     model = build_model(_msa_config())
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from gloo import run
 
-from megatron_mtraining.megatron import chunked_loss
-from megatron_mtraining.megatron import linear_cross_entropy as lce
+from megatron_mtraining.patches import apply_cpu_patches
+from megatron_mtraining.training import chunked_loss
+from megatron_mtraining.training import linear_cross_entropy as lce
 
 ROWS_PER_CHUNK = 24  # divides neither the 256 tokens nor a TP rank's 128
 
@@ -26,7 +27,7 @@ def _loss_and_grads(model, batch, weights, **kwargs):
 def _init_tp(world):
     from megatron.core import parallel_state, tensor_parallel
 
-    workers.apply_cpu_compat()
+    apply_cpu_patches()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(workers.SEED)

@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from megatron_mtraining import pretrain
-from megatron_mtraining.megatron import training
-from megatron_mtraining.megatron.dry_run import dry_run
-from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
+from megatron_mtraining.training import job
+from megatron_mtraining.training.dry_run import dry_run
+from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
 
@@ -147,7 +147,7 @@ def no_training(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(training, "run", started)
+    monkeypatch.setattr(job, "run", started)
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ import gloo
 import pytest
 
 from megatron_mtraining import pretrain
-from megatron_mtraining.megatron.dry_run import dry_run, resolve
-from megatron_mtraining.megatron.memory import estimate_memory, layer_activation_bytes
-from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
+from megatron_mtraining.training.dry_run import dry_run, resolve
+from megatron_mtraining.training.memory import estimate_memory, layer_activation_bytes
+from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p for p in CONFIGS.rglob("*.yaml") if "data" not in p.relative_to(CONFIGS).parts)
@@ -63,6 +63,22 @@ def test_qwen_512k_is_the_mtraining_setting(capsys):
     # --world-size wins over the recipe's cluster: twice the GPUs is data parallelism 2.
     pretrain.main(["--config", str(CONFIGS / "qwen2.5-3b/512k.yaml"), "--dry-run", "--world-size", "64"])
     assert "world 64 = TP 1 x PP 1 x CP 32 x DP 2" in capsys.readouterr().out
+
+
+def test_config_names_a_packaged_recipe_where_no_such_file_exists(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    pretrain.main(["--config", "qwen2.5-3b/512k.yaml", "--dry-run"])
+    assert f"dry run of {CONFIGS / 'qwen2.5-3b/512k.yaml'}: valid" in capsys.readouterr().out
+    # A file of that name where the command runs wins over the packaged recipe.
+    (tmp_path / "tiny_cpu.yaml").write_text(TINY.read_text())
+    pretrain.main(["--config", "tiny_cpu.yaml", "--dry-run"])
+    assert "dry run of tiny_cpu.yaml: valid" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        pretrain.main(["--config", "qwen2.5-3b/1m.yaml", "--dry-run"])
+    message = str(err.value)
+    assert message.startswith("config error: --config='qwen2.5-3b/1m.yaml': no such file, and no recipe of that name")
+    assert "accepted: the path of a YAML run config, or a packaged recipe: " in message
+    assert "qwen2.5-3b/512k.yaml" in message and "synthetic_mix" not in message
 
 
 def _write(tmp_path, name, text):
@@ -176,11 +192,11 @@ def _check_parameter_count(rank, world):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.training import global_vars
 
-    from megatron_mtraining.megatron import training
-    from megatron_mtraining.megatron.cpu_compat import apply_cpu_compat
-    from megatron_mtraining.megatron.memory import count_parameters
+    from megatron_mtraining.patches import apply_cpu_patches
+    from megatron_mtraining.training.forward_step import model_provider
+    from megatron_mtraining.training.memory import count_parameters
 
-    apply_cpu_compat()
+    apply_cpu_patches()
     cases = [(1, c) for c in PARAMETER_CASES] + [(2, PARAMETER_CASES[0]), (2, PARAMETER_CASES[1])]
     for tp, overrides in cases:
         if tp > world:
@@ -195,7 +211,7 @@ def _check_parameter_count(rank, world):
         count = count_parameters(args, config.attention)
         args.padded_vocab_size = 128
         global_vars._GLOBAL_ARGS = args
-        model = training.model_provider()
+        model = model_provider()
         local = sum(p.numel() for p in model.parameters())
         assert count.per_rank == local, (overrides, count, local)
         if tp == 1:

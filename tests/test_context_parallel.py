@@ -21,13 +21,13 @@ from megatron_mtraining.context_parallel import (
     ring_work,
     simulate_ring_areas,
 )
+from megatron_mtraining.examples.synthetic import slash_heavy_index
 from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
     VerticalSlashConfig,
     build_vertical_slash_index,
     sparse_attention,
 )
-from megatron_mtraining.synthetic import slash_heavy_index
 
 needs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_mtraining.megatron.metrics_line import parse_metrics
+from megatron_mtraining.training.metrics_line import parse_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "pretrain.sh"

@@ -1,4 +1,4 @@
-"""``--check-finite`` (``megatron/finite_guard.py``): a NaN planted in one layer's forward or
+"""``--check-finite`` (``training/finite_guard.py``): a NaN planted in one layer's forward or
 backward is reported at that layer, with its attention type, one planted in the gradient
 from the model's head at the head, and a clean model passes; with and without activation
 recomputation (gloo, one process)."""
@@ -39,7 +39,7 @@ def _check_all(rank, world, kind, recompute, plants):
 
 
 def _check(kind, recompute, plant):
-    from megatron_mtraining.megatron.finite_guard import NonFiniteError, install_finite_guard
+    from megatron_mtraining.training.finite_guard import NonFiniteError, install_finite_guard
 
     model = workers.build_model(workers.attention_config(kind), **RECOMPUTE[recompute])
     assert install_finite_guard(model, kind) == 2
@@ -90,7 +90,7 @@ def test_dense_layers_are_named_dense():
 
 
 def test_non_finite_losses_name_the_head():
-    from megatron_mtraining.megatron.finite_guard import NonFiniteError, check_losses
+    from megatron_mtraining.training.finite_guard import NonFiniteError, check_losses
 
     check_losses(torch.tensor([1.0, 2.0]))
     with pytest.raises(

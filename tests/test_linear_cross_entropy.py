@@ -1,4 +1,4 @@
-"""The fused linear + cross entropy (``megatron/linear_cross_entropy.py``) against an fp64
+"""The fused linear + cross entropy (``training/linear_cross_entropy.py``) against an fp64
 reference: per-token losses, and the gradients of hidden states and weight for a loss
 ``c * sum(losses * mask)``, chunk sizes that do not divide the rows; and its Triton kernels
 (in Triton's interpreter on a CPU) against the PyTorch path."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mtraining.megatron import linear_cross_entropy as lce
+from megatron_mtraining.training import linear_cross_entropy as lce
 
 HIDDEN, VOCAB = 32, 300
 CHUNK = 10  # tokens per chunk: divides neither 37 nor 74 rows

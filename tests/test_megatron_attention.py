@@ -2,7 +2,7 @@
 spec on gloo (CPU), checked against cp_size 1 and against Megatron's own attention.
 
 Model-level runs happen in spawned processes (``megatron_workers``): they initialise
-Megatron's parallel state and apply ``cpu_compat``, which must not leak into this process.
+Megatron's parallel state and apply the CPU patches (``patches/cpu_compat.py``), which must not leak into this process.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from megatron_mtraining.megatron import (
     MSASelfAttention,
     MTrainingAttentionConfig,
     SparseCoreAttention,
-    apply_cpu_compat,
     attach_attention_config,
     get_attention_config,
     get_gpt_decoder_block_spec,
     get_gpt_layer_spec,
 )
-from megatron_mtraining.patches import apply_patches, remove_patches
+from megatron_mtraining.patches import apply_cpu_patches, apply_patches, remove_patches
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.msa import MSAPattern
 from megatron_mtraining.sparse import MSAConfig, VerticalSlashConfig
@@ -315,10 +314,10 @@ def test_core_attention_checks_the_patches_again_in_forward(unpatched):
         module(q, kv, kv, None)
 
 
-def test_cpu_compat_is_a_no_op_with_cuda(monkeypatch):
+def test_cpu_patches_are_a_no_op_with_cuda(monkeypatch):
     current_device = torch.cuda.current_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert apply_cpu_compat() is False
+    assert apply_cpu_patches() is False
     assert torch.cuda.current_device is current_device
 
 
@@ -341,8 +340,8 @@ def test_msa_kl_loss_scale_logging_warmup_recompute_and_checkpoint():
     run(1, workers.check_msa_kl_and_checkpoint)
 
 
-def test_cpu_compat_runs_megatron_ddp_and_optimizer():
-    run(1, workers.check_cpu_compat_ddp_and_optimizer)
+def test_cpu_patches_run_megatron_ddp_and_optimizer():
+    run(1, workers.check_cpu_patches_ddp_and_optimizer)
 
 
 def test_cp2_equals_cp1(references):

@@ -1,6 +1,7 @@
-"""The Megatron patches: version guard and fingerprints, install/remove at every import site,
-batch split and RoPE rows per CP rank for every layout (zigzag equal to Megatron's own), and
-the inner/outer groups of the hierarchical ring, on spawned gloo processes.
+"""The Megatron patches: version guard and fingerprints (torch's release range for the CPU
+stand-ins), install/remove at every import site, batch split and RoPE rows per CP rank for
+every layout (zigzag equal to Megatron's own), and the inner/outer groups of the hierarchical
+ring, on spawned gloo processes.
 
 Workers are forked rather than spawned: each spawned process would import megatron.core
 again (seconds each on two cores).
@@ -29,17 +30,24 @@ from megatron_mtraining.megatron.cp_groups import hierarchy_from_megatron, inner
 from megatron_mtraining.patches import (
     PATCHES,
     SUPPORTED_VERSION,
+    TORCH_VERSIONS,
     UpstreamChangedError,
     applied_layout,
+    apply_cpu_patches,
     apply_patches,
     cp_batch_split,
     cp_rope_slice,
+    cpu_compat,
+    dataset_helpers,
     remove_patches,
 )
 from megatron_mtraining.patches._guard import fingerprint
 
 ORIGINAL_SPLIT = megatron_utils.get_batch_on_this_cp_rank
 ORIGINAL_ROPE = rope_utils.get_pos_emb_on_this_cp_rank
+# Every patch the package can install; the CPU ones are installed by the spawned workers of
+# the Megatron tests, never in this process.
+REGISTERED = (*PATCHES, *cpu_compat.PATCHES, *cpu_compat.TRAINING_PATCHES, dataset_helpers.PATCH)
 
 
 @pytest.fixture(autouse=True)
@@ -51,16 +59,19 @@ def _unpatched():
 
 def test_recorded_fingerprints_match_installed_megatron():
     """Fails when upstream changes a function a patch replaces or reproduces: review it, adapt
-    the patch, record the new fingerprint."""
-    for patch in PATCHES:
+    the patch, record the new fingerprint. A patch of torch has none: its check is torch's
+    release."""
+    for patch in REGISTERED:
         module = importlib.import_module(patch.module)
+        assert bool(patch.fingerprints) != patch.patches_torch, patch.target
         for name, recorded in patch.fingerprints.items():
             assert fingerprint(getattr(module, name)) == recorded, f"{patch.module}.{name} changed upstream"
         patch.check()
 
 
-def _megatron_importers(name: str) -> set[str]:
-    """Files of the installed megatron package with an ``import`` of ``name``."""
+def _megatron_importers(name: str, from_module: str | None = None) -> set[str]:
+    """Files of the installed megatron package with an ``import`` of ``name`` (from
+    ``from_module`` when given)."""
     root = Path(megatron_utils.__file__).parents[2]
     found = set()
     for path in (root / "megatron").rglob("*.py"):
@@ -68,15 +79,21 @@ def _megatron_importers(name: str) -> set[str]:
         if name not in text:
             continue
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and any(alias.name == name for alias in node.names):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and from_module in (None, node.module)
+                and any(alias.name == name for alias in node.names)
+            ):
                 found.add(path.relative_to(root).as_posix())
     return found
 
 
 def test_import_sites_are_recorded():
     """A new upstream import site of a patched function fails here, so it gets reviewed."""
-    for patch in PATCHES:
-        assert _megatron_importers(patch.name) == set(patch.import_sites), patch.target
+    for patch in REGISTERED:
+        # torch's names (Stream, synchronize, ...) are common; only imports from torch count.
+        from_module = patch.module if patch.patches_torch else None
+        assert _megatron_importers(patch.name, from_module) == set(patch.import_sites), patch.target
 
 
 def test_apply_swaps_every_import_site_and_remove_restores():
@@ -149,6 +166,41 @@ def test_missing_upstream_function_refuses(monkeypatch):
     monkeypatch.delattr(rope_utils, "_get_thd_freqs_on_this_cp_rank")
     with pytest.raises(UpstreamChangedError, match="_get_thd_freqs_on_this_cp_rank does not exist"):
         apply_patches("striped", 8)
+
+
+@pytest.fixture
+def without_cuda(monkeypatch):
+    """A machine without CUDA as apply_cpu_patches sees it; the tests below make it refuse, so
+    nothing reaches this process (the workers that install the stand-ins are spawned)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    current_device = torch.cuda.current_device
+    yield
+    assert torch.cuda.current_device is current_device, "a CPU stand-in leaked into the test process"
+
+
+def test_cpu_patches_refuse_a_changed_megatron_function_before_changing_anything(without_cuda, monkeypatch):
+    from megatron.core.optimizer import clip_grads
+
+    monkeypatch.setattr(clip_grads, "clip_grad_by_total_norm_fp32", lambda *a, **k: None)
+    with pytest.raises(UpstreamChangedError, match=r"clip_grads\.clip_grad_by_total_norm_fp32 is not the function"):
+        apply_cpu_patches(training=True)
+
+
+@pytest.mark.parametrize("release", ["2.5.1", "2.14.0", "3.0.0"])
+def test_cpu_patches_refuse_a_torch_release_not_checked(without_cuda, monkeypatch, release):
+    monkeypatch.setattr(torch, "__version__", release)
+    first, last = (".".join(map(str, v)) for v in TORCH_VERSIONS)
+    with pytest.raises(
+        UpstreamChangedError, match=rf"patched for torch {first} to {last}, not the installed torch {release}"
+    ):
+        apply_cpu_patches()
+
+
+def test_torch_patch_releases_pass_the_check(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", ".".join(map(str, TORCH_VERSIONS[1])) + ".9+cpu")
+    for patch in (*cpu_compat.PATCHES, *cpu_compat.TRAINING_PATCHES):
+        if patch.patches_torch:
+            patch.check()
 
 
 # --- batch split, RoPE rows and loss per CP rank (4 forked gloo processes) ------------------

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mtraining.megatron.metrics_line import parse_metrics as metrics
-from megatron_mtraining.megatron.yaml_config import ConfigError, load_config
-from megatron_mtraining.quickstart import pretrain_command
+from megatron_mtraining.examples.quickstart import pretrain_command
+from megatron_mtraining.training.metrics_line import parse_metrics as metrics
+from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 # CI installs W&B (the dev extra); the GPU machines' image has none, and the tests run there too.
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
@@ -162,7 +162,7 @@ def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, cp2_striped, 
     first, want = metrics(output)[1], metrics(zigzag)[1]
     assert float(first["lm_loss"]) == pytest.approx(float(want["lm_loss"]), rel=1e-6), (first, want)
     assert float(first["index_recall"]) == pytest.approx(float(want["index_recall"]), abs=1e-4), (first, want)
-    # One process starts from the same state too (cpu_compat keeps the CPU generator out of
+    # One process starts from the same state too (the CPU patches keep the CPU generator out of
     # Megatron's JIT warmup, whose tensors are seq_length / CP long).
     one = metrics(uninterrupted[1])[1]
     assert float(first["lm_loss"]) == pytest.approx(float(one["lm_loss"]), rel=1e-6), (first, one)

@@ -1,4 +1,4 @@
-"""The embedded default, ``python -m megatron_mtraining.quickstart``, shortened for CI.
+"""The embedded default, ``python -m megatron_mtraining.examples.quickstart``, shortened for CI.
 
 One run of every stage with 4 steps on 1024-token samples (2 gloo processes, CP 2 on a CPU):
 the data files, the checkpoint of the phase-1 iteration, the resume at exactly that iteration,
@@ -19,14 +19,14 @@ import sys
 import pytest
 import torch
 
-from megatron_mtraining.megatron.metrics_line import parse_metrics
-from megatron_mtraining.quickstart import LOADED, Launch, main, plan_launch
+from megatron_mtraining.examples.quickstart import LOADED, Launch, main, plan_launch
+from megatron_mtraining.training.metrics_line import parse_metrics
 
 SHORT = ["--steps", "4", "megatron.seq_length=1024", "megatron.max_position_embeddings=1024"]
 
 
 def quickstart(workdir, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_mtraining.quickstart", "--workdir", str(workdir), *args]
+    cmd = [sys.executable, "-m", "megatron_mtraining.examples.quickstart", "--workdir", str(workdir), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     proc.stdout += proc.stderr
     return proc
@@ -129,7 +129,10 @@ def test_launch_follows_the_gpus():
     [
         (["--steps", "1"], r"--steps=1 is too few: accepted an integer >= 2"),
         (["megatron.train_iters=5"], r"override 'megatron.train_iters=5': the quickstart sets megatron.train_iters"),
-        (["--config", "nothere.yaml"], r"--config='nothere.yaml' does not exist"),
+        (
+            ["--config", "nothere.yaml"],
+            r"--config='nothere.yaml': no such file, and no recipe of that name is packaged .*quickstart\.yaml",
+        ),
     ],
 )
 def test_bad_arguments_name_the_option(argv, message, capsys):

@@ -1,4 +1,4 @@
-"""The step report's breakdown (``megatron/step_report.py``): each operation's time goes to
+"""The step report's breakdown (``training/step_report.py``): each operation's time goes to
 the part, layer and phase that ran it, recomputation included, on a small CPU model whose
 parts are known."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_mtraining.megatron.step_report import _annotate, breakdown, part_range
+from megatron_mtraining.megatron.profiler_ranges import part_range
+from megatron_mtraining.training.step_report import _annotate, breakdown
 
 
 class Block(torch.nn.Module):

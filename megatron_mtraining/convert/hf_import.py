@@ -28,7 +28,7 @@ from .hf_mapping import ConversionError, ModelSpec, hf_to_megatron, spec_from_hf
 # The common-state key holding the Hugging Face config the checkpoint came from (for the export).
 HF_CONFIG_KEY = "hf_config"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-# Where megatron_mtraining.megatron.training stores the attention section in Megatron's args.
+# Where megatron_mtraining.training.megatron_args stores the attention section in Megatron's args.
 ATTENTION_ARG = "mtraining_attention"
 
 
@@ -191,14 +191,14 @@ def single_process_megatron(seed: int = 1234):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from ..megatron import apply_cpu_compat
+    from ..patches import apply_cpu_patches
 
     owned = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:
         if owned:
             dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
         try:
-            apply_cpu_compat()
+            apply_cpu_patches()
             parallel_state.initialize_model_parallel()
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
             yield

@@ -36,7 +36,7 @@ from ..sparse.validation import fail
 from .config import get_attention_config
 from .cp_groups import hierarchy_from_megatron
 from .msa_loss import MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
-from .step_report import part_range
+from .profiler_ranges import part_range
 
 
 def _group_size(group) -> int:

@@ -1,4 +1,4 @@
-"""Reads back the per-interval line of the training entry point (``training._Metrics.report``):
+"""Reads back the per-interval line of the training entry point (``step_metrics.StepMetrics.report``):
 
     [mtraining] iteration       12 | lm_loss: 5.61 | tokens/s: 1424.3 | attended_fraction: 0.33 |
 

@@ -53,7 +53,7 @@ def resolve(run_config: RunConfig, world_size: int | None = None):
     by default), with the attention config checked against the model's ``TransformerConfig``."""
     from megatron.training import arguments
 
-    from .training import _megatron_defaults, resolve_megatron_args
+    from .megatron_args import megatron_defaults, resolve_megatron_args
 
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size {world_size}: not a number of ranks (accepted: a positive integer)")
@@ -64,7 +64,7 @@ def resolve(run_config: RunConfig, world_size: int | None = None):
         mock.patch.dict(os.environ, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
     ):
         try:
-            args = resolve_megatron_args(run_config, _megatron_defaults(cpu=False), world_size)
+            args = resolve_megatron_args(run_config, megatron_defaults(cpu=False), world_size)
         except ConfigError as err:
             raise explain_rejection(err, run_config) from None
     check_attention(run_config, args)

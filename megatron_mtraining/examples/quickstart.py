@@ -1,4 +1,4 @@
-"""The embedded default: ``python -m megatron_mtraining.quickstart [--workdir DIR] [--steps N] [--fresh]``.
+"""The embedded default: ``python -m megatron_mtraining.examples.quickstart [--workdir DIR] [--steps N] [--fresh]``.
 
 A tiny continued-pretraining run with sparse attention, end to end, in six stages:
 
@@ -38,9 +38,10 @@ import time
 import warnings
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-DEFAULT_CONFIG = CONFIGS / "quickstart.yaml"
-MIX_CONFIG = CONFIGS / "data" / "synthetic_mix.yaml"
+from .. import configs
+
+DEFAULT_CONFIG = configs.packaged("quickstart.yaml")
+MIX_CONFIG = configs.packaged("data/synthetic_mix.yaml")
 # Relative to the workdir, where the mix config and configs/quickstart.yaml look for them.
 DOCS = Path("data/synthetic")
 TOKENIZER = DOCS / "tokenizer"
@@ -173,7 +174,7 @@ class Quickstart:
 
     # ---- data stages ------------------------------------------------------------------------
     def make_documents(self) -> None:
-        from .data import generate_documents, write_jsonl
+        from ..data import generate_documents, write_jsonl
 
         for name, spec in DOCUMENT_SETS.items():
             path = self.path(DOCS / f"{name}.jsonl")
@@ -181,14 +182,14 @@ class Quickstart:
             print(f"  {count} {' / '.join(spec['kinds'])} documents of ~{spec['length']} characters -> {path}")
 
     def make_tokenizer(self) -> None:
-        from .data import train_tiny_tokenizer
-        from .data.readers import read_texts
+        from ..data import train_tiny_tokenizer
+        from ..data.readers import read_texts
 
         texts = (text for name in DOCUMENT_SETS for text in read_texts(self.path(DOCS / f"{name}.jsonl"), "text"))
         print(f"  trained on the documents, saved to {train_tiny_tokenizer(texts, self.path(TOKENIZER))}")
 
     def make_mix(self) -> None:
-        from .data import MixConfig, prepare
+        from ..data import MixConfig, prepare
 
         # The mix config's paths are relative to the working directory: here, the workdir.
         with contextlib.chdir(self.workdir):
@@ -216,7 +217,7 @@ class Quickstart:
         return pretrain_command(self.launch.processes, self.config, overrides)
 
     def phase1(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         # Phase 1 starts the run over: earlier checkpoints, events and W&B runs would mix in.
         for output in (CHECKPOINTS, TENSORBOARD, WANDB, LOGS):
@@ -229,7 +230,7 @@ class Quickstart:
             )
 
     def phase2(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         output = self.train("phase2", self.phase2_overrides())
         loaded = [int(i) for i in LOADED.findall(output)]
@@ -282,14 +283,19 @@ class Quickstart:
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
-        from .megatron.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics
 
         first = parse_metrics(self.path(LOGS / "phase1.log").read_text())
         last = parse_metrics(self.path(LOGS / "phase2.log").read_text())
         start, end = first[min(first)], last[max(last)]
         events = sorted(self.path(TENSORBOARD).glob("events.out.tfevents.*"))
         runs = sorted(self.path(WANDB).glob("wandb/offline-run-*"))
-        rerun = [sys.executable, "-m", "megatron_mtraining.quickstart", *(a for a in self.args.argv if a != "--fresh")]
+        rerun = [
+            sys.executable,
+            "-m",
+            "megatron_mtraining.examples.quickstart",
+            *(a for a in self.args.argv if a != "--fresh"),
+        ]
         resume = f"cd {shlex.quote(str(self.workdir.resolve()))} && WANDB_MODE=offline "
         rows = [
             ("loss", f"{float(start['lm_loss']):.4f} at iteration {min(first)} -> {float(end['lm_loss']):.4f} at iteration {max(last)}"),
@@ -325,7 +331,7 @@ class _Progress:
         self.start = time.monotonic()
 
     def show(self, line: str) -> None:
-        from .megatron.metrics_line import parse_metrics_line
+        from ..training.metrics_line import parse_metrics_line
 
         parsed = parse_metrics_line(line)
         if parsed is not None:
@@ -348,7 +354,7 @@ class _Progress:
 
 def _parse_cli(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_mtraining.quickstart",
+        prog="python -m megatron_mtraining.examples.quickstart",
         description="The embedded default: synthetic long documents -> tokenizer -> indexed dataset -> "
         "sparse-attention continued pretraining of a tiny model in two phases (save, resume) -> summary.",
         epilog="Overrides go to both training phases (megatron.<dest>=value, attention.<field>=value), except "
@@ -359,16 +365,18 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         "--steps", type=int, help="training iterations in all, half per phase (default: the config's train_iters)"
     )
     parser.add_argument(
-        "--config", default=str(DEFAULT_CONFIG), help="training config (default: configs/quickstart.yaml)"
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="training config: a path, or the name of a packaged recipe (default: the packaged quickstart.yaml)",
     )
     parser.add_argument("--fresh", action="store_true", help="redo every stage, even those done before")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     args = parser.parse_args(argv)
     args.argv = argv
-    if not Path(args.config).is_file():
-        parser.error(
-            f"--config={args.config!r} does not exist; expected a training YAML such as configs/quickstart.yaml"
-        )
+    try:
+        args.config = str(configs.find(args.config))
+    except FileNotFoundError as err:
+        parser.error(str(err))
     for override in args.overrides:
         section, _, key = override.partition("=")[0].partition(".")
         if section == "megatron" and key in RESERVED:
@@ -394,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     import torch
 
-    from .megatron.yaml_config import ConfigError, load_config
+    from ..training.yaml_config import ConfigError, load_config
 
     try:
         run_config = load_config(args.config, args.overrides)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse import VerticalSlashIndex
+from ..sparse import VerticalSlashIndex
 
 
 def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

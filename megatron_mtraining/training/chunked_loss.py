@@ -19,7 +19,7 @@ loss mask given), the loss is :func:`~.linear_cross_entropy.linear_cross_entropy
 autograd function that computes the gradients chunk by chunk in its forward, so the backward
 neither recomputes the logits nor runs Megatron's cross entropy again. Its weight gradient
 assumes that the per-token losses reach the loss as ``sum(losses * loss_mask)`` times a scalar
-(what ``training.loss_func`` does). It computes the same loss as Megatron's fused and unfused
+(what ``forward_step.loss_func`` does). It computes the same loss as Megatron's fused and unfused
 cross entropy, so ``cross_entropy_loss_fusion`` does not choose between the paths.
 """
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..megatron.profiler_ranges import part_range
 from .linear_cross_entropy import chunk_rows_for, linear_cross_entropy
-from .step_report import part_range
 
 # Logits elements per chunk (per GPU) on the checkpointed path: 2.5 GiB at 10 bytes each.
 CHUNK_ELEMENTS = 1 << 28

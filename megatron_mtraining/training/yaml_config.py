@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import MTrainingAttentionConfig
+from ..megatron.config import MTrainingAttentionConfig
 
 SECTIONS = ("megatron", "attention", "cluster")
 # The ``cluster:`` section: the world size of a dry run, the hierarchy check and the GPU whose

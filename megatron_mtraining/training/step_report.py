@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-PREFIX = "mtraining::"
+from ..megatron.profiler_ranges import PREFIX, part_range
+
 LAYER_TAG = "layer:"
 BACKWARD = "autograd::engine::evaluate_function: "
 # Submodule name in Megatron's GPT -> part of the step it belongs to.
@@ -57,11 +58,6 @@ PHASES = ("forward", "recompute", "backward")
 TOP_KERNELS = 12
 # Iterations left out of the steady state: compilation, autotuning, allocator growth.
 WARMUP_ITERATIONS = 2
-
-
-def part_range(name: str):
-    """A profiler range that names a part of the step (``PREFIX + name``)."""
-    return torch.profiler.record_function(PREFIX + name)
 
 
 def _annotate(module: torch.nn.Module, name: str) -> None:

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_index
 from ..context_parallel.recall import distributed_attention_recall
+from ..megatron.core_attention import SparseCoreAttention
+from ..megatron.msa_loss import get_attention_metrics_tracker
+from ..megatron.profiler_ranges import part_range
 from ..patterns.base import FRACTION_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
 from ..sparse import attention_recall
-from .core_attention import SparseCoreAttention
-from .msa_loss import get_attention_metrics_tracker
-from .step_report import part_range
 
 RECALL_ROWS = 64
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"

@@ -1,6 +1,6 @@
 """Sparse attention on synthetic long-context data: every pattern against dense.
 
-    python -m megatron_mtraining.demo [--seq-len 4096] [--device cpu|cuda] ...
+    python -m megatron_mtraining.examples.demo [--seq-len 4096] [--device cpu|cuda] ...
 
 Queries and keys share a per-head mean direction and carry RoPE, the structure
 that makes trained LLM attention local (slash lines) with attention sinks
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .sparse import (
+from ..sparse import (
     DenseIndex,
     IndexBranch,
     MoBAConfig,

@@ -1,0 +1,107 @@
+"""The plugin's per-interval training metrics, printed as the ``[mtraining] iteration`` line
+(``metrics_line`` reads it back) and written through Megatron's TensorBoard / W&B writers."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from megatron.core import parallel_state
+from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
+
+from ..megatron.msa_loss import get_attention_metrics_tracker
+from .attention_metrics import collect_attention_metrics
+from .megatron_args import attention_from_args
+from .run_state import STATE, device
+
+
+class StepMetrics:
+    """The plugin's per-interval metrics, reported at the end of each training step's
+    forward and backward (a wrapper around ``config.finalize_model_grads_func``, which
+    Megatron's schedules call once per step on every rank). Every ``log_interval`` steps it
+    prints and writes (TensorBoard / W&B through Megatron's writers) the LM loss averaged
+    over the interval's tokens at full precision, tokens/s, and the tracker's per-layer
+    metrics with their mean: MSA's KL, attended fraction, ring imbalance degrees."""
+
+    def __init__(self):
+        self.iteration = None
+        self.start = None
+        self.steps = 0
+        self.micro_batches = 0
+        self.weight = 0
+        self.loss = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+
+    def begin_step(self, config, args) -> None:
+        """Called with each training micro-batch: the micro-batches of the last step of each
+        interval record the attention metrics; the first of a step hooks the step's end."""
+        self.micro_batches += 1
+        if args.curr_iteration != self.iteration:
+            if STATE.step_report is not None:
+                STATE.step_report.begin_iteration(args.curr_iteration, args.train_iters)
+            self.iteration = args.curr_iteration
+            if self.start is None:
+                self.start = time.perf_counter()
+            self.weight = args.log_interval if (self.iteration + 1) % args.log_interval == 0 else 0
+            self._hook_step_end(config)
+        collect_attention_metrics(config, self.weight, self.micro_batches)
+
+    def _hook_step_end(self, config) -> None:
+        finalize = config.finalize_model_grads_func
+        if finalize is not None and not getattr(finalize, "_mtraining_metrics", False):
+
+            @functools.wraps(finalize)
+            def finalize_and_report(*a, **k):
+                result = finalize(*a, **k)
+                self.report(config, get_args())
+                return result
+
+            finalize_and_report._mtraining_metrics = True
+            config.finalize_model_grads_func = finalize_and_report
+
+    def add_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        self.loss += torch.stack([loss.detach().double().cpu(), num_tokens.detach().double().cpu()])
+
+    def report(self, config, args) -> None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training.utils.common_utils import print_rank_last
+
+        self.steps += 1
+        iteration = args.curr_iteration + 1  # Megatron's number for the step being finished
+        if iteration % args.log_interval:
+            return
+        writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
+        scalars = {}
+        loss = self.loss.to(device())
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if loss[1] > 0:
+            scalars["lm_loss"] = float(loss[0] / loss[1])
+        elapsed = time.perf_counter() - self.start
+        scalars["tokens_per_second"] = self.steps * args.global_batch_size * args.seq_length / elapsed
+        for name, value in scalars.items():
+            if writer is not None:
+                writer.add_scalar(f"mtraining/{name}", value, iteration)
+            if wandb_writer is not None:
+                wandb_writer.log({f"mtraining/{name}": value}, iteration)
+        line = f"lm_loss: {scalars['lm_loss']!r} | " if "lm_loss" in scalars else ""
+        line += f"tokens/s: {scalars['tokens_per_second']:.1f} |"
+        tracker = get_attention_metrics_tracker()
+        names = [n for n in attention_from_args(args).pattern_class.metrics if n in tracker.metrics]
+        if names:
+            # KL values add up over every micro-batch of the interval; the attention metrics
+            # are recorded once per interval with the interval's weight.
+            line += tracker.report(
+                loss_scale=1.0 / (get_num_microbatches() * args.log_interval),
+                iteration=iteration,
+                writer=writer,
+                wandb_writer=wandb_writer,
+                per_layer_logging=True,
+                num_layers=config.num_layers,
+                track_names=names,
+            )
+        print_rank_last(f"[mtraining] iteration {iteration:8d} | {line}")
+        self.loss.zero_()
+        self.start, self.steps = time.perf_counter(), 0
+
+
+METRICS = StepMetrics()
