@@ -58,6 +58,11 @@ def build_index(
     return pattern.distributed_index(q, k, layout, group, scale)
 
 
+def rank_positions(layout: ContextParallelLayout, group, device) -> torch.Tensor:
+    """Global positions of this rank's tokens (cached by the layout: no copy per call)."""
+    return layout.token_positions(dist.get_rank(group), device).values
+
+
 def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """``[B, n, ...]`` zeros with row ``rows[i]`` of it set to ``x[:, i]``; rows of -1 are
     dropped. They land in a spare last row rather than being selected out, which would read

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..context_parallel.distributed_index import all_reduce_fn
+from ..context_parallel.distributed_index import all_reduce_fn, rank_positions
 from ..sparse.index import BlockTopKIndex
 from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
 from .base import Pattern
@@ -28,7 +28,7 @@ class MoBAPattern(Pattern):
     def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
         bsz, _, hq, _ = q.shape
         seq, config = layout.seq_len, self.config
-        positions = layout.token_positions(dist.get_rank(group), q.device).values
+        positions = rank_positions(layout, group, q.device)
         blocks = torch.full((bsz, seq, hq, config.topk), -1, dtype=torch.int32, device=q.device)
         blocks[:, positions] = moba_select_from_parts(
             q, positions, k, positions, seq, config, all_reduce_fn(dist.ReduceOp.SUM, group)

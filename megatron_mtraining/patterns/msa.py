@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel.comm import RingExchange
+from ..context_parallel.distributed_index import rank_positions
 from ..sparse.index import BlockTopKIndex, select_topk_blocks
 from ..sparse.msa import MSAConfig, block_max_scores, msa_select_blocks
 from ..sparse.validation import check_index_qk, fail
@@ -56,7 +57,7 @@ class MSAPattern(Pattern):
     def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
         cfg, seq = self.config, layout.seq_len
         q_idx, k_idx = self._inputs()
-        positions = layout.token_positions(dist.get_rank(group), q.device).values
+        positions = rank_positions(layout, group, q.device)
         bsz, _, groups, _ = q_idx.shape
         n_blocks = -(-seq // cfg.block_size)
         members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

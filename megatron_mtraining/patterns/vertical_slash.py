@@ -12,7 +12,7 @@ import math
 
 import torch.distributed as dist
 
-from ..context_parallel.distributed_index import all_reduce_fn, gather_window
+from ..context_parallel.distributed_index import all_reduce_fn, gather_window, rank_positions
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.vertical_slash import (
     VerticalSlashConfig,
@@ -35,7 +35,7 @@ class VerticalSlashPattern(Pattern):
 
     def distributed_index(self, q, k, layout, group, scale) -> VerticalSlashIndex:
         config, seq = self.config, layout.seq_len
-        positions = layout.token_positions(dist.get_rank(group), q.device).values
+        positions = rank_positions(layout, group, q.device)
         stats = window_statistics_from_parts(
             gather_window(q, positions, seq - min(config.last_q, seq), seq, group),
             k.detach(),
