@@ -187,10 +187,12 @@ def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
 
 
 # (overrides, processes): MSA resumes past its 2 warmup steps (the warmup counter and the index
-# projections come from the checkpoint); mtraining and MoBA under CP 2 resume the striped ring.
+# projections come from the checkpoint); mtraining, MoBA and MSA under CP 2 resume the striped
+# ring, MSA again past its warmup.
 EXACT_RESUMES = {
     "dense": (("attention.type=dense",), 1),
     "msa": (("attention.type=msa",), 1),
+    "msa-cp2-striped": (("attention.type=msa", *CP2_STRIPED), 2),
     "mtraining-cp2-striped": (CP2_STRIPED, 2),
     "moba-cp2-striped": (("attention.type=moba", *CP2_STRIPED), 2),
 }
