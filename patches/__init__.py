@@ -12,6 +12,8 @@ them, each for its own case:
   Megatron's CUDA-only functions get CPU stand-ins (``cpu_compat``).
 * :func:`use_prebuilt_dataset_helpers`, by the training entry point: Megatron's start-up uses
   the dataset helpers the megatron-core wheel ships (``dataset_helpers``).
+* :func:`use_atomic_checkpoint_tracker`, by the training entry point: Megatron's checkpoint
+  tracker file is replaced atomically (``atomic_tracker``).
 
 Every patch records the megatron-core version it was written for and fingerprints of the
 upstream functions it replaces or reproduces, or for torch the releases it was checked on
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cp_batch_split, cp_rope_slice, cpu_compat, dataset_helpers, fused_rope
+from . import atomic_tracker, cp_batch_split, cp_rope_slice, cpu_compat, dataset_helpers, fused_rope
 from ._guard import SUPPORTED_VERSION, TORCH_VERSIONS, UpstreamChangedError
 from ._layout import LayoutChoice
 
@@ -127,6 +129,18 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+def use_atomic_checkpoint_tracker() -> None:
+    """Makes Megatron's ``save_checkpoint`` replace ``latest_checkpointed_iteration.txt``
+    atomically (a synced temporary file and ``os.replace``), so that a save killed at any point
+    leaves the previous tracker, naming a complete checkpoint. Applying again is the same as
+    once. Raises :class:`UpstreamChangedError` if Megatron's ``MaybeMultiStorageClient`` or
+    ``save_checkpoint`` is not the one the patch was written for."""
+    if atomic_tracker.PATCH.replacement is not None:
+        return
+    atomic_tracker.PATCH.check()
+    atomic_tracker.PATCH.install()
+
+
 __all__ = [
     "PATCHES",
     "SUPPORTED_VERSION",
@@ -137,5 +151,6 @@ __all__ = [
     "apply_cpu_patches",
     "apply_patches",
     "remove_patches",
+    "use_atomic_checkpoint_tracker",
     "use_prebuilt_dataset_helpers",
 ]

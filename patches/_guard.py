@@ -84,7 +84,9 @@ class FunctionPatch:
     :data:`TORCH_VERSIONS`. ``import_sites`` lists the files of the installed megatron
     package that import the function by name; a test keeps the list current, so an upstream
     change there is reviewed. ``on_swap`` runs after each install and uninstall (to drop
-    caches of the old function's results). While installed, and while ``build`` runs,
+    caches of the old function's results). ``callers`` maps functions elsewhere in Megatron
+    (by full dotted name) whose use of the patched one the replacement relies on to their
+    fingerprints, checked the same way. While installed, and while ``build`` runs,
     ``original`` is the replaced function.
     """
 
@@ -94,6 +96,7 @@ class FunctionPatch:
     import_sites: tuple[str, ...]
     build: Callable[..., Callable]
     on_swap: Callable[[], None] | None = None
+    callers: dict[str, str] = field(default_factory=dict)
     original: Callable | None = field(default=None, init=False)
     replacement: Callable | None = field(default=None, init=False)
 
@@ -119,11 +122,11 @@ class FunctionPatch:
         if self.patches_torch:
             self._check_torch()
             return
-        module = importlib.import_module(self.module)
         version = installed_version()
-        for name, recorded in self.fingerprints.items():
-            fn = getattr(module, name, None)
-            where = f"{self.module}.{name}"
+        named = {f"{self.module}.{name}": recorded for name, recorded in self.fingerprints.items()}
+        for where, recorded in {**named, **self.callers}.items():
+            module_name, _, name = where.rpartition(".")
+            fn = getattr(importlib.import_module(module_name), name, None)
             if fn is None:
                 raise UpstreamChangedError(
                     f"{where} does not exist in the installed megatron-core {version}; the patch of "

@@ -1,6 +1,7 @@
 """MSA: block selection, KL alignment loss, gradient confinement, warmup."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,46 @@ def test_index_branch_memory_is_linear_in_the_sequence():
     s_by_s = 32768**2 * 4
     assert int(grown) < s_by_s / 8, f"peak grew by {int(grown) / 2**30:.2f} GiB"
     assert int(last_block) == 32768 // 64 - 1 and float(grad_mass) > 0  # the probe did the work
+
+
+@pytest.fixture
+def deterministic_mode(monkeypatch):
+    """``megatron.deterministic_mode=true`` in the YAML, through Megatron's own validation:
+    yields the resolved arguments; torch's global mode and the environment are restored."""
+    from megatron_mtraining.training.megatron_args import megatron_defaults, resolve_megatron_args
+    from megatron_mtraining.training.yaml_config import load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    for name in ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    run_config = load_config(config, ["megatron.deterministic_mode=true", "attention.type=msa"])
+    try:
+        yield resolve_megatron_args(run_config, megatron_defaults(cpu=not torch.cuda.is_available()), world_size=1)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_mode_switch_reaches_torch(deterministic_mode, rng, device):
+    """The YAML switch turns on torch's deterministic algorithms (CUDA index_add_ then sums in
+    a fixed order) and the cuBLAS workspace setting; the MSA KL backward, whose key gradient
+    is an index_add_, runs under it and matches the fp64 brute force and the default mode."""
+    import os
+
+    assert deterministic_mode.deterministic_mode
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    b, s, hq, groups, d, di = 2, 70, 4, 2, 16, 8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=rng, dtype=torch.float64).to(device)
+
+    q, k = randn(b, s, hq, d), randn(b, s, groups, d)
+    q_idx, k_idx = randn(b, s, groups, di).requires_grad_(), randn(b, s, 1, di).requires_grad_()
+    index = msa_select_blocks(q_idx, k_idx, MSAConfig(block_size=16, topk=2, index_head_dim=di), hq)
+    got = torch.autograd.grad(msa_kl_loss(q, k, q_idx, k_idx, index), (q_idx, k_idx))
+    want = torch.autograd.grad(brute_force_kl(q, k, q_idx, k_idx, index.to_dense_mask(s)), (q_idx, k_idx))
+    torch.use_deterministic_algorithms(False)
+    default = torch.autograd.grad(msa_kl_loss(q, k, q_idx, k_idx, index), (q_idx, k_idx))
+    for a, e, f in zip(got, want, default, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-9)
+        torch.testing.assert_close(a, f, atol=1e-12, rtol=1e-12)

@@ -9,6 +9,7 @@ again (seconds each on two cores).
 
 import ast
 import importlib
+import io
 import logging
 import os
 from pathlib import Path
@@ -35,6 +36,7 @@ from megatron_mtraining.patches import (
     applied_layout,
     apply_cpu_patches,
     apply_patches,
+    atomic_tracker,
     cp_batch_split,
     cp_rope_slice,
     cpu_compat,
@@ -47,7 +49,13 @@ ORIGINAL_SPLIT = megatron_utils.get_batch_on_this_cp_rank
 ORIGINAL_ROPE = rope_utils.get_pos_emb_on_this_cp_rank
 # Every patch the package can install; the CPU ones are installed by the spawned workers of
 # the Megatron tests, never in this process.
-REGISTERED = (*PATCHES, *cpu_compat.PATCHES, *cpu_compat.TRAINING_PATCHES, dataset_helpers.PATCH)
+REGISTERED = (
+    *PATCHES,
+    *cpu_compat.PATCHES,
+    *cpu_compat.TRAINING_PATCHES,
+    dataset_helpers.PATCH,
+    atomic_tracker.PATCH,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +74,9 @@ def test_recorded_fingerprints_match_installed_megatron():
         assert bool(patch.fingerprints) != patch.patches_torch, patch.target
         for name, recorded in patch.fingerprints.items():
             assert fingerprint(getattr(module, name)) == recorded, f"{patch.module}.{name} changed upstream"
+        for where, recorded in patch.callers.items():
+            module_name, _, name = where.rpartition(".")
+            assert fingerprint(getattr(importlib.import_module(module_name), name)) == recorded, where
         patch.check()
 
 
@@ -373,6 +384,46 @@ def _check_hierarchies(rank, world):
         new_hierarchy(3)
     with pytest.raises(ValueError, match=r"inner_size=.*the same value on every rank \(got \[2, 4\]\)"):
         new_hierarchy(2 if rank == 0 else 4)
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL between the tracker's opening for writing and its write."""
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["patched", "megatron"])
+def test_tracker_write_interrupted_keeps_the_previous_tracker(tmp_path, atomic):
+    """Megatron's own write truncates the tracker first: interrupted, it leaves an empty file
+    on which the next start's ``read_metadata`` exits. The patched write leaves the previous
+    tracker, then replaces it whole."""
+    from megatron.core.msc_utils import maybe_msc
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename, read_metadata
+
+    from megatron_mtraining.patches import use_atomic_checkpoint_tracker
+
+    tracker = get_checkpoint_tracker_filename(str(tmp_path))
+    previous, latest = (int(i) for i in torch.randint(1, 10**6, (2,)))
+    Path(tracker).write_text(str(previous))
+    if atomic:
+        use_atomic_checkpoint_tracker()
+    try:
+        with pytest.raises(_Killed), maybe_msc.open(tracker, "w"):
+            raise _Killed
+        if not atomic:
+            assert Path(tracker).read_text() == ""
+            with pytest.raises(SystemExit):
+                read_metadata(tracker)
+            return
+        assert read_metadata(tracker) == (previous, False)
+        with maybe_msc.open(tracker, "w") as f:
+            f.write(str(latest))
+        assert read_metadata(tracker) == (latest, False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [atomic_tracker.TRACKER]
+        # Other files keep the plain open.
+        with maybe_msc.open(str(tmp_path / "other.txt"), "w") as f:
+            assert isinstance(f, io.TextIOWrapper)
+    finally:
+        atomic_tracker.PATCH.uninstall()
+    assert maybe_msc.open is open
 
 
 def test_hierarchical_groups_have_the_ring_order():

@@ -12,7 +12,10 @@ import importlib.util
 import math
 import os
 import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,11 +189,52 @@ def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
     assert "[mtraining] iteration" not in changed.stdout  # stopped before training
 
 
+def test_checkpoint_killed_while_saving_is_not_loaded(uninterrupted, tmp_path):
+    """SIGKILL during the save of iteration 6, after its shards are written and before its
+    ``metadata.json`` and the tracker: the restart resumes from iteration 3, steps 4-6 equal
+    the uninterrupted run's, and the half-written ``iter_0000006`` is overwritten whole."""
+    ckpt = tmp_path / "ckpt"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    log = tmp_path / "paused.log"
+    cmd = [sys.executable, str(Path(__file__).with_name("paused_save.py")), "6", "--config", str(CONFIG)]
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        # A session of its own: the kill reaches Megatron's checkpoint writer processes too.
+        proc = subprocess.Popen(
+            [*cmd, f"megatron.save={ckpt}", "megatron.save_interval=3"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while "SAVE PAUSED" not in log.read_text():
+                assert proc.poll() is None, f"the run ended before the paused save:\n{log.read_text()[-6000:]}"
+                assert time.monotonic() < deadline, log.read_text()[-6000:]
+                time.sleep(0.2)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    partial = ckpt / "iter_0000006"
+    assert list(partial.glob("*.distcp")) and not (partial / "metadata.json").exists(), list(partial.iterdir())
+    assert tracker.read_text() == "3"
+    resumed = pretrain(tmp_path, f"megatron.load={ckpt}", f"megatron.save={ckpt}", "megatron.save_interval=3").stdout
+    assert re.search(r"successfully loaded checkpoint from .* at iteration 3", resumed), resumed[-3000:]
+    want = losses(uninterrupted[1])
+    assert losses(resumed) == {i: want[i] for i in (4, 5, 6)}, (losses(resumed), want)
+    assert tracker.read_text() == "6" and (partial / "metadata.json").is_file()
+    assert not list(ckpt.glob("*.tmp.*")), list(ckpt.iterdir())
+
+
 # (overrides, processes): MSA resumes past its 2 warmup steps (the warmup counter and the index
-# projections come from the checkpoint); mtraining and MoBA under CP 2 resume the striped ring.
+# projections come from the checkpoint); mtraining, MoBA and MSA under CP 2 resume the striped
+# ring, MSA again past its warmup.
 EXACT_RESUMES = {
     "dense": (("attention.type=dense",), 1),
     "msa": (("attention.type=msa",), 1),
+    "msa-cp2-striped": (("attention.type=msa", *CP2_STRIPED), 2),
     "mtraining-cp2-striped": (CP2_STRIPED, 2),
     "moba-cp2-striped": (("attention.type=moba", *CP2_STRIPED), 2),
 }

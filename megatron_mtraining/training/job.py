@@ -45,7 +45,12 @@ def run(
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    from ..patches import apply_cpu_patches, apply_patches, use_prebuilt_dataset_helpers
+    from ..patches import (
+        apply_cpu_patches,
+        apply_patches,
+        use_atomic_checkpoint_tracker,
+        use_prebuilt_dataset_helpers,
+    )
 
     # Megatron's validate_args requires 1 for TP / CP > 1 (kernel order for comm-compute
     # overlap) and refuses 1 with FSDP; a launcher's value wins.
@@ -56,6 +61,7 @@ def run(
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     _single_process_rendezvous()
     use_prebuilt_dataset_helpers()
+    use_atomic_checkpoint_tracker()
     defaults = megatron_defaults(cpu=apply_cpu_patches(training=True))
     # Before the model exists, so Megatron's batch split and RoPE slice follow the layout.
     apply_patches(run_config.attention.layout, run_config.attention.stripe)

@@ -61,6 +61,12 @@ def resolve_megatron_args(run_config: RunConfig, defaults: dict, world_size: int
             validate_args(args, {})
         except AssertionError as err:
             raise ConfigError(f"{run_config.path}: Megatron rejected the arguments: {err}") from err
+    if args.deterministic_mode:
+        from megatron.training.determinism import apply_determinism_env
+
+        # validate_args set NCCL_ALGO and CUBLAS_WORKSPACE_CONFIG in the environment the
+        # patch.dict above has just restored; NCCL and cuBLAS read them later, at their start.
+        apply_determinism_env(os.environ)
     setattr(args, ARGS_ATTRIBUTE, run_config.attention_dict())
     setattr(args, START_ATTRIBUTE, 0)
     return args
