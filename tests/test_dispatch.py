@@ -47,6 +47,18 @@ def test_whole_dense_attention_goes_to_the_fused_library_and_pieces_do_not():
     assert dispatch.attention_kernel(cuda_q(dtype=torch.float32), dense).kernel == "block_bar"
 
 
+def test_deterministic_mode_keeps_dense_attention_off_cudnn():
+    q, dense = cuda_q(), DenseIndex(1, 4, 4096)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        decision = dispatch.attention_kernel(q, dense)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert decision.kernel == "block_bar" and "deterministic mode" in decision.reason
+    assert dispatch.attention_kernel(q, dense).kernel == "sdpa"
+
+
 def test_top_k_indices_pick_their_loop_order_by_the_share_they_select():
     q = cuda_q(seq=4096)
     narrow = dispatch.attention_kernel(q, topk(4096, 8, 16))  # 128 of 4096 keys: 1/32

@@ -5,7 +5,8 @@ An attention call goes to one of :data:`KERNELS`:
 * ``flash_attn`` / ``sdpa``: another library's whole causal attention (flash-attn 2 where it
   is installed, else PyTorch's fused attention: cuDNN on sm90+, FlashAttention-2 on sm80). Only
   a ``DenseIndex`` over the whole sequence on one device, in fp16/bf16: these libraries take
-  no index, no key positions and no running result.
+  no index, no key positions and no running result. Not ``sdpa`` under torch's deterministic
+  mode (Megatron's ``deterministic_mode``): its backward is not bitwise reproducible.
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
   queries select a small share of the keys (:func:`kv_outer_preferred`).
 * ``block_bar``: the Triton query-major tile + bar kernels (``kernels/block_bar``), for every
@@ -97,6 +98,8 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
         return Decision(
             "block_bar", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
         )
+    if isinstance(index, DenseIndex) and torch.are_deterministic_algorithms_enabled():
+        return Decision("block_bar", "a DenseIndex on CUDA in deterministic mode (cuDNN's backward is not)")
     return Decision("block_bar", f"a {type(index).__name__} on CUDA")
 
 
@@ -180,7 +183,10 @@ def dense_backend(q: torch.Tensor, index: SparseIndex, backend: str | None = Non
         return None
     if flash_attn.unsupported(q, index) is None:
         return "flash_attn"
-    return "sdpa" if q.is_cuda and sdpa.unsupported(q, index) is None else None
+    # cuDNN's fused backward is not bitwise reproducible (torch's deterministic mode does not
+    # rule it out); the plugin's dense kernels are, so deterministic runs take them.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    return "sdpa" if q.is_cuda and not deterministic and sdpa.unsupported(q, index) is None else None
 
 
 def _backend_setting(backend: str | None) -> str:
