@@ -23,8 +23,9 @@ from megatron_mtraining.sparse import (
     MSAConfig,
     build_moba_index,
     msa_select_blocks,
+    sparse_attention,
 )
-from megatron_mtraining.sparse import attention as api
+from megatron_mtraining.sparse import dispatch as api
 from megatron_mtraining.sparse.kernels.kv_outer.reverse_index import reverse_index, work_list
 
 
@@ -189,7 +190,7 @@ def test_sink_block_is_split_and_backward_is_deterministic(hq, hs, hkv, rng, kde
     assert {grid for grid, _ in reduce.calls} == {(2,)}
     assert int((bwd.chunk_splits[1:] - bwd.chunk_splits[:-1]).max()) > 2
 
-    out, lse = api.sparse_attention(q, k, v, index, backend="triton")
+    out, lse = sparse_attention(q, k, v, index, backend="triton")
     g = torch.randn(out.shape, generator=rng).to(kdevice)
     runs = [torch.autograd.grad((out * g).sum(), (q, k, v), retain_graph=True) for _ in range(2)]
     for a, e in zip(*runs, strict=True):
@@ -254,7 +255,7 @@ def test_block_size_must_be_a_power_of_two(rng, kdevice):
     q, k, v = make_inputs(rng, 1, 40, 2, 1, 16, torch.float32, kdevice)
     index = BlockTopKIndex(blocks=torch.zeros(1, 40, 1, 1, dtype=torch.int32), block_size=24, num_heads=2)
     with pytest.raises(ValueError, match="index.block_size=24"):
-        api.sparse_attention(q, k, v, index.to(kdevice), backend="triton")
+        sparse_attention(q, k, v, index.to(kdevice), backend="triton")
 
 
 def gpu_index(kind, q, k, block):
@@ -296,9 +297,7 @@ def test_kv_outer_backward_is_deterministic_on_gpu(kind, rng, device):
     q, k, v = make_inputs(rng, 1, 4096, 16, 2, 128, torch.bfloat16, device)
     index = gpu_index(kind, q, k, 64)
     g = torch.randn(q.shape, generator=rng).to(device, torch.bfloat16)
-    runs = [
-        torch.autograd.grad(api.sparse_attention(q, k, v, index, backend="triton")[0], (q, k, v), g) for _ in range(3)
-    ]
+    runs = [torch.autograd.grad(sparse_attention(q, k, v, index, backend="triton")[0], (q, k, v), g) for _ in range(3)]
     for again in runs[1:]:
         for a, e in zip(runs[0], again, strict=True):
             assert torch.equal(a, e)
