@@ -94,12 +94,15 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             ring_area, local_area = stats.gather()
             total = ring_area.sum() + local_area.sum()
             assert total == float(index.attended_area().sum()), (where, total)
-            # Timed: every step with work has forward and backward time, skipped steps none.
+            # Timed: every piece with work has forward and backward time. A rank's column
+            # piece runs whenever the index has columns, even where none is visible to its
+            # queries outside their tiles (area 0): telling would read the index on the host.
             for phase in ("fwd", "bwd"):
                 step_ms, local_ms, wait_ms = stats.gather_times(phase)
                 assert step_ms.shape == ring_area.shape and local_ms.shape == wait_ms.shape == (world,), where
                 assert torch.all(step_ms[ring_area > 0] > 0), (where, phase, step_ms, ring_area)
-                assert torch.equal(local_ms > 0, local_area > 0) and torch.all(wait_ms >= 0), (where, phase)
+                assert torch.all(local_ms[local_area > 0] > 0), (where, phase, local_ms, local_area)
+                assert torch.all(wait_ms >= 0), (where, phase, wait_ms)
 
 
 def check_hierarchy_errors(rank, world):
