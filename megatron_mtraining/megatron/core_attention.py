@@ -96,7 +96,9 @@ class SparseCoreAttention(MegatronModule):
         # multiplies the scores back in the softmax: the net scale is unchanged.
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.index_input = None  # the layer input, set by MSASelfAttention for one forward
-        if self.attention_config.pattern_class.has_index_branch:
+        # The config is frozen: its pattern, bound to its settings, is built once.
+        self.pattern = self.attention_config.pattern
+        if self.pattern.has_index_branch:
             groups = divide(config.num_query_groups, _group_size(self.tp_group))
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             self.index_branch = IndexBranch(
@@ -199,10 +201,10 @@ class SparseCoreAttention(MegatronModule):
             self._check_patches(cp_size)
             cfg = self.attention_config
             layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
-        if self.attention_config.pattern_class.has_index_branch:
+        if self.pattern.has_index_branch:
             out = self._msa(q, k, v, index_input if index_input is not None else self.index_input, layout)
         else:
-            out = self._attend(q, k, v, self.attention_config.pattern, layout)
+            out = self._attend(q, k, v, self.pattern, layout)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
     def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
@@ -236,7 +238,7 @@ class SparseCoreAttention(MegatronModule):
                 seq = q.shape[1] if layout is None else layout.seq_len
                 index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
             else:
-                pattern = self.attention_config.pattern.with_inputs(q_idx, k_idx)
+                pattern = self.pattern.with_inputs(q_idx, k_idx)
                 index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
         out = self._attend(q, k, v, index, layout)
         if self.training and torch.is_grad_enabled():

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
+from .index import BlockTopKIndex, DenseIndex, SparseIndex
 from .kernels import triton_available
+from .kernels.block_bar.tables import SERVED_INDEXES
 from .kernels.dense_backends import flash_attn, sdpa
 from .validation import fail
 
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
-# Index types the block-bar kernels serve (their tile tables exist for these).
-BLOCK_BAR_INDEXES = (VerticalSlashIndex, DenseIndex, BlockTopKIndex)
 
 # The loop order of a top-k index on the kernels, by measurement (docs/benchmarks.md,
 # "KV-outer kernels for top-k indexes" and "Kernels at 256K on one H100"): KV-outer programs
@@ -84,7 +83,7 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
             return Decision(dense, why)
     if backend_choice(q, backend) == "reference":
         return Decision("reference", _reference_reason(q, setting))
-    if not isinstance(index, BLOCK_BAR_INDEXES):
+    if not isinstance(index, SERVED_INDEXES):
         if setting == "triton":
             fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
         return Decision("reference", f"no kernel serves a {type(index).__name__}")

@@ -216,6 +216,11 @@ def block_topk_tables(index: BlockTopKIndex, max_tile: int = 128) -> TileTables:
     return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
 
 
+# The index types that have tile tables, so the block-bar kernels serve them (the dispatch
+# reads this: what the kernels serve is decided here, where the tables are built).
+SERVED_INDEXES = (VerticalSlashIndex, DenseIndex, BlockTopKIndex)
+
+
 def tile_tables(index: SparseIndex, dense_block: int = 128) -> TileTables | None:
     """The tile tables of ``index`` (those kept for it, ``keep_tables``, if any), or None when
     the kernels do not serve its type."""
