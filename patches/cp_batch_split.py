@@ -9,9 +9,9 @@ Megatron's semantics: every tensor is split on its sequence dimension (dim 2 for
 metadata keys pass through, and the dict is updated in place and returned. Per-token loss
 sums are order-free, so the loss and its reduction over the CP group are unchanged.
 
-Packed sequences (``cu_seqlens`` set) and hybrid CP are split per document by Transformer
-Engine in zigzag order; the zigzag layout hands them to Megatron's function, the others
-refuse them.
+A packed sample (``cu_seqlens`` set, batch 1) is split the same way, as one sequence: its
+documents are not split one by one (Megatron's per-document zigzag), and ``cu_seqlens``
+keeps the global positions the plugin's attention and RoPE (``cp_rope_slice``) read.
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ def _build(choice):
     ):
         """Megatron's CP batch split in the token order of the ``megatron_mtraining`` layout
         (see ``megatron_mtraining.patches.cp_batch_split``)."""
-        if batch.get("cu_seqlens") is not None:
-            if choice.kind == "zigzag":
-                return PATCH.original(batch, is_hybrid_cp, cp_group, hybrid_cp_group_func, use_per_sequence_balancing)
-            raise ValueError(
-                f"packed sequences (batch['cu_seqlens'] is set) are not supported with the {choice.kind!r} "
-                "context-parallel layout: use layout 'zigzag' (Megatron's own split) or unpacked sequences"
-            )
         cp_size = dist.get_world_size(cp_group)
         if cp_size == 1:
             return batch

@@ -11,14 +11,18 @@ so it needs neither pinned memory nor CUDA.
 installing and removing the patch clears that cache. Rotary modules that keep their own
 tables (YaRN's cos/sin cache) must be built after :func:`megatron_mtraining.patches.apply_patches`.
 
-Packed sequences slice RoPE per document in zigzag order (``_get_thd_freqs_on_this_cp_rank``
-here, Transformer Engine's fused kernels elsewhere), which the plugin's layouts do not
-describe: ``THD_PATCH`` makes that path an error for every layout but zigzag.
+Packed sequences (THD) are split over the CP ranks as one sequence in the same layout
+(``cp_batch_split``), their documents and all; Megatron would split each document in zigzag
+order instead. ``THD_PATCH`` rotates each of this rank's tokens by its offset inside its
+document (``cu_seqlens`` holds global positions), which is Megatron's THD RoPE on one rank
+and its meaning under every layout.
 """
 
 from __future__ import annotations
 
 import sys
+
+from megatron_mtraining.context_parallel.layout import document_offsets
 
 from ._guard import FunctionPatch
 
@@ -50,16 +54,41 @@ def _build(choice):
 
 
 def _build_thd(choice):
-    def _get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs, offset=0):
-        """Megatron's per-document RoPE slice, allowed for the zigzag layout only."""
-        if cp_size > 1 and choice.kind != "zigzag":
-            raise ValueError(
-                f"packed sequences (THD RoPE) are not supported with the {choice.kind!r} context-parallel "
-                "layout: use layout 'zigzag' (Megatron's own split) or unpacked sequences"
-            )
-        return THD_PATCH.original(cp_rank, cp_size, x, freqs, offset)
+    def _apply_rotary_pos_emb_thd(
+        t,
+        cu_seqlens,
+        freqs,
+        rotary_interleaved=False,
+        mla_rotary_interleaved=False,
+        mscale=1.0,
+        cp_group=None,
+        multi_latent_attention=None,
+    ):
+        """Megatron's THD RoPE for this rank's tokens of a packed sequence in the
+        ``megatron_mtraining`` layout (see ``megatron_mtraining.patches.cp_rope_slice``)."""
+        from megatron.core.models.common.embeddings import rope_utils
 
-    return _get_thd_freqs_on_this_cp_rank
+        cp_size, rank = (cp_group.size(), cp_group.rank()) if cp_group is not None else (1, 0)
+        total = int(cu_seqlens[-1])
+        if t.shape[0] * cp_size != total:
+            raise ValueError(
+                f"packed sequence of {t.shape[0]} tokens per rank over {cp_size} context-parallel ranks, "
+                f"but cu_seqlens[-1]={total}: the packed sample must be split as one sequence"
+            )
+        positions = choice.positions(cp_size, total, rank, t.device, "cu_seqlens[-1]")
+        offsets = document_offsets(positions, cu_seqlens)
+        if freqs.shape[0] <= int(offsets.max()):
+            raise ValueError(
+                f"RoPE table of {freqs.shape[0]} positions for a document of {int(offsets.max()) + 1} "
+                "tokens: set PackedSeqParams.max_seqlen_q to the longest document"
+            )
+        interleaved = mla_rotary_interleaved or bool(multi_latent_attention)
+        rotated = rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs.index_select(0, offsets), rotary_interleaved, interleaved, mscale
+        )
+        return rotated.squeeze(1)
+
+    return _apply_rotary_pos_emb_thd
 
 
 PATCH = FunctionPatch(
@@ -76,8 +105,8 @@ PATCH = FunctionPatch(
 
 THD_PATCH = FunctionPatch(
     module="megatron.core.models.common.embeddings.rope_utils",
-    name="_get_thd_freqs_on_this_cp_rank",
-    fingerprints={"_get_thd_freqs_on_this_cp_rank": "28d5f5013d0508e9"},
-    import_sites=(),
+    name="_apply_rotary_pos_emb_thd",
+    fingerprints={"_apply_rotary_pos_emb_thd": "99798acffbb2e50c"},
+    import_sites=("megatron/core/models/common/embeddings/rotary_pos_embedding.py",),
     build=_build_thd,
 )

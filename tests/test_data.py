@@ -7,9 +7,11 @@ import dataclasses
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -31,6 +33,7 @@ from megatron_mtraining.data import (  # noqa: E402
     write_jsonl,
 )
 from megatron_mtraining.data.indexed import mix_order  # noqa: E402
+from megatron_mtraining.training.documents import check_document_options, document_bounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,11 +152,10 @@ def test_repeat_and_weights(corpus):
     assert abs(long_stats.mix_tokens - 22500) < 3500 and abs(short_stats.mix_tokens - 7500) < 300
 
 
-def test_gpt_dataset_packs_the_output(corpus):
-    seq = 128
+def _gpt_dataset(corpus, out: str, seq: int, **flags):
     paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
-    summary = prepare(_config(corpus, "pack", [{"name": "all", "paths": paths}], seq_length=seq), False)
-    indexed = IndexedDataset(str(corpus / "pack"))
+    summary = prepare(_config(corpus, out, [{"name": "all", "paths": paths}], seq_length=seq), False)
+    indexed = IndexedDataset(str(corpus / out))
     config = GPTDatasetConfig(
         random_seed=1,
         sequence_length=seq,
@@ -161,14 +163,21 @@ def test_gpt_dataset_packs_the_output(corpus):
         tokenizer=MegatronTokenizer.from_pretrained(
             str(corpus / "tokenizer"), metadata_path={"library": "huggingface"}
         ),
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_position_ids=flags.get("reset", False),
+        reset_attention_mask=flags.get("reset", False),
+        create_attention_mask=flags.get("reset", False),
         eod_mask_loss=False,
         split="100,0,0",
     )
     dataset = GPTDataset(
-        indexed, str(corpus / "pack"), np.arange(len(indexed), dtype=np.int32), None, Split.train, config
+        indexed, str(corpus / out), np.arange(len(indexed), dtype=np.int32), None, Split.train, config
     )
+    return summary, indexed, config, dataset
+
+
+def test_gpt_dataset_packs_the_output(corpus):
+    seq = 128
+    summary, indexed, config, dataset = _gpt_dataset(corpus, "pack", seq)
     assert config.tokenizer.eod == summary.eod and len(dataset) == summary.samples
     # In storage order, samples cut the EOD-joined document stream into seq + 1 windows that share one token.
     stream = np.concatenate([indexed[int(d)] for d in dataset.document_index])
@@ -180,6 +189,41 @@ def test_gpt_dataset_packs_the_output(corpus):
         assert sample["tokens"].shape == (seq,) and sample["labels"].shape == (seq,)
         window = np.append(sample["tokens"].numpy(), sample["labels"][-1].item())
         assert np.array_equal(window, stream[i * seq : i * seq + seq + 1])
+
+
+def test_document_bounds_follow_megatron_reset_mask_and_positions(corpus):
+    """The packed path's cu_seqlens give exactly Megatron's reset_attention_mask (block-diagonal
+    causal, the EOD closing its document) and its reset_position_ids (offsets in the document)."""
+    seq = 128
+    summary, _, _, dataset = _gpt_dataset(corpus, "pack_reset", seq, reset=True)
+    seen_inner = False
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        tokens = sample["tokens"].view(1, seq).long()
+        cu = document_bounds(tokens, summary.eod)
+        seen_inner |= len(cu) > 2
+        starts = cu.long()[torch.searchsorted(cu.long(), torch.arange(seq), right=True) - 1]
+        key = torch.arange(seq)
+        allowed = (key.view(1, -1) >= starts.view(-1, 1)) & (key.view(1, -1) <= key.view(-1, 1))
+        assert torch.equal(~sample["attention_mask"][0], allowed), i  # Megatron: True = masked
+        assert torch.equal(sample["position_ids"], key - starts), i
+    assert seen_inner  # some sample holds a boundary
+
+
+def test_packed_options_are_checked():
+    args = SimpleNamespace(
+        reset_attention_mask=True, reset_position_ids=True, micro_batch_size=2, pipeline_model_parallel_size=1
+    )
+    with pytest.raises(ValueError, match=r"megatron\.micro_batch_size=2 is not accepted.*one sequence per"):
+        check_document_options(args)
+    args.micro_batch_size, args.pipeline_model_parallel_size = 1, 2
+    with pytest.raises(ValueError, match=r"megatron\.pipeline_model_parallel_size=2"):
+        check_document_options(args)
+    args.pipeline_model_parallel_size, args.reset_attention_mask = 1, False
+    with pytest.raises(ValueError, match=r"megatron\.reset_position_ids=True.*reset_attention_mask=true"):
+        check_document_options(args)
+    args.reset_position_ids = False
+    check_document_options(args)
 
 
 def test_synthetic_documents_are_deterministic_and_retrievable(corpus):

@@ -181,8 +181,8 @@ def test_changed_function_on_supported_version_refuses(monkeypatch, name):
 
 
 def test_missing_upstream_function_refuses(monkeypatch):
-    monkeypatch.delattr(rope_utils, "_get_thd_freqs_on_this_cp_rank")
-    with pytest.raises(UpstreamChangedError, match="_get_thd_freqs_on_this_cp_rank does not exist"):
+    monkeypatch.delattr(rope_utils, "_apply_rotary_pos_emb_thd")
+    with pytest.raises(UpstreamChangedError, match="_apply_rotary_pos_emb_thd does not exist"):
         apply_patches("striped", 8)
 
 
@@ -310,24 +310,22 @@ def _check_layouts(rank, world, seed):
 
 
 def _check_packed(kind, layout, group, r, gen):
-    """Packed sequences: zigzag is Megatron's path, the other layouts refuse them."""
-    cu_seqlens = torch.tensor([0, 32, 64], dtype=torch.int32)
-    t = torch.randn(64 // layout.cp_size, 2, 8, generator=gen)
-    freqs = torch.randn(64, 1, 1, 8, generator=gen)
-    batch = {"tokens": torch.arange(64).view(1, 64), "cu_seqlens": cu_seqlens.view(1, -1)}
-    if kind != "zigzag":
-        with pytest.raises(ValueError, match=f"packed sequences .* {kind!r}"):
-            megatron_utils.get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
-        with pytest.raises(ValueError, match=f"THD RoPE.*{kind!r}"):
-            rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
-        return
-    split = megatron_utils.get_batch_on_this_cp_rank(
-        dict(batch), is_hybrid_cp=False, cp_group=group, use_per_sequence_balancing=True
-    )
-    assert torch.equal(split["tokens"], layout.shard(batch["tokens"], r)) and split["cu_seqlens"] is batch["cu_seqlens"]
-    patched = rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
-    remove_patches()  # Megatron's THD RoPE looks its slice up in rope_utils at call time
-    assert torch.equal(patched, rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group))
+    """A packed sample splits as one sequence in the layout, its global cu_seqlens whole, and
+    THD RoPE rotates each token by its offset inside its document (random boundaries)."""
+    seq = layout.seq_len
+    inner = torch.randperm(seq - 1, generator=gen)[: int(torch.randint(1, 6, (1,), generator=gen))] + 1
+    cu_seqlens = torch.cat([torch.tensor([0]), inner.sort().values, torch.tensor([seq])]).to(torch.int32)
+    batch = {"tokens": torch.arange(seq).view(1, seq), "cu_seqlens": cu_seqlens}
+    split = megatron_utils.get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
+    assert torch.equal(split["tokens"], layout.shard(batch["tokens"], r)) and split["cu_seqlens"] is cu_seqlens
+    t = torch.randn(seq // layout.cp_size, 2, 8, dtype=torch.float64, generator=gen)
+    freqs = torch.randn(seq, 1, 1, 8, dtype=torch.float64, generator=gen)
+    rotated = rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
+    positions = layout.positions(r)
+    starts = cu_seqlens.long()[torch.searchsorted(cu_seqlens.long(), positions, right=True) - 1]
+    cos, sin = freqs[positions - starts, 0].cos(), freqs[positions - starts, 0].sin()
+    half = torch.cat([-t[..., 4:], t[..., :4]], dim=-1)
+    torch.testing.assert_close(rotated, t * cos + half * sin, rtol=1e-12, atol=1e-12)
 
 
 def test_batch_split_rope_and_loss_follow_the_layout(rng):

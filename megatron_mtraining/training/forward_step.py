@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_tp_rank
-from megatron.training import get_args
+from megatron.training import get_args, get_tokenizer
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 from ..megatron.config import attach_attention_config
@@ -28,6 +28,7 @@ from ..megatron.msa_loss import set_training_iteration
 from ..megatron.profiler_ranges import part_range
 from .attention_metrics import measured
 from .chunked_loss import chunked_lm_loss
+from .documents import packed_seq_params
 from .finite_guard import check_losses, install_finite_guard
 from .megatron_args import START_ATTRIBUTE, attention_from_args
 from .run_state import STATE, device
@@ -71,7 +72,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 def _get_batch(data_iterator) -> dict:
     """This rank's micro-batch: TP rank 0 reads it, Megatron broadcasts it over TP and splits it
-    over CP (in the plugin's layout once the patches are applied)."""
+    over CP (in the plugin's layout once the patches are applied). With
+    ``reset_attention_mask`` it also carries the sample's document boundaries
+    (``packed_seq_params``, see ``documents``) in place of Megatron's ``S x S`` mask."""
     args = get_args()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     batch = {}
@@ -94,12 +97,19 @@ def _get_batch(data_iterator) -> dict:
         is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
         is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(),
     )
+    packed = None
+    if args.reset_attention_mask:
+        # Global boundaries from the whole sample, before the CP split scatters its tokens.
+        packed = packed_seq_params(batch["tokens"], get_tokenizer().eod, args.reset_position_ids)
+        batch["attention_mask"] = None
     # Looked up at call time: the patches replace the function in megatron.core.utils.
     from megatron.core import utils as core_utils
 
-    return core_utils.get_batch_on_this_cp_rank(
+    batch = core_utils.get_batch_on_this_cp_rank(
         batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
     )
+    batch["packed_seq_params"] = packed
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, training: bool, output_tensor: torch.Tensor):
@@ -133,6 +143,7 @@ def forward_step(data_iterator, model):
             batch["attention_mask"],
             labels=batch["labels"],
             loss_mask=batch["loss_mask"],
+            packed_seq_params=batch.get("packed_seq_params"),
             output_processor=chunked_lm_loss,
         )
     return output, partial(loss_func, batch["loss_mask"], model.training)

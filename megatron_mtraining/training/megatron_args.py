@@ -12,6 +12,7 @@ import importlib.util
 import os
 
 from ..megatron.config import MTrainingAttentionConfig
+from .documents import check_document_options
 from .yaml_config import ConfigError, RunConfig
 
 ARGS_ATTRIBUTE = "mtraining_attention"
@@ -61,6 +62,10 @@ def resolve_megatron_args(run_config: RunConfig, defaults: dict, world_size: int
             validate_args(args, {})
         except AssertionError as err:
             raise ConfigError(f"{run_config.path}: Megatron rejected the arguments: {err}") from err
+    try:
+        check_document_options(args)
+    except ValueError as err:
+        raise ConfigError(f"{run_config.path}: {err}") from err
     if args.deterministic_mode:
         from megatron.training.determinism import apply_determinism_env
 
