@@ -169,9 +169,7 @@ def _gpt_dataset(corpus, out: str, seq: int, **flags):
         eod_mask_loss=False,
         split="100,0,0",
     )
-    dataset = GPTDataset(
-        indexed, str(corpus / out), np.arange(len(indexed), dtype=np.int32), None, Split.train, config
-    )
+    dataset = GPTDataset(indexed, str(corpus / out), np.arange(len(indexed), dtype=np.int32), None, Split.train, config)
     return summary, indexed, config, dataset
 
 

@@ -74,4 +74,3 @@ def packed_seq_params(tokens: torch.Tensor, eod: int, reset_position_ids: bool) 
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
-
