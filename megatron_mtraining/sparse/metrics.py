@@ -98,17 +98,19 @@ def msa_recall(
     * ``I*`` is the main branch's top-k: the ``config.topk`` visible blocks of largest
       ``P_b`` (ties to the lower block id; every visible block when fewer are visible).
       The query's own block is not forced into it.
-    * ``Î`` is the index branch's selection for ``(i, g)``, shared by the group's heads:
+    * ``I_hat`` is the index branch's selection for ``(i, g)``, shared by the group's heads:
       the query's own block plus the ``topk - 1`` visible others of largest block score
       (``block_max_scores``), as ``msa_select_blocks`` makes it. ``index`` is the selection
       the layer ran (a ``BlockTopKIndex``: its rows are read); ``None`` or a ``DenseIndex``
       (indexer warmup, dense main branch) selects the window rows from q_idx/k_idx here,
       ties to the lower block id as the selection kernel breaks them.
-    * block recall ``= |I* ∩ Î| / |I*|``; score recall
-      ``= sum_{b in I* ∩ Î} P_b / sum_{b in I*} P_b``.
+    * block recall ``= |I* & I_hat| / |I*|``; score recall
+      ``= sum_{b in I* & I_hat} P_b / sum_{b in I*} P_b``.
 
     Both are 1 when every visible block fits in ``topk``. q ``[B, S, Hq, D]``, k
-    ``[B, S, Hkv, D]``, q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``.
+    ``[B, S, Hkv, D]``, q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``. Computed
+    in fp32 (fp64 for fp64 inputs; the index scores in fp32 as the selection does), with no
+    host synchronisation.
     """
     check_qk(q, k)
     check_index_qk(q_idx, k_idx, config.index_head_dim)
