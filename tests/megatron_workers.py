@@ -41,8 +41,10 @@ from megatron_mtraining.megatron import (
     get_gpt_layer_spec,
     set_training_iteration,
 )
-from megatron_mtraining.patterns.msa import MSAPattern
-from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_select_blocks
+from megatron_mtraining.megatron.layer_specs import get_gpt_decoder_block_spec
+from megatron_mtraining.patterns.msa import BLOCK_RECALL_METRIC, KL_METRIC, SCORE_RECALL_METRIC, MSAPattern
+from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_recall, msa_select_blocks
+from megatron_mtraining.training.attention_metrics import collect_attention_metrics, measured
 
 SEQ, BATCH, VOCAB, SEED = 256, 2, 256, 1234
 # Larger than Megatron's 0.02 so that attention is far from uniform and the patterns matter.
@@ -365,7 +367,10 @@ def _capture_core_attention_inputs(model) -> dict:
     seen = {}
 
     def hook(module, args, kwargs):
-        seen[module.layer_number] = (args[0].detach(), args[1].detach(), module.index_input)
+        # Recompute passes the layer input as an argument (index_input is cleared by then).
+        hidden = kwargs.get("index_input")
+        hidden = module.index_input if hidden is None else hidden
+        seen[module.layer_number] = (args[0].detach(), args[1].detach(), hidden)
 
     for layer in model.decoder.layers:
         layer.self_attention.core_attention.register_forward_pre_hook(hook, with_kwargs=True)
@@ -539,3 +544,65 @@ def check_cpu_patches_ddp_and_optimizer(rank, world):
     assert losses[-1] < losses[0], losses
     for n, p in model.named_parameters():
         assert not torch.equal(p, before[n]), f"{n} did not change"
+
+
+def _whole_sequence(x: torch.Tensor, layout: ContextParallelLayout | None) -> torch.Tensor:
+    """``[B, L, ...]`` of this CP rank -> the whole sequence (itself without a layout)."""
+    if layout is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(layout.cp_size)]
+    dist.all_gather(parts, x.contiguous(), group=parallel_state.get_context_parallel_group())
+    return layout.unshard(parts, dim=1)
+
+
+def check_msa_recall_metrics(rank, world):
+    """A measured MSA model records ``msa_block_recall`` / ``msa_score_recall`` per layer on
+    flagged micro-batches, in warmup and after, with the flag's weight: ``msa_recall`` of the
+    layer's whole-sequence inputs (summed over the CP ranks' shares), once per micro-batch
+    (recompute adds nothing, an unflagged step nothing), and the tracker reports them beside
+    the KL. At CP 1 (each rank its own model) and CP 2 (zigzag)."""
+    patches.remove_patches()
+    for cp in (1, world):
+        init_megatron(cp)
+        group = parallel_state.get_context_parallel_group()
+        layout = ContextParallelLayout("zigzag", cp, SEQ) if cp > 1 else None
+        config = transformer_config(_msa_config(warmup_steps=1), recompute_granularity="selective")
+        config.recompute_modules = ["core_attn"]
+        model = GPTModel(config, measured(get_gpt_decoder_block_spec(config)), VOCAB, SEQ)
+        assert model.decoder.layers[0].self_attention.checkpoint_core_attention
+        seen = _capture_core_attention_inputs(model)
+        tracker = get_attention_metrics_tracker()
+        cfg = config.mtraining_attention.msa
+        batch = local_batch() if cp > 1 else full_batch()
+        for iteration, weight in ((0, 2), (1, 3), (2, 0)):
+            tracker.clear()
+            set_training_iteration(config, iteration)
+            collect_attention_metrics(config, weight, micro_batch=iteration + 1)
+            loss_and_grads(model, batch)  # recomputes the core attention in the backward
+            if not weight:
+                for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
+                    assert not tracker.metrics[name].values.any(), f"an unflagged step recorded {name}"
+                continue
+            got = {}
+            for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
+                got[name] = tracker.metrics[name].values.clone()
+                dist.all_reduce(got[name], group=group)
+            for number, (query, key, hidden) in seen.items():
+                branch = model.decoder.layers[number - 1].self_attention.core_attention.index_branch
+                q_idx, k_idx = (_whole_sequence(t, layout) for t in branch(hidden.transpose(0, 1)))
+                q, k = (_whole_sequence(t.transpose(0, 1), layout) for t in (query, key))
+                index = None if cfg.in_warmup(iteration) else msa_select_blocks(q_idx, k_idx, cfg, q.shape[2])
+                block, score = msa_recall(q, k, q_idx, k_idx, cfg, index, 64, 1.0 / math.sqrt(q.shape[-1]))
+                name = f"cp={cp} iteration {iteration} layer {number}"
+                for metric, want in ((BLOCK_RECALL_METRIC, block), (SCORE_RECALL_METRIC, score)):
+                    value = got[metric][number - 1]
+                    torch.testing.assert_close(value, want.mean() * weight, msg=lambda m, n=f"{name} {metric}": n + m)
+                    assert 0 < value < weight, f"{name} {metric}: {value} (weight {weight})"
+        writer = _Writer()
+        set_training_iteration(config, 1)
+        tracker.clear()
+        collect_attention_metrics(config, 1, micro_batch=10)
+        loss_and_grads(model, batch)
+        text = tracker.report(loss_scale=1.0, iteration=3, writer=writer, num_layers=2)
+        for name in (KL_METRIC, BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
+            assert name in text and (name, 3) in writer.scalars, (text, writer.scalars)

@@ -340,6 +340,10 @@ def test_msa_kl_loss_scale_logging_warmup_recompute_and_checkpoint():
     run(1, workers.check_msa_kl_and_checkpoint)
 
 
+def test_msa_recall_metrics_recorded_per_layer_in_warmup_and_after():
+    run(2, workers.check_msa_recall_metrics)
+
+
 def test_cpu_patches_run_megatron_ddp_and_optimizer():
     run(1, workers.check_cpu_patches_ddp_and_optimizer)
 

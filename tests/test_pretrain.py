@@ -295,6 +295,9 @@ def test_dense_checkpoint_resumes_as_msa(tmp_path):
     assert [float(lines[i]["index_recall"]) for i in (4, 5)] == pytest.approx([1.0, 1.0])
     assert 0.0 < float(lines[6]["index_recall"]) < 1.0
     assert float(lines[6]["attended_fraction"]) < 0.9
+    # MSA's indexer figures print beside the KL in warmup and after.
+    for name in ("msa_block_recall", "msa_score_recall"):
+        assert all(0.0 < float(lines[i][name]) <= 1.0 for i in (4, 5, 6)), (name, lines)
 
 
 def test_indexed_dataset_trains(tmp_path):

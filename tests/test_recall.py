@@ -1,5 +1,6 @@
 """Index recall (``attention_recall``) against fp64 dense attention under the index's own
-mask, and its context-parallel form against the single-device one on gloo processes."""
+mask, MSA's block and score recall (``msa_recall``) against an fp64 brute force, and their
+context-parallel forms against the single-device ones on gloo processes."""
 
 import pytest
 import torch
@@ -7,16 +8,19 @@ import torch.distributed as dist
 from gloo import run
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
-from megatron_mtraining.context_parallel.recall import distributed_attention_recall
+from megatron_mtraining.context_parallel.recall import distributed_attention_recall, distributed_msa_recall
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.moba import MoBAPattern
 from megatron_mtraining.patterns.msa import MSAPattern
 from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
+    BlockTopKIndex,
     MoBAConfig,
     MSAConfig,
     VerticalSlashConfig,
     attention_recall,
+    msa_recall,
+    msa_select_blocks,
 )
 
 B, HQ, HKV, D = 2, 4, 2, 8
@@ -79,6 +83,152 @@ def _check_distributed_recall(rank, world, seed, seq):
             torch.testing.assert_close(recall, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name} {kind}")
 
 
+# ---------------------------------------------------------------- MSA block and score recall
+
+MSA_CFG = MSAConfig(block_size=16, topk=4, index_head_dim=8)
+# fp32 block scores (``block_max_scores``) rank like the fp64 brute force only away from ties.
+MIN_MARGIN = 1e-5
+
+
+def _msa_inputs(gen, seq):
+    q, k = _inputs(gen, seq)
+    q_idx = torch.randn(B, seq, HKV, MSA_CFG.index_head_dim, generator=gen, dtype=torch.float64)
+    k_idx = torch.randn(B, seq, 1, MSA_CFG.index_head_dim, generator=gen, dtype=torch.float64)
+    return q, k, q_idx, k_idx
+
+
+def _ranked(scores, visible):
+    """The visible block ids of one row, best first (ties to the lower id), and the gap
+    between each consecutive pair."""
+    order = sorted(visible, key=lambda b: (-scores[b], b))
+    return order, [scores[a] - scores[b] for a, b in zip(order, order[1:], strict=False)]
+
+
+def _brute_msa_recall(q, k, q_idx, k_idx, cfg, rows, selected=None):
+    """fp64, one row at a time: dense causal softmax, block masses by summing, top-k by
+    sorting. ``selected[b][g][r]``: the index's block set of window row ``r`` (None: the
+    index branch's own-block-plus-top-(k-1) selection from q_idx/k_idx). Returns the
+    [B, Hq] recalls and the smallest ranking gap met at the top-k boundary."""
+    seq, bs, topk = q.shape[1], cfg.block_size, cfg.topk
+    group = HQ // HKV
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * D**-0.5
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    index_scores = torch.einsum("bqgd,bkd->bgqk", q_idx, k_idx[:, :, 0]) / cfg.index_head_dim**0.5
+    n_blocks = -(-seq // bs)
+    block_recall = torch.zeros(B, HQ, dtype=torch.float64)
+    score_recall = torch.zeros(B, HQ, dtype=torch.float64)
+    margin = float("inf")
+    for b in range(B):
+        for h in range(HQ):
+            g = h // group
+            for r, i in enumerate(range(seq - rows, seq)):
+                visible = list(range(i // bs + 1))
+                mass = [probs[b, h, i, c * bs : min((c + 1) * bs, i + 1)].sum().item() for c in range(n_blocks)]
+                order, gaps = _ranked(mass, visible)
+                best = set(order[:topk])
+                margin = min([margin, *gaps[topk - 1 : topk]])
+                if selected is None:
+                    block_max = [index_scores[b, g, i, c * bs : min((c + 1) * bs, i + 1)].max().item() for c in visible]
+                    others, gaps = _ranked(block_max, [c for c in visible if c != i // bs])
+                    chosen = {i // bs, *others[: topk - 1]}
+                    margin = min([margin, *gaps[topk - 2 : topk - 1]])
+                else:
+                    chosen = set(selected[b][g][r])
+                hit = best & chosen
+                block_recall[b, h] += len(hit) / len(best) / rows
+                score_recall[b, h] += sum(mass[c] for c in hit) / sum(mass[c] for c in best) / rows
+    return block_recall, score_recall, margin
+
+
+def _window_blocks(index, rows):
+    """index.blocks' window rows as nested lists [b][group][row] of block ids."""
+    blocks = index.blocks[:, -rows:].permute(0, 2, 1, 3).tolist()
+    return [[[[c for c in row if c >= 0] for row in g] for g in b] for b in blocks]
+
+
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_msa_recall_equals_brute_force(phase, rng):
+    seq = 200  # not a multiple of the block
+    for _ in range(5):  # redraw the rare input whose ranking sits within rounding of a tie
+        q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+        index = msa_select_blocks(q_idx, k_idx, MSA_CFG, HQ) if phase == "sparse" else None
+        # The sparse phase reads the index's rows; the brute force selects on its own either way.
+        block, score, margin = _brute_msa_recall(q, k, q_idx, k_idx, MSA_CFG, ROWS)
+        if margin > MIN_MARGIN:
+            break
+    else:
+        pytest.fail(f"five draws within {MIN_MARGIN} of a tie")
+    if index is not None:
+        want_selection = _brute_msa_recall(q, k, q_idx, k_idx, MSA_CFG, ROWS, _window_blocks(index, ROWS))
+        torch.testing.assert_close(want_selection[:2], (block, score), rtol=0, atol=1e-12)
+    got = msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS, softmax_scale=D**-0.5)
+    torch.testing.assert_close(got, (block.float(), score.float()), rtol=1e-6, atol=1e-6)
+    # The figures are informative at this sparsity: the index misses blocks and mass, and the
+    # blocks it finds carry more than their share of the mass.
+    assert (got[0] < 1).all() and (got[0] > 0).all(), got
+    assert (got[1] > got[0]).any(), got
+
+
+def test_msa_recall_is_one_when_every_visible_block_fits(rng):
+    seq = 64  # 4 blocks of 16, topk 4
+    q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+    for index in (None, msa_select_blocks(q_idx, k_idx, MSA_CFG, HQ)):
+        for got in msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS):
+            torch.testing.assert_close(got, torch.ones(B, HQ))
+
+
+def test_msa_recall_is_one_for_the_main_branch_top_k(rng):
+    """An index of each head's top-k blocks by the main branch's block masses (one selection
+    head per query head) recalls everything; taking one block away recalls less."""
+    seq = 200
+    q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+    bs, topk, n_blocks = MSA_CFG.block_size, MSA_CFG.topk, -(-seq // MSA_CFG.block_size)
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
+    probs = torch.softmax(logits.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")), dim=-1)
+    blocks = torch.full((B, seq, HQ, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(HQ):
+            for i in range(seq - ROWS, seq):
+                mass = [probs[b, h, i, c * bs : (c + 1) * bs].sum().item() for c in range(n_blocks)]
+                best = sorted(_ranked(mass, range(i // bs + 1))[0][:topk])
+                blocks[b, i, h, : len(best)] = torch.tensor(best)
+    index = BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=HQ)
+    for got in msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS):
+        torch.testing.assert_close(got, torch.ones(B, HQ))
+    blocks[:, -1, :, 0] = -1  # the last row loses its lowest block (sorted to the end again)
+    blocks[:, -1] = blocks[:, -1].roll(-1, dims=-1)
+    dropped = BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=HQ)
+    block, score = msa_recall(q, k, q_idx, k_idx, MSA_CFG, dropped, num_rows=ROWS)
+    torch.testing.assert_close(block, torch.full((B, HQ), 1 - 1 / (topk * ROWS)))
+    assert (score < 1).all() and (score > block).any(), score
+
+
+def _check_distributed_msa_recall(rank, world, seed, seq):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, q_idx, k_idx = _msa_inputs(gen, seq)
+    pattern = MSAPattern(MSA_CFG, q_idx, k_idx)
+    for phase in ("warmup", "sparse"):
+        index = pattern.local_index(q, k, D**-0.5) if phase == "sparse" else None
+        expected = msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS)
+        for kind in ("contiguous", "zigzag", "striped"):
+            layout = ContextParallelLayout(kind, world, seq, stripe=16)
+            lq, lk, lq_idx, lk_idx = (layout.shard(t, rank) for t in (q, k, q_idx, k_idx))
+            local = None
+            if phase == "sparse":
+                local = pattern.with_inputs(lq_idx, lk_idx).distributed_index(lq, lk, layout, dist.group.WORLD, D**-0.5)
+            got = distributed_msa_recall(lq, lk, lq_idx, lk_idx, MSA_CFG, local, layout, num_rows=ROWS)
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {phase} {kind}")
+
+
+def _check_distributed_recalls(rank, world, seed, seq):
+    # One spawn for both (spawning costs seconds).
+    _check_distributed_recall(rank, world, seed, seq)
+    _check_distributed_msa_recall(rank, world, seed + 1, seq)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_distributed_recall_equals_single_device(world, rng):
-    run(world, _check_distributed_recall, int(torch.randint(0, 2**31, (1,), generator=rng)), 256)
+def test_distributed_recall_and_msa_recall_equal_single_device(world, rng):
+    """Index recall and MSA's block / score recall (warmup and sparse selections) from CP
+    shards in every layout equal the single-device figures."""
+    run(world, _check_distributed_recalls, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256)

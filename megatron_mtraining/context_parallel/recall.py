@@ -1,11 +1,12 @@
-"""Index recall under context parallelism: ``attention_recall`` of the whole sequence,
-computed from the ranks' shards.
+"""Index recall under context parallelism: ``attention_recall`` (and MSA's ``msa_recall``)
+of the whole sequence, computed from the ranks' shards.
 
 The window (the last ``num_rows`` queries) reaches every rank by one sum of a small
 buffer, each rank scores it against the keys it holds, and the softmax statistics and
 the attended mass are reduced: no rank gathers the keys. A top-k index built under CP
 holds only its rank's rows (``distributed_index``), so the window's rows come from
-their holders the same way.
+their holders the same way. MSA's block and score recall reduce the window's per-block
+sums of dense attention (SUM) and, in warmup, the index's block maxima (MAX).
 """
 
 from __future__ import annotations
@@ -15,9 +16,16 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..sparse.index import BlockTopKIndex, SparseIndex
-from ..sparse.metrics import check_recall_rows, recall_from_parts
-from ..sparse.validation import check_qk, check_softmax_scale
+from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex
+from ..sparse.metrics import (
+    check_recall_rows,
+    index_window_selection,
+    msa_recall_from_parts,
+    msa_window_selection,
+    recall_from_parts,
+)
+from ..sparse.msa import MSAConfig
+from ..sparse.validation import check_index_qk, check_qk, check_softmax_scale, fail
 from .distributed_index import all_reduce_fn, gather_window
 from .layout import ContextParallelLayout
 
@@ -56,5 +64,56 @@ def distributed_attention_recall(
         index,
         scale,
         all_reduce_max=all_reduce_fn(dist.ReduceOp.MAX, group),
+        all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
+    )
+
+
+@torch.no_grad()
+def distributed_msa_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    config: MSAConfig,
+    index: SparseIndex | None,
+    layout: ContextParallelLayout,
+    group=None,
+    num_rows: int = 64,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``msa_recall`` of the whole sequence from this rank's q/k/q_idx/k_idx shards: the
+    same ``(block, score)``, each ``[B, Hq]``, on every rank.
+
+    The window queries reach every rank (``gather_window``); each rank scores them against
+    its keys, and the rows' logit maxima (MAX) and the block sums ``[B, Hq, R, n_blocks]``
+    (SUM) are reduced, so every rank ranks the same block masses. The index's selection of
+    the window comes from the rows' holders (``index``, a ``BlockTopKIndex`` built under CP,
+    holds -1 in the rows of other ranks: MAX), or, in warmup (``None`` / ``DenseIndex``),
+    from the window's index queries scored against each rank's index keys, the block maxima
+    reduced with MAX before the top-k. No rank gathers keys."""
+    check_qk(q, k)
+    check_index_qk(q_idx, k_idx, config.index_head_dim)
+    seq = layout.seq_len
+    check_recall_rows(num_rows, seq)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    first = seq - num_rows
+    positions = layout.token_positions(dist.get_rank(group), q.device).values
+    reduce_max = all_reduce_fn(dist.ReduceOp.MAX, group)
+    if isinstance(index, BlockTopKIndex):
+        selected = index_window_selection(index, num_rows, all_reduce_max=reduce_max)
+    elif index is None or isinstance(index, DenseIndex):
+        q_idx_window = gather_window(q_idx, positions, first, seq, group)
+        selected = msa_window_selection(q_idx_window, k_idx, positions, seq, config, all_reduce_max=reduce_max)
+    else:
+        fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
+    return msa_recall_from_parts(
+        gather_window(q, positions, first, seq, group),
+        k,
+        positions,
+        selected,
+        seq,
+        config,
+        scale,
+        all_reduce_max=reduce_max,
         all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
     )

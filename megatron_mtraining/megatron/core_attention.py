@@ -240,6 +240,7 @@ class SparseCoreAttention(MegatronModule):
             else:
                 pattern = self.pattern.with_inputs(q_idx, k_idx)
                 index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
+        self._msa_metrics(q, k, q_idx, k_idx, index, layout)
         out = self._attend(q, k, v, index, layout)
         if self.training and torch.is_grad_enabled():
             with part_range("msa_kl"):
@@ -247,6 +248,10 @@ class SparseCoreAttention(MegatronModule):
             record_kl(kl.detach(), self.layer_number, self.config.num_layers, self.cp_group)
             out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
         return out
+
+    def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
+        """Called by :meth:`_msa` with the selection before the main branch runs: a hook for
+        ``training.attention_metrics.MeasuredCoreAttention`` (MSA's recall); nothing here."""
 
 
 class MSASelfAttention(SelfAttention):

@@ -20,6 +20,10 @@ from .base import Pattern
 from .registry import register
 
 KL_METRIC = "msa_kl_loss"
+# The MSA paper's indexer quality (section 5.2) on the last 64 queries (``sparse.msa_recall``):
+# the share of the main branch's top-k blocks the index selects, and of their attention mass.
+BLOCK_RECALL_METRIC = "msa_block_recall"
+SCORE_RECALL_METRIC = "msa_score_recall"
 
 
 @register
@@ -31,7 +35,7 @@ class MSAPattern(Pattern):
     settings = MSAConfig
     size_field = "block_size"
     has_index_branch = True
-    metrics = (KL_METRIC, *Pattern.metrics)
+    metrics = (KL_METRIC, BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC, *Pattern.metrics)
 
     def __init__(self, config: MSAConfig | None = None, q_idx: torch.Tensor | None = None, k_idx=None):
         super().__init__(config)

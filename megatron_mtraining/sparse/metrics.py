@@ -1,11 +1,14 @@
-"""Quality metrics of a sparse index against dense attention."""
+"""Quality metrics of a sparse index against dense attention: the index recall of any
+pattern, and MSA's block and score recall."""
 
 from __future__ import annotations
 
 import torch
 
-from .index import SparseIndex, position_lookup, single_device
-from .validation import check_int, check_qk, check_softmax_scale, fail
+from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, single_device
+from .msa import MSAConfig, block_max_scores
+from .reference import compute_dtype
+from .validation import check_index_qk, check_int, check_qk, check_softmax_scale, fail
 
 
 @torch.no_grad()
@@ -71,3 +74,137 @@ def recall_from_parts(
         attended[:, :, lo - first : q1 - first].scatter_(-1, keys, True)
     kept = all_reduce_sum(torch.stack([(weights * attended[..., :n_keys]).sum(-1), weights.sum(-1)]))
     return (kept[0] / kept[1]).mean(-1)
+
+
+@torch.no_grad()
+def msa_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    config: MSAConfig,
+    index: SparseIndex | None = None,
+    num_rows: int = 64,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MSA's block recall and score recall (MSA paper, section 5.2) of the last ``num_rows``
+    queries: ``(block, score)``, each ``[B, Hq]`` float32, averaged over the rows.
+
+    For a query row ``i`` and query head ``h`` of GQA group ``g``:
+
+    * ``P_b`` is the main branch's dense attention probability of ``h`` (softmax of
+      ``q_i . k_j * softmax_scale`` over every causally visible ``j <= i``, whatever the
+      phase) summed over the tokens of key block ``b`` (``config.block_size``).
+    * ``I*`` is the main branch's top-k: the ``config.topk`` visible blocks of largest
+      ``P_b`` (ties to the lower block id; every visible block when fewer are visible).
+      The query's own block is not forced into it.
+    * ``I_hat`` is the index branch's selection for ``(i, g)``, shared by the group's heads:
+      the query's own block plus the ``topk - 1`` visible others of largest block score
+      (``block_max_scores``), as ``msa_select_blocks`` makes it. ``index`` is the selection
+      the layer ran (a ``BlockTopKIndex``: its rows are read); ``None`` or a ``DenseIndex``
+      (indexer warmup, dense main branch) selects the window rows from q_idx/k_idx here,
+      ties to the lower block id as the selection kernel breaks them.
+    * block recall ``= |I* & I_hat| / |I*|``; score recall
+      ``= sum_{b in I* & I_hat} P_b / sum_{b in I*} P_b``.
+
+    Both are 1 when every visible block fits in ``topk``. q ``[B, S, Hq, D]``, k
+    ``[B, S, Hkv, D]``, q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``. Computed
+    in fp32 (fp64 for fp64 inputs; the index scores in fp32 as the selection does), with no
+    host synchronisation.
+    """
+    check_qk(q, k)
+    check_index_qk(q_idx, k_idx, config.index_head_dim)
+    bsz, seq, hq, d = q.shape
+    if q_idx.shape[:3] != (bsz, seq, k.shape[2]):
+        fail("q_idx.shape", tuple(q_idx.shape), f"[B, S, Hkv, d_idx] = [{bsz}, {seq}, {k.shape[2]}, d_idx]")
+    check_recall_rows(num_rows, seq)
+    scale = check_softmax_scale(softmax_scale, d)
+    positions = torch.arange(seq, device=q.device)
+    if isinstance(index, BlockTopKIndex):
+        index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
+        selected = index_window_selection(index, num_rows)
+    elif index is None or isinstance(index, DenseIndex):
+        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config)
+    else:
+        fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
+    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale)
+
+
+def msa_window_selection(
+    q_idx_window: torch.Tensor,
+    k_idx: torch.Tensor,
+    key_positions: torch.Tensor,
+    seq: int,
+    config: MSAConfig,
+    all_reduce_max=single_device,
+) -> torch.Tensor:
+    """The blocks MSA's index selects for the window (the last ``R`` of ``seq`` queries),
+    bool ``[B, Hkv, R, n_blocks]``: own block plus the top ``topk - 1`` visible others by
+    block score, ties to the lower block id. ``k_idx`` holds *some* of the index keys, at
+    the given global positions; ``all_reduce_max`` combines the block maxima across the
+    holders of the others (identity on one device)."""
+    rows = q_idx_window.shape[1]
+    window = torch.arange(seq - rows, seq, device=k_idx.device)
+    bs, n_blocks = config.block_size, -(-seq // config.block_size)
+    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs)
+    scores = all_reduce_max(scores)
+    own = (window // bs).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    return _top_blocks(scores.scatter(-1, own, float("inf")), config.topk)
+
+
+def index_window_selection(index: BlockTopKIndex, num_rows: int, all_reduce_max=single_device) -> torch.Tensor:
+    """The blocks ``index`` selects for its last ``num_rows`` rows, bool ``[B, Hs, R,
+    n_blocks]``. Rows this holder lacks must be -1 (a context-parallel builder's index):
+    ``all_reduce_max`` takes each row from its holder."""
+    n_blocks = -(-index.seq_len // index.block_size)
+    blocks = all_reduce_max(index.blocks[:, index.seq_len - num_rows :].contiguous()).long()
+    blocks = torch.where(blocks >= 0, blocks, n_blocks).permute(0, 2, 1, 3)  # -1 -> a spare column
+    mask = torch.zeros(*blocks.shape[:3], n_blocks + 1, dtype=torch.bool, device=blocks.device)
+    return mask.scatter_(-1, blocks, True)[..., :n_blocks]
+
+
+def msa_recall_from_parts(
+    q_window: torch.Tensor,
+    k: torch.Tensor,
+    key_positions: torch.Tensor,
+    selected: torch.Tensor,
+    seq: int,
+    config: MSAConfig,
+    scale: float,
+    all_reduce_max=single_device,
+    all_reduce_sum=single_device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``msa_recall`` from the window queries (the last ``R`` of ``seq``), *some* of the
+    keys at their global positions, and the index's selection ``selected`` (bool ``[B, Hs,
+    R, n_blocks]``, ``Hs`` dividing Hq). ``all_reduce_max`` combines the rows' logit maxima
+    and ``all_reduce_sum`` the block sums ``[B, Hq, R, n_blocks]`` across the holders of the
+    other keys (identity on one device)."""
+    bsz, rows, hq, _ = q_window.shape
+    hkv = k.shape[2]
+    bs, n_blocks = config.block_size, -(-seq // config.block_size)
+    dt = compute_dtype(q_window.dtype)
+    window = torch.arange(seq - rows, seq, device=k.device)
+    qr = q_window.to(dt).unflatten(2, (hkv, hq // hkv))
+    logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.to(dt)).flatten(1, 2) * scale
+    logits.masked_fill_(key_positions.view(1, -1) > window.view(-1, 1), float("-inf"))
+    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees key 0: finite
+    weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
+    sums = weights.new_zeros(bsz, hq, rows, n_blocks).index_add_(3, key_positions // bs, weights)
+    mass = all_reduce_sum(sums)
+    mass = mass / mass.sum(-1, keepdim=True)  # P_b
+    # Invisible blocks rank last; a visible block of mass 0 (underflow) still counts.
+    visible = torch.arange(n_blocks, device=k.device).view(1, -1) <= (window // bs).view(-1, 1)
+    best = _top_blocks(torch.where(visible, mass, float("-inf")), config.topk)
+    hit = best & selected.repeat_interleave(hq // selected.shape[1], dim=1)
+    block = hit.sum(-1).to(dt) / best.sum(-1)
+    score = (mass * hit).sum(-1) / (mass * best).sum(-1)
+    return block.mean(-1).float(), score.mean(-1).float()
+
+
+def _top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Bool mask of the ``topk`` largest finite entries along the last dimension (fewer
+    where fewer are finite); ties go to the lower index (a stable sort)."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    k = min(topk, scores.shape[-1])
+    keep = values[..., :k] > float("-inf")
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order[..., :k], keep)

@@ -11,6 +11,12 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
   index attends (``sparse.attention_recall``; under CP ``distributed_attention_recall``,
   which reduces the rows' softmax over the ranks' keys), averaged over batch and heads. The
   same on every CP rank, so each rank records ``1 / cp_size`` of it.
+* ``msa_block_recall`` / ``msa_score_recall`` (MSA, warmup included): the MSA paper's
+  indexer quality on the same last 64 queries (``sparse.msa_recall``; under CP
+  ``distributed_msa_recall``): the share of the main branch's dense top-k blocks that the
+  index branch selects, and of their attention mass, averaged over batch, rows and query
+  heads; recorded like ``index_recall`` (``1 / cp_size`` per CP rank). In warmup the index
+  selects for those rows only, so the figures say when it is ready to leave warmup.
 * ``worker_imbalance`` / ``step_imbalance`` (CP > 1): the MTraining paper's imbalance
   degrees of the ring's attended area (``context_parallel.imbalance_degrees``), the same on
   every CP rank, so each rank records ``1 / cp_size`` of it.
@@ -32,12 +38,13 @@ import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_index
-from ..context_parallel.recall import distributed_attention_recall
+from ..context_parallel.recall import distributed_attention_recall, distributed_msa_recall
 from ..megatron.core_attention import SparseCoreAttention
 from ..megatron.msa_loss import get_attention_metrics_tracker
 from ..megatron.profiler_ranges import part_range
 from ..patterns.base import FRACTION_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
-from ..sparse import attention_recall
+from ..patterns.msa import BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC
+from ..sparse import attention_recall, msa_recall
 
 RECALL_ROWS = 64
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
@@ -50,13 +57,41 @@ def collect_attention_metrics(config, weight: float, micro_batch: int) -> None:
 
 
 class MeasuredCoreAttention(SparseCoreAttention):
-    """:class:`SparseCoreAttention` that records the attended fraction and ring imbalance."""
+    """:class:`SparseCoreAttention` that records the attended fraction, recall and ring
+    imbalance (and MSA's block and score recall, through the ``_msa_metrics`` hook)."""
 
     _measured_micro_batch = None
 
-    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+    def _measuring(self) -> tuple[float, int | None]:
+        """(weight, micro-batch) of this forward: weight 0 unless it records."""
         weight, micro_batch = getattr(self.config, COLLECT_ATTRIBUTE, (0, None))
         if not weight or not self.training or micro_batch == self._measured_micro_batch:
+            return 0, micro_batch
+        return weight, micro_batch
+
+    def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
+        # Runs before _attend, which marks the micro-batch measured.
+        weight, _ = self._measuring()
+        if not weight:
+            return
+        cfg, scale = self.attention_config.msa, self.softmax_scale
+        with part_range("metrics"):
+            if layout is None:
+                rows = min(RECALL_ROWS, q.shape[1])
+                block, score = msa_recall(q, k, q_idx, k_idx, cfg, index, rows, scale)
+                share, group = weight, None
+            else:
+                rows = min(RECALL_ROWS, layout.seq_len)
+                block, score = distributed_msa_recall(
+                    q, k, q_idx, k_idx, cfg, index, layout, self.cp_group, rows, scale
+                )
+                share, group = weight / layout.cp_size, self.cp_group
+            self._record(BLOCK_RECALL_METRIC, block.mean() * share, group)
+            self._record(SCORE_RECALL_METRIC, score.mean() * share, group)
+
+    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+        weight, micro_batch = self._measuring()
+        if not weight:
             return super()._attend(q, k, v, pattern, layout)
         self._measured_micro_batch = micro_batch
         seq = q.shape[1] if layout is None else layout.seq_len

@@ -22,7 +22,8 @@ class StepMetrics:
     Megatron's schedules call once per step on every rank). Every ``log_interval`` steps it
     prints and writes (TensorBoard / W&B through Megatron's writers) the LM loss averaged
     over the interval's tokens at full precision, tokens/s, and the tracker's per-layer
-    metrics with their mean: MSA's KL, attended fraction, ring imbalance degrees."""
+    metrics with their mean: MSA's KL and block / score recall, attended fraction, index
+    recall, ring imbalance degrees."""
 
     def __init__(self):
         self.iteration = None
