@@ -340,6 +340,12 @@ def test_msa_kl_loss_scale_logging_warmup_recompute_and_checkpoint():
     run(1, workers.check_msa_kl_and_checkpoint)
 
 
+def test_msa_fused_kl_in_the_layer(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run(1, workers.check_msa_fused_kl_in_layer)
+
+
 def test_cpu_patches_run_megatron_ddp_and_optimizer():
     run(1, workers.check_cpu_patches_ddp_and_optimizer)
 
