@@ -606,3 +606,36 @@ def check_msa_recall_metrics(rank, world):
         text = tracker.report(loss_scale=1.0, iteration=3, writer=writer, num_layers=2)
         for name in (KL_METRIC, BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
             assert name in text and (name, 3) in writer.scalars, (text, writer.scalars)
+
+
+def check_msa_fused_kl_in_layer(rank, world):
+    """The layer with its KL on the fused kernels (the dispatch's decision forced, so the
+    attention stays on the fast reference; Triton's interpreter on a CPU): the index
+    weights' gradients and the KL recorded from the backward equal the PyTorch reference's;
+    the value is recorded once per layer and backward, under recompute too."""
+    from megatron_mtraining.sparse import msa as msa_module
+    from megatron_mtraining.sparse.dispatch import Decision
+    from megatron_mtraining.sparse.kernels.msa_kl import loss as fused
+
+    init_megatron()
+    msa_module.kl_kernel = lambda *args, **kwargs: Decision("msa_kl", "forced by the test")
+    calls, fused_kl = [], fused.fused_kl
+    fused.fused_kl = lambda *args, **kwargs: calls.append(1) or fused_kl(*args, **kwargs)
+    tracker = get_attention_metrics_tracker()
+    model = build_model(_msa_config())
+    seen = _capture_core_attention_inputs(model)
+    tracker.clear()
+    g1 = _scaled_backward(model, 1.0)
+    kl_recorded = tracker.metrics["msa_kl_loss"].values.clone()
+    assert len(calls) == 2, calls  # one per layer
+    for number, (kl, dwq, dwk) in _independent_kl(model, seen, dense=False).items():
+        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
+        torch.testing.assert_close(g1[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(g1[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(kl_recorded[number - 1], kl, rtol=1e-5, atol=1e-7)
+    recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
+    recomputed.load_state_dict(model.state_dict())
+    tracker.clear()
+    for n, g in _scaled_backward(recomputed, 1.0).items():
+        torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+    torch.testing.assert_close(tracker.metrics["msa_kl_loss"].values, kl_recorded, rtol=1e-6, atol=1e-8)

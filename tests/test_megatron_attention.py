@@ -344,6 +344,12 @@ def test_msa_recall_metrics_recorded_per_layer_in_warmup_and_after():
     run(2, workers.check_msa_recall_metrics)
 
 
+def test_msa_fused_kl_in_the_layer(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run(1, workers.check_msa_fused_kl_in_layer)
+
+
 def test_cpu_patches_run_megatron_ddp_and_optimizer():
     run(1, workers.check_cpu_patches_ddp_and_optimizer)
 

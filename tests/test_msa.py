@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from msa_reference import brute_force_kl
 
 from megatron_mtraining.sparse import DenseIndex, IndexBranch, MSAConfig, msa_kl_loss, msa_select_blocks
 
@@ -63,20 +64,6 @@ def test_selection_in_several_query_chunks(rng):
     want = torch.where(top.values > -math.inf, top.indices, n_blocks).sort(-1).values
     want = torch.where(want == n_blocks, -1, want).permute(0, 2, 1, 3)
     assert torch.equal(index.blocks.long(), want)
-
-
-def brute_force_kl(q, k, q_idx, k_idx, mask):
-    """fp64 KL(mean-over-group main softmax || index softmax) on the masked tokens."""
-    b, s, hq, d = q.shape
-    groups = k.shape[2]
-    g = hq // groups
-    main = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(g, 2)) / math.sqrt(d)
-    teacher = torch.softmax(main.masked_fill(~mask, -math.inf), -1).unflatten(1, (groups, g)).mean(2)
-    group_mask = mask[:, ::g]
-    idx = torch.einsum("bird,bjd->brij", q_idx.double(), k_idx[:, :, 0].double()) / math.sqrt(q_idx.shape[-1])
-    log_student = torch.log_softmax(idx.masked_fill(~group_mask, -math.inf), -1)
-    terms = torch.where(group_mask, teacher * (torch.log(teacher) - log_student), 0.0)
-    return terms.sum() / (b * s * groups)
 
 
 @pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup-dense"])

@@ -204,21 +204,20 @@ class SparseCoreAttention(MegatronModule):
         if self.pattern.has_index_branch:
             out = self._msa(q, k, v, index_input if index_input is not None else self.index_input, layout)
         else:
-            out = self._attend(q, k, v, self.pattern, layout)
+            out, _ = self._attend(q, k, v, self.pattern, layout)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
-    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+    def _attend(self, q, k, v, pattern, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse ``[B, Hq, L]`` fp32) of this rank's rows."""
         scale, backend = self.softmax_scale, self.attention_config.backend
         if layout is None:
             with part_range("index"):
                 pattern = build_index(pattern, q, k, scale)
-            out, _ = sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
-        else:
-            exchange = self.attention_config.kv_exchange
-            out, _ = ring_attention(
-                q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange
-            )
-        return out
+            return sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
+        exchange = self.attention_config.kv_exchange
+        return ring_attention(
+            q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange
+        )
 
     def _msa(self, q, k, v, hidden, layout) -> torch.Tensor:
         """MSA: select with the index branch (dense during warmup), attend, and attach this
@@ -241,17 +240,25 @@ class SparseCoreAttention(MegatronModule):
                 pattern = self.pattern.with_inputs(q_idx, k_idx)
                 index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
         self._msa_metrics(q, k, q_idx, k_idx, index, layout)
-        out = self._attend(q, k, v, index, layout)
+        out, lse = self._attend(q, k, v, index, layout)
         if self.training and torch.is_grad_enabled():
             with part_range("msa_kl"):
-                kl = msa_layer_kl(q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group)
-            record_kl(kl.detach(), self.layer_number, self.config.num_layers, self.cp_group)
+                # The main pass's LSE normalises the teacher on one device (the fused kernels
+                # run no KL forward and record the value from the backward).
+                kl = msa_layer_kl(
+                    q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group,
+                    lse=lse if layout is None else None, on_value=self._record_kl,
+                    backend=self.attention_config.backend,
+                )  # fmt: skip
             out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
         return out
 
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         """Called by :meth:`_msa` with the selection before the main branch runs: a hook for
         ``training.attention_metrics.MeasuredCoreAttention`` (MSA's recall); nothing here."""
+
+    def _record_kl(self, value: torch.Tensor) -> None:
+        record_kl(value, self.layer_number, self.config.num_layers, self.cp_group)
 
 
 class MSASelfAttention(SelfAttention):

@@ -12,11 +12,17 @@
   single-device loss and gradient (:func:`msa_layer_kl`).
 * Values are recorded per layer in :func:`get_attention_metrics_tracker`, a Megatron
   ``MoEMetricsTracker`` of the plugin's own (summed over the CP group, averaged over DP on
-  ``report``), so MoE's tracker keeps only MoE metrics.
+  ``report``), so MoE's tracker keeps only MoE metrics. The layer hands :func:`msa_layer_kl`
+  a callback (``on_value``) that records: the fused KL kernels skip the forward and compute
+  the value in the backward, which runs once per microbatch before Megatron's ``report``
+  (under activation recompute too, where the forward runs twice); the PyTorch path calls
+  it in the forward.
 * Warmup counts training iterations: the training loop calls :func:`set_training_iteration`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,7 @@ from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 from ..context_parallel.layout import ContextParallelLayout
 from ..context_parallel.step_index import StepIndex
 from ..patterns.msa import KL_METRIC
-from ..sparse.msa import _MSAKLLoss, msa_kl_loss
+from ..sparse.msa import _MSAKLLoss, msa_kl_loss, msa_kl_objective
 from ..sparse.validation import check_int, fail
 
 ITERATION_ATTRIBUTE = "mtraining_iteration"
@@ -101,30 +107,45 @@ def msa_layer_kl(
     softmax_scale: float,
     layout: ContextParallelLayout | None = None,
     cp_group=None,
+    lse: torch.Tensor | None = None,
+    on_value: Callable[[torch.Tensor], None] | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """This rank's share of a layer's MSA KL loss (``msa_kl_loss`` on the whole sequence).
+    """This rank's share of a layer's MSA KL loss (``msa_kl_loss`` on the whole sequence), to
+    back-propagate; its value goes to ``on_value`` (a 0-dim fp32 tensor), in the forward or,
+    on the fused kernels, in the backward.
 
     q ``[B, L, Hq, D]``, k ``[B, L, Hkv, D]``, q_idx ``[B, L, Hkv, d_idx]``, k_idx
     ``[B, L, 1, d_idx]`` hold this rank's tokens; ``index`` is the global selection
-    (``BlockTopKIndex``, or ``DenseIndex`` in warmup). Without a layout (one rank) this is
-    ``msa_kl_loss``. With one, the keys and index keys of the whole sequence are gathered
-    (the index keys with autograd, so each owner gets the gradient of every rank's rows) and
-    the KL runs over this rank's query rows, divided by the whole sequence's row count.
+    (``BlockTopKIndex``, or ``DenseIndex`` in warmup). Without a layout (one rank), given
+    ``lse`` (the main pass's ``[B, Hq, L]``), this is ``msa_kl_objective``: on CUDA the fused
+    kernels (``dispatch.kl_kernel``), whose result is a zero scalar carrying the gradient;
+    without ``lse``, ``msa_kl_loss``. With a layout, the keys and index keys of the whole
+    sequence are gathered (the index keys with autograd, so each owner gets the gradient of
+    every rank's rows) and the KL runs over this rank's query rows, divided by the whole
+    sequence's row count (the PyTorch path; ``lse`` is not read).
     """
     if layout is None or layout.cp_size == 1:
-        return msa_kl_loss(q, k, q_idx, k_idx, index, softmax_scale)
-    rank = dist.get_rank(cp_group)
-    k_all = _GatherSequence.apply(k.detach(), layout, cp_group)
-    k_idx_all = _GatherSequence.apply(k_idx, layout, cp_group)
-    rows = StepIndex(index, layout.positions(rank), torch.arange(layout.seq_len))
-    local_mean = _MSAKLLoss.apply(q_idx, k_idx_all, q.detach(), k_all, rows, softmax_scale)
-    return local_mean * (layout.local_len / layout.seq_len)
+        if lse is not None:
+            return msa_kl_objective(q, k, q_idx, k_idx, index, lse, softmax_scale, on_value, backend)
+        kl = msa_kl_loss(q, k, q_idx, k_idx, index, softmax_scale)
+    else:
+        rank = dist.get_rank(cp_group)
+        k_all = _GatherSequence.apply(k.detach(), layout, cp_group)
+        k_idx_all = _GatherSequence.apply(k_idx, layout, cp_group)
+        rows = StepIndex(index, layout.positions(rank), torch.arange(layout.seq_len))
+        local_mean = _MSAKLLoss.apply(q_idx, k_idx_all, q.detach(), k_all, rows, softmax_scale)
+        kl = local_mean * (layout.local_len / layout.seq_len)
+    if on_value is not None:
+        on_value(kl.detach().float())
+    return kl
 
 
 def get_attention_metrics_tracker() -> AttentionMetricsTracker:
-    """The plugin's per-layer metrics (``msa_kl_loss``): ``record`` in the forward, then
-    ``report(loss_scale=1/num_microbatches, iteration, writer, wandb_writer, num_layers=...)``
-    once per step, as for Megatron's MoE metrics."""
+    """The plugin's per-layer metrics (``msa_kl_loss``): ``record`` in the forward or the
+    backward (the fused KL computes its value there), then ``report(loss_scale=
+    1/num_microbatches, iteration, writer, wandb_writer, num_layers=...)`` once per step,
+    after the step's backward passes, as for Megatron's MoE metrics."""
     global _TRACKER
     if _TRACKER is None:
         _TRACKER = AttentionMetricsTracker()

@@ -8,7 +8,7 @@ from .attention import merge_attention_outputs, sparse_attention
 from .index import BlockColumns, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
 from .metrics import attention_recall, msa_recall
 from .moba import MoBAConfig, build_moba_index
-from .msa import IndexBranch, MSAConfig, block_max_scores, msa_kl_loss, msa_select_blocks
+from .msa import IndexBranch, MSAConfig, block_max_scores, msa_kl_loss, msa_kl_objective, msa_select_blocks
 from .vertical_slash import (
     VerticalSlashConfig,
     WindowStatistics,
@@ -34,6 +34,7 @@ __all__ = [
     "build_vertical_slash_index",
     "merge_attention_outputs",
     "msa_kl_loss",
+    "msa_kl_objective",
     "msa_recall",
     "msa_select_blocks",
     "select_vertical_slash",

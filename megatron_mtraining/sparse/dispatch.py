@@ -24,7 +24,8 @@ The user's setting (``backend`` argument, else ``MTRAINING_ATTENTION_BACKEND``, 
 with ``logging.getLogger("megatron_mtraining.dispatch")`` at DEBUG every single-device call
 and every ring call logs it. The other kernel families follow the same setting:
 :func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
-(the vertical-slash selection).
+(the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
+the fused kernels (``kernels/msa_kl``) or the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from .validation import fail
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
+# MSA's KL loss in training (:func:`kl_kernel`): the fused kernels, or msa_kl_loss's PyTorch.
+KL_KERNELS = ("msa_kl", "reference")
 
 # The loop order of a top-k index on the kernels, by measurement (docs/benchmarks.md,
 # "KV-outer kernels for top-k indexes" and "Kernels at 256K on one H100"): KV-outer programs
@@ -100,6 +103,27 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
     if isinstance(index, DenseIndex) and torch.are_deterministic_algorithms_enabled():
         return Decision("block_bar", "a DenseIndex on CUDA in deterministic mode (cuDNN's backward is not)")
     return Decision("block_bar", f"a {type(index).__name__} on CUDA")
+
+
+def kl_kernel(q: torch.Tensor, q_idx: torch.Tensor, index: SparseIndex, backend: str | None = None) -> Decision:
+    """Where MSA's KL loss runs when training on one device with the main pass's LSE at hand
+    (``msa.msa_kl_objective``): one of :data:`KL_KERNELS`. ``msa_kl``: the fused Triton
+    kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
+    computed in the backward) for the indexes whose tile tables they read, where the
+    kernels serve both the main and the index queries; else ``reference``, the chunked
+    PyTorch of ``msa_kl_loss``."""
+    setting = _backend_setting(backend)
+    if backend_choice(q, backend) == "reference":
+        return Decision("reference", _reference_reason(q, setting))
+    if not _kernels_serve(q_idx):
+        if setting == "triton":
+            fail("backend", "triton", f"index queries the kernels serve, got {q_idx.dtype}, head dim {q_idx.shape[-1]}")
+        return Decision("reference", f"no kernel serves index queries of {q_idx.dtype}, head dim {q_idx.shape[-1]}")
+    if not isinstance(index, (BlockTopKIndex, DenseIndex)):
+        if setting == "triton":
+            fail("backend", "triton", f"a BlockTopKIndex or DenseIndex for the KL kernels, got {type(index).__name__}")
+        return Decision("reference", f"no KL kernel serves a {type(index).__name__}")
+    return Decision("msa_kl", f"a {type(index).__name__} on CUDA: fused KL kernels, the teacher from the main LSE")
 
 
 def log_decision(decision: Decision, where: str) -> None:

@@ -8,7 +8,10 @@
 * KL loss: teacher = mean over the group's heads of the main-branch softmax on
   the selected tokens (no gradient); student = softmax of the index scores on
   the same tokens; ``KL(teacher || student)`` averaged over query positions,
-  groups and batch. Gradient reaches q_idx and k_idx only.
+  groups and batch. Gradient reaches q_idx and k_idx only. ``msa_kl_loss`` is the
+  PyTorch reference (value and gradient); training takes ``msa_kl_objective``, which on
+  the kernels (``dispatch.kl_kernel``) skips the KL forward, builds the teacher from the
+  main pass's LSE and hands the value over in the backward (``kernels/msa_kl``).
 * Warmup: for the first ``warmup_steps`` steps the main branch is dense and the
   KL spans every visible token (pass a ``DenseIndex``).
 """
@@ -16,12 +19,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .dispatch import backend_choice
+from .dispatch import backend_choice, kl_kernel, log_decision
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
@@ -197,8 +201,54 @@ def msa_kl_loss(
 
     ``index`` is the ``BlockTopKIndex`` from :func:`msa_select_blocks` (sparse
     phase) or a ``DenseIndex`` (warmup: KL over all visible tokens). Only q_idx
-    and k_idx receive gradient.
+    and k_idx receive gradient. The PyTorch reference, value and gradient; training
+    with the main pass's LSE at hand takes :func:`msa_kl_objective`.
     """
+    scale = _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale)
+    return _MSAKLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), index, scale)
+
+
+def msa_kl_objective(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    index: SparseIndex,
+    lse: torch.Tensor,
+    softmax_scale: float | None = None,
+    on_value: Callable[[torch.Tensor], None] | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """MSA's KL loss to train with, given ``lse [B, Hq, S]``, the logsumexp the main pass
+    returned (``sparse_attention``'s second output): back-propagate the result, read the
+    KL through ``on_value`` (called once with a 0-dim fp32 tensor on q's device).
+
+    ``dispatch.kl_kernel`` decides where it runs. On the fused kernels (``kernels/msa_kl``)
+    the KL forward is skipped: the result is a zero scalar that carries the KL's gradient,
+    and ``on_value`` receives the KL in the backward, which computes it for free. Otherwise
+    this is :func:`msa_kl_loss` (the result is the KL) and ``on_value`` receives its value
+    at once. The teacher's normaliser is ``lse``: the main branch attends exactly the
+    selected tokens (every visible one under a ``DenseIndex``), so it is the teacher's."""
+    scale = _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale)
+    b, s, hq, _ = q.shape
+    check_tensor("lse", lse, ndim=3)
+    if lse.shape != (b, hq, s):
+        fail("lse.shape", tuple(lse.shape), f"[B, Hq, S] = {[b, hq, s]}, the main pass's logsumexp")
+    decision = kl_kernel(q, q_idx, index, backend)
+    log_decision(decision, "msa_kl_objective")
+    if decision.kernel == "msa_kl":
+        from .kernels.block_bar.tables import tile_tables
+        from .kernels.msa_kl.loss import fused_kl  # imports Triton
+
+        return fused_kl(q.detach(), k.detach(), lse.detach(), q_idx, k_idx, tile_tables(index), scale, on_value)
+    kl = _MSAKLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), index, scale)
+    if on_value is not None:
+        on_value(kl.detach().float())
+    return kl
+
+
+def _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale) -> float:
+    """Checks the KL loss's arguments; returns the softmax scale."""
     check_qk(q, k)
     check_index_qk(q_idx, k_idx)
     bsz, seq, hq, d = q.shape
@@ -216,5 +266,4 @@ def msa_kl_loss(
     index.check_compatible(bsz, hq, seq, hkv, q.device)
     if index.selection_heads not in (1, hkv):
         fail("index selection heads", index.selection_heads, f"{hkv} (one per GQA group), as msa_select_blocks builds")
-    scale = check_softmax_scale(softmax_scale, d)
-    return _MSAKLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), index, scale)
+    return check_softmax_scale(softmax_scale, d)

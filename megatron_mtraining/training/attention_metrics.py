@@ -89,7 +89,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             self._record(BLOCK_RECALL_METRIC, block.mean() * share, group)
             self._record(SCORE_RECALL_METRIC, score.mean() * share, group)
 
-    def _attend(self, q, k, v, pattern, layout) -> torch.Tensor:
+    def _attend(self, q, k, v, pattern, layout) -> tuple[torch.Tensor, torch.Tensor]:
         weight, micro_batch = self._measuring()
         if not weight:
             return super()._attend(q, k, v, pattern, layout)
@@ -108,7 +108,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
         with part_range("index"):
             pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
         stats = RingStats()
-        out, _ = ring_attention(
+        out, lse = ring_attention(
             q,
             k,
             v,
@@ -132,7 +132,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
                 q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
             )
             self._record(RECALL_METRIC, recall.mean() * (weight / layout.cp_size), self.cp_group)
-        return out
+        return out, lse
 
     def _record(self, name: str, value: float | torch.Tensor, group) -> None:
         # Device tensors stay on the device: reading them here would stall the launch queue

@@ -1,0 +1,3 @@
+"""MSA's sparse KL loss on the union-of-tiles tables: ``kernels`` holds the Triton kernels
+(index LSE, dq_idx with the per-row KL value, dk_idx), ``loss`` their launches and the
+autograd function that skips the KL forward (the main pass's LSE makes the teacher)."""

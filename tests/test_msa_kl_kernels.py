@@ -1,0 +1,251 @@
+"""MSA's fused sparse KL kernels (``sparse/kernels/msa_kl``) against an fp64 reference.
+
+The index LSE, the KL value handed to the logger, dq_idx and dk_idx, for top-k selections
+(rows of a query block choosing different blocks, a ragged last block, one and several
+heads per group) and the warmup's dense index; and the pieces a context-parallel ring
+would call per step. Without CUDA the kernels run in Triton's interpreter (fp32, fp16); on
+a GPU in bf16 too. Kernel outputs are poisoned with NaN before each run.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from msa_reference import kl_parts
+
+from megatron_mtraining.context_parallel import ContextParallelLayout
+from megatron_mtraining.context_parallel.step_tables import StepTables
+from megatron_mtraining.sparse import (
+    BlockTopKIndex,
+    DenseIndex,
+    MSAConfig,
+    VerticalSlashIndex,
+    msa_kl_loss,
+    msa_kl_objective,
+    msa_select_blocks,
+    sparse_attention,
+)
+from megatron_mtraining.sparse.dispatch import kl_kernel
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="needs CUDA or TRITON_INTERPRET=1",
+    ),
+    pytest.mark.usefixtures("poisoned_outputs"),
+]
+
+# (relative tolerance of the gradients, absolute tolerance of LSE and KL value) per input dtype.
+TOLERANCE = {torch.float32: (2e-4, 2e-5), torch.float16: (2e-2, 5e-3), torch.bfloat16: (6e-2, 3e-2)}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _loss_module():
+    from megatron_mtraining.sparse.kernels.msa_kl import loss  # imports Triton
+
+    return loss
+
+
+def _inputs(rng, b, s, hq, hkv, d, di, dtype, device):
+    """q, k, q_idx, k_idx rounded to ``dtype`` (the fp64 reference reads the same values)."""
+
+    def t(*shape):
+        return torch.randn(*shape, generator=rng).to(dtype).to(device)
+
+    return t(b, s, hq, d), t(b, s, hkv, d), t(b, s, hkv, di), t(b, s, 1, di)
+
+
+def _index(kind, q_idx, k_idx, hq, block, topk, shared=False):
+    b, s, hkv, di = q_idx.shape
+    if kind == "dense":
+        return DenseIndex(b, hq, s, device=q_idx.device)
+    if shared:  # one selection for every group
+        q_idx = q_idx.float().mean(2, keepdim=True)
+    return msa_select_blocks(
+        q_idx.float(), k_idx.float(), MSAConfig(block_size=block, topk=topk, index_head_dim=di), hq
+    )
+
+
+def _reference(q, k, q_idx, k_idx, index, scale):
+    """fp64 (per-row KL, index LSE, main LSE, KL value, dq_idx and dk_idx of 3 * KL) on the CPU."""
+    s = q.shape[1]
+    qi, ki = (t.detach().cpu().double().requires_grad_() for t in (q_idx, k_idx))
+    rows, lse_idx, lse_main = kl_parts(q.cpu(), k.cpu(), qi, ki, index.to("cpu").to_dense_mask(s), scale)
+    value = rows.sum() / rows.numel()
+    dq, dk = torch.autograd.grad(3.0 * value, (qi, ki))
+    return rows.detach(), lse_idx.detach(), lse_main.detach(), value.detach(), dq, dk
+
+
+def _close(got, want, rtol, atol_share=1.0, what=""):
+    """``got`` within ``rtol`` of ``want``'s largest magnitude, elementwise."""
+    scale = want.abs().max().item() * atol_share
+    torch.testing.assert_close(got.cpu().double(), want, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
+CASES = [
+    # kind, batch, length, query heads, KV heads, head dim, index head dim, block, topk, shared selection
+    ("topk", 2, 100, 4, 4, 16, 16, 16, 3, False),  # G = 1, ragged last block
+    ("topk", 1, 150, 6, 2, 32, 16, 32, 3, False),  # G = 3 (padded to 4), ragged
+    ("topk", 1, 200, 8, 2, 16, 32, 16, 4, False),  # G = 4
+    ("topk", 1, 112, 4, 2, 16, 16, 16, 3, True),  # one selection shared by the groups
+    ("topk", 1, 96, 16, 1, 16, 16, 32, 2, False),  # G = 16: 256 packed rows, 32-key steps
+    ("dense", 2, 100, 4, 2, 16, 16, 32, 0, False),  # warmup, G = 2
+    ("dense", 1, 130, 2, 2, 32, 16, 16, 0, False),  # warmup, G = 1
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-shared" if c[9] else ""))
+def test_kernels_match_fp64(case, dtype, rng, kdevice):
+    kind, b, s, hq, hkv, d, di, block, topk, shared = case
+    if dtype == torch.bfloat16 and kdevice.type == "cpu":
+        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    loss = _loss_module()
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
+    index = _index(kind, q_idx, k_idx, hq, block, topk, shared)
+    tables = tile_tables(index, dense_block=block)
+    if kind == "topk":  # rows of a query block chose different blocks: the union is wider than k
+        assert tables.tile_count.max() > topk
+    scale = 0.8 / math.sqrt(d)
+    rows, lse_idx, lse_main, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    rtol, atol = TOLERANCE[dtype]
+
+    got_lse = loss.index_lse(q_idx, k_idx, tables)
+    torch.testing.assert_close(got_lse.cpu().double(), lse_idx, rtol=0, atol=atol)
+
+    qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    recorded = []
+    out = loss.fused_kl(q, k, lse_main.float().to(kdevice), qi, ki, tables, scale, recorded.append)
+    assert out.item() == 0.0 and not recorded  # the forward is skipped
+    (3.0 * out).backward()
+    assert len(recorded) == 1
+    torch.testing.assert_close(recorded[0].cpu().double(), value, rtol=10 * atol, atol=atol)
+    assert qi.grad.dtype == dtype and ki.grad.dtype == dtype
+    _close(qi.grad, dq_want, rtol, what="dq_idx")
+    _close(ki.grad, dk_want, rtol, what="dk_idx")
+
+    # The per-row KL terms themselves (what the value sums).
+    _, _, kl_rows = loss.kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, torch.ones(1, device=kdevice), 1
+    )
+    torch.testing.assert_close(kl_rows.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+
+
+def test_main_queries_and_keys_get_no_gradient(rng, kdevice):
+    b, s, hq, hkv, d, di = 1, 64, 4, 2, 16, 16
+    q, k, q_idx, k_idx = (t.requires_grad_() for t in _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice))
+    index = _index("topk", q_idx.detach(), k_idx.detach(), hq, 16, 2)
+    _, _, lse_main, *_ = _reference(q.detach(), k.detach(), q_idx, k_idx, index, 1 / math.sqrt(d))
+    lse = lse_main.float().to(kdevice).requires_grad_()
+    kl = msa_kl_objective(q, k, q_idx, k_idx, index, lse, backend="triton")
+    kl.backward()
+    assert q.grad is None and k.grad is None and lse.grad is None
+    for g in (q_idx.grad, k_idx.grad):
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["topk", "dense"])
+def test_recorded_value_is_the_kl(kind, rng, kdevice):
+    """As the layer runs it: the main pass's own LSE (``sparse_attention``'s) normalises the
+    teacher; the value reaches ``on_value`` once, in the backward, and equals the fp64 KL and
+    ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s."""
+    b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
+    v = torch.randn(k.shape, generator=rng).to(kdevice)
+    index = _index(kind, q_idx, k_idx, hq, 16, 2)
+    _, lse = sparse_attention(q, k, v, index, backend="triton")
+    qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    recorded = []
+    kl = msa_kl_objective(q, k, qi, ki, index, lse, on_value=recorded.append, backend="triton")
+    assert not recorded
+    kl.backward()
+    *_, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, 1 / math.sqrt(d))
+    assert len(recorded) == 1 and recorded[0].shape == () and recorded[0].dtype == torch.float32
+    torch.testing.assert_close(recorded[0].cpu().double(), value, rtol=1e-5, atol=1e-6)
+    qr, kr = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    reference = msa_kl_loss(q, k, qr, kr, index)
+    reference.backward()
+    torch.testing.assert_close(recorded[0], reference.detach().float(), rtol=1e-5, atol=1e-6)
+    _close(qi.grad, qr.grad.double().cpu(), 2e-4, what="dq_idx")
+    _close(ki.grad, kr.grad.double().cpu(), 2e-4, what="dk_idx")
+    _close(qi.grad, dq_want / 3, 2e-4, what="dq_idx vs fp64")
+
+
+def test_reference_path_records_in_the_forward(rng):
+    """Where the dispatch keeps the KL on PyTorch (here: forced), the result is the KL and
+    ``on_value`` gets it at once."""
+    b, s, hq, hkv, d, di = 1, 48, 4, 2, 8, 8
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float64, "cpu")
+    index = _index("topk", q_idx, k_idx, hq, 16, 2)
+    *_, lse_main, value, _, _ = _reference(q, k, q_idx, k_idx, index, 1 / math.sqrt(d))
+    recorded = []
+    kl = msa_kl_objective(q, k, q_idx, k_idx, index, lse_main, on_value=recorded.append, backend="reference")
+    assert len(recorded) == 1
+    torch.testing.assert_close(kl, value, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(recorded[0], value.float())
+
+
+def test_dispatch_decision(rng):
+    q = torch.randn(1, 32, 4, 16, generator=rng)
+    q_idx = torch.randn(1, 32, 2, 16, generator=rng)
+    dense = DenseIndex(1, 4, 32)
+    assert kl_kernel(q, q_idx, dense).kernel == "reference"  # CPU tensors
+    assert kl_kernel(q, q_idx, dense, backend="triton").kernel == "msa_kl"
+    vs = VerticalSlashIndex(
+        vertical=torch.zeros(1, 4, 1, dtype=torch.int32),
+        slash=torch.zeros(1, 4, 1, dtype=torch.int32),
+        block_size=16,
+        seq_len=32,
+    )
+    assert kl_kernel(q, q_idx, vs).kernel == "reference"
+    with pytest.raises(ValueError, match="KL kernels"):
+        kl_kernel(q, q_idx, vs, backend="triton")
+    assert kl_kernel(q, q_idx.double(), dense, backend="auto").kernel == "reference"
+    if torch.cuda.is_available():
+        topk = BlockTopKIndex(blocks=torch.zeros(1, 32, 2, 1, dtype=torch.int32), block_size=16, num_heads=4)
+        decision = kl_kernel(q.cuda().half(), q_idx.cuda().half(), topk.to("cuda"))
+        assert decision.kernel == "msa_kl", decision
+
+
+@pytest.mark.parametrize("kind", ["topk", "dense"])
+def test_ring_steps(kind, rng, kdevice):
+    """A context-parallel rank's rows against each rank's chunk of keys (a ring's steps,
+    global positions through the step tables): the steps' LSEs merged per row, then the dQ
+    and dK kernels per step, add up to the rows' share of the whole sequence's KL."""
+    b, s, hq, hkv, d, di, block, cp, rank = 1, 128, 4, 2, 16, 16, 16, 2, 1
+    loss = _loss_module()
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
+    index = _index(kind, q_idx, k_idx, hq, block, 3)
+    scale = 1 / math.sqrt(d)
+    layout = ContextParallelLayout("zigzag", cp, s)
+    mine = layout.positions(rank).to(kdevice)
+    # fp64 reference restricted to this rank's rows: per-row KL, LSEs, gradients of their sum / (B S Hkv).
+    qi, ki = (t.detach().cpu().double().requires_grad_() for t in (q_idx, k_idx))
+    rows, lse_idx, lse_main = kl_parts(q.cpu(), k.cpu(), qi, ki, index.to("cpu").to_dense_mask(s), scale)
+    local = rows[:, :, mine.cpu()]
+    dq_want, dk_want = torch.autograd.grad(local.sum() / rows.numel(), (qi, ki))
+
+    queries = layout.token_positions(rank, kdevice)
+    steps = StepTables(index, queries)
+    chunks = [(layout.positions(src).to(kdevice), steps.of(layout.token_positions(src, kdevice))) for src in range(cp)]
+    assert all(t is not None and t.query_blocks is not None for _, t in chunks)
+    q_r, qi_r, lse_r = q[:, mine], q_idx[:, mine], lse_main[:, :, mine.cpu()].float().to(kdevice)
+    lse_steps = [loss.index_lse(qi_r, k_idx[:, keys], tables) for keys, tables in chunks]
+    merged = torch.stack(lse_steps).logsumexp(0)
+    torch.testing.assert_close(merged.cpu().double(), lse_idx[:, :, mine.cpu()], rtol=0, atol=2e-5)
+    dq = torch.zeros(qi_r.shape, device=kdevice)
+    dk = torch.zeros(k_idx.shape, device=kdevice)
+    kl = torch.zeros(local.shape, device=kdevice)
+    grad = torch.ones(1, device=kdevice)
+    for keys, tables in chunks:
+        dq_s, dk_s, kl_s = loss.kl_backward(
+            q_r, k[:, keys], lse_r, qi_r, k_idx[:, keys], merged, tables, scale, grad, rows.numel()
+        )
+        dq += dq_s
+        dk[:, keys] += dk_s
+        kl += kl_s
+    torch.testing.assert_close(kl.cpu().double(), local, rtol=1e-4, atol=1e-5)
+    _close(dq, dq_want[:, mine.cpu()], 2e-4, what="dq_idx")
+    _close(dk, dk_want, 2e-4, what="dk_idx")
