@@ -47,7 +47,9 @@ import triton.language as tl
 from ..block_bar.kernels import _block_step, _positions, _program_rows, _row_selection, _table_row, _tile_rows
 from ..shared.kernels import LOG2E, _load_rows, _scores, _store_rows
 
-LN2 = 0.6931471805599453
+# Globals a jitted function reads must be constexpr (the interpreter does not check it).
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -55,7 +57,7 @@ def _row_stats(LSE, off, ok):
     """log2-domain LSE at ``LSE + off``; +inf where masked or -inf (a row with no visible
     key), so its probabilities are exactly 0."""
     lse = tl.load(LSE + off, mask=ok, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_C
 
 
 @triton.jit
