@@ -140,9 +140,17 @@ def kl_backward(
     q ``[B, S, Hq, D]`` and its main-pass ``lse [B, Hq, S]``; k ``[B, SK, Hkv, D]``;
     q_idx ``[B, S, Hkv, d_idx]`` with ``lse_idx`` from :func:`index_lse` (merged over the
     steps of a ring); k_idx ``[B, SK, 1, d_idx]``; ``grad`` a one-element tensor."""
+    args = kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, scale, grad, rows)
+    dq_idx, kl = kl_dq(args)
+    return dq_idx, kl_dk(args), kl
+
+
+def kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables: TileTables, scale: float, grad, rows: int) -> dict:
+    """What :func:`kl_dq` and :func:`kl_dk` take (``kl_backward``'s arguments, made
+    contiguous, and the kernels' scalars)."""
     q, k, q_idx, k_idx = (t.contiguous() for t in (q, k, q_idx, k_idx))
     lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
-    b, s, hq, d = q.shape
+    hq, d = q.shape[2], q.shape[3]
     hkv, di = q_idx.shape[2], q_idx.shape[3]
     group = hq // hkv
     scalars = {
@@ -157,6 +165,14 @@ def kl_backward(
         **_common(q_idx, k_idx, tables),
     }
     grad = grad.detach().float().reshape(1).contiguous()
+    return {"tensors": (q, k, lse, q_idx, k_idx, lse_idx, grad), "tables": tables, "scalars": scalars}
+
+
+def kl_dq(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dQ kernel's launch: (dq_idx, per-row KL ``[B, Hkv, S]`` fp32)."""
+    q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
+    tables = args["tables"]
+    b, s, hkv, _ = q_idx.shape
     dq_idx = buffers.new_buffer(q_idx.shape, q_idx.dtype, q.device)
     kl = buffers.new_buffer((b, hkv, s), torch.float32, q.device)
     cfg = launch_config("dq", tables.block)
@@ -164,17 +180,24 @@ def kl_backward(
     _dq_kl_kernel[(n_qb * (tables.block // cfg.block_m), b * hkv)](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dq_idx, kl, tables.tiles, tables.tile_count,
         NQB=n_qb, T_MAX=tables.tiles.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalars,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
     )  # fmt: skip
+    return dq_idx, kl
+
+
+def kl_dk(args: dict) -> torch.Tensor:
+    """The dK kernel's launch: dk_idx."""
+    q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
+    tables = args["tables"]
     dk_idx = buffers.new_buffer(k_idx.shape, k_idx.dtype, q.device)
     cfg = launch_config("dk", tables.block)
     n_kb = tables.tiles_t.shape[2]
-    _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), b)](
+    _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), q_idx.shape[0])](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dk_idx, tables.tiles_t, tables.tile_t_count,
         NKB=n_kb, T_MAX=tables.tiles_t.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalars,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
     )  # fmt: skip
-    return dq_idx, dk_idx, kl
+    return dk_idx
 
 
 class FusedMSAKL(torch.autograd.Function):
