@@ -77,11 +77,11 @@ def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
 def launch_config(kernel: str, block: int) -> LaunchConfig:
     """The table's entry for ``kernel`` (``lse``, ``dq`` or ``dk``), overridden by
     ``MTRAINING_KL_CONFIG`` (read at each launch, so a sweep can change it in one process;
-    see :func:`parse_configs`), with the blocks capped at the tile size ``block`` and at
-    most 4 warps for products under 64 x 64."""
+    see :func:`parse_configs`), with the blocks capped at the tile size ``block`` (and then
+    at most 4 warps)."""
     cfg = parse_configs(os.environ.get(CONFIG_ENV)).get(kernel, DEFAULT_CONFIGS[kernel])
     m, n = min(block, cfg.block_m), min(block, cfg.block_n)
-    warps = cfg.num_warps if m * n >= 64 * 64 else min(cfg.num_warps, 4)
+    warps = cfg.num_warps if (m, n) == (cfg.block_m, cfg.block_n) else min(cfg.num_warps, 4)
     return LaunchConfig(m, n, warps, cfg.num_stages)
 
 
