@@ -90,7 +90,8 @@ CASES = [
     ("topk", 1, 150, 6, 2, 32, 16, 32, 3, False),  # G = 3 (padded to 4), ragged
     ("topk", 1, 200, 8, 2, 16, 32, 16, 4, False),  # G = 4
     ("topk", 1, 112, 4, 2, 16, 16, 16, 3, True),  # one selection shared by the groups
-    ("topk", 1, 96, 16, 1, 16, 16, 32, 2, False),  # G = 16: 256 packed rows, 32-key steps
+    ("topk", 1, 96, 16, 1, 16, 16, 32, 2, False),  # G = 16: a 16-head teacher loop
+    ("dense", 1, 64, 16, 2, 16, 16, 32, 0, False),  # warmup, G = 8 (Qwen2.5-3B's group)
     ("dense", 2, 100, 4, 2, 16, 16, 32, 0, False),  # warmup, G = 2
     ("dense", 1, 130, 2, 2, 32, 16, 16, 0, False),  # warmup, G = 1
 ]
@@ -249,3 +250,39 @@ def test_ring_steps(kind, rng, kdevice):
     torch.testing.assert_close(kl.cpu().double(), local, rtol=1e-4, atol=1e-5)
     _close(dq, dq_want[:, mine.cpu()], 2e-4, what="dq_idx")
     _close(dk, dk_want, 2e-4, what="dk_idx")
+
+
+def test_launch_config_table_and_override(monkeypatch):
+    loss = _loss_module()
+    monkeypatch.delenv(loss.CONFIG_ENV, raising=False)
+    assert loss.launch_config("dq", 128) == loss.DEFAULT_CONFIGS["dq"]
+    assert loss.launch_config("dk", 16) == loss.LaunchConfig(16, 16, 4, loss.DEFAULT_CONFIGS["dk"].num_stages)
+    monkeypatch.setenv(loss.CONFIG_ENV, "dq:64,128,4,3; dk:128,64,8,1")
+    assert loss.launch_config("dq", 128) == loss.LaunchConfig(64, 128, 4, 3)
+    assert loss.launch_config("dk", 128) == loss.LaunchConfig(128, 64, 8, 1)
+    assert loss.launch_config("lse", 128) == loss.DEFAULT_CONFIGS["lse"]
+    for bad in ("dq:64,64,8", "dx:64,64,8,2", "dk:48,64,8,2"):
+        with pytest.raises(ValueError, match=loss.CONFIG_ENV):
+            loss.parse_configs(bad)
+
+
+@pytest.mark.parametrize("config", ["dq:16,16,4,1;dk:16,32,4,1;lse:16,16,4,1", "dq:32,16,4,2;dk:32,16,4,2"])
+def test_overridden_configs_match(config, rng, kdevice, monkeypatch):
+    """Other rows / keys per step (``MTRAINING_KL_CONFIG``) give the same results."""
+    loss = _loss_module()
+    b, s, hq, hkv, d, di, block = 1, 96, 8, 2, 16, 16, 32
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
+    index = _index("topk", q_idx, k_idx, hq, block, 2)
+    tables = tile_tables(index, dense_block=block)
+    scale = 1 / math.sqrt(d)
+    rows, lse_idx, lse_main, _, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    monkeypatch.setenv(loss.CONFIG_ENV, config)
+    got_lse = loss.index_lse(q_idx, k_idx, tables)
+    torch.testing.assert_close(got_lse.cpu().double(), lse_idx, rtol=0, atol=2e-5)
+    grad = torch.full((1,), 3.0, device=kdevice)
+    dq, dk, kl = loss.kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, grad, rows.numel()
+    )
+    _close(dq, dq_want, 2e-4, what="dq_idx")
+    _close(dk, dk_want, 2e-4, what="dk_idx")
+    torch.testing.assert_close(kl.cpu().double(), rows, rtol=1e-4, atol=1e-5)

@@ -12,19 +12,30 @@ Three kernels, none with atomics:
 
 * ``_index_lse_kernel``: ``LSE_idx`` by an online logsumexp over the row's tiles, one
   program per (``BLOCK_M`` rows of a query block, batch x group).
-* ``_dq_kl_kernel``: row-major as the LSE kernel, ``BLOCK_N`` keys a step; recomputes
-  ``p`` (all ``G`` heads in one product, see below) and ``s``, accumulates
+* ``_dq_kl_kernel``: row-major as the LSE kernel, ``BLOCK_M`` rows of one group a program,
+  ``BLOCK_N`` keys a step; recomputes ``p`` (a head loop, see below) and ``s``, accumulates
   ``dq_idx = sum_t (s - p) k_idx`` and each row's KL term ``sum_t p (log p - log s)``.
 * ``_dk_kl_kernel``: KV-major over ``tiles_t``, one program per (``BLOCK_N`` keys of a KV
   block, batch); the shared index key head gets the sum over the groups, which the
   program loops over (each dK row has one writer); per group it walks the query blocks
-  reading the block, ``BLOCK_M`` rows a step.
+  reading the block, ``BLOCK_M`` rows a step (64 by default, so the dK product
+  ``(s - p)^T [BLOCK_N, BLOCK_M] @ q_idx [BLOCK_M, d_idx]`` has K = 64).
 
-Teacher: the main queries of the group's ``G`` heads (contiguous in ``[B, S, Hq, D]``) for
-``BLOCK_M`` rows load as one ``[BLOCK_M * G_PAD, D]`` operand (row ``i * G_PAD + g``), so
-a step's K tile is loaded once and multiplied once for all heads (the MSA paper's query
-concatenation), and the head mean is a sum over a reshaped axis. Heads past ``G`` (``G``
-not a power of two) load zeros with an LSE of +inf: they add nothing.
+Teacher: a head loop. Per key step (dQ) or row step (dK), for each of the group's ``G``
+heads (``tl.static_range``, ``G`` a constexpr), the product ``q_h @ k^T`` of the program's
+rows (``[BLOCK_M, D] @ [D, BLOCK_N]``; transposed, keys the A operand, in dK) and
+``p += exp2(scale * S_h - lse_h)`` in the product's own register layout; the visibility
+mask and the mean's ``1 / G`` are applied once to the sum. The head reduction so costs
+adds in registers, no layout conversion, and every product, the index ones included, has
+``BLOCK_M`` rows (the packed layout before this, 16 rows x 8 heads in one ``[128, D]``
+operand, reshaped each step's ``[128, N]`` product to ``[16, 8, N]`` through shared memory
+to sum the heads, and left the index products and dK's steps 16 rows). The ``G``
+heads' queries of a dQ program are loop-invariant: held in registers or re-read from L1
+(``loss.DEFAULT_CONFIGS`` sizes ``BLOCK_M`` for that); the dK kernel streams each step's
+rows' queries anyway. A reduction by a product with a constant 0/1 matrix (packed rows,
+``P^T`` the A operand) was the alternative: it keeps a packed ``[BLOCK_M * G, D]``
+operand, so the same register budget, plus a product and a 16-bit rounding of ``p`` before
+the mean.
 
 The upstream gradient is read from memory (``GRAD``) and applied in fp32 after the
 products, with the mean's ``1 / rows``, so the host never reads it and 16-bit ``ds``
@@ -61,37 +72,30 @@ def _row_stats(LSE, off, ok):
 
 
 @triton.jit
-def _group_queries(Q, LSE, b, r, rows, row_ok, S, HQ, G, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):  # fmt: skip
-    """The main queries of group ``r``'s heads at ``rows``, packed ``[BLOCK_M * G_PAD, D_PAD]``
-    (row ``i * G_PAD + g``), and their log2-domain LSEs ``[BLOCK_M, G_PAD]``."""
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    head = r * G + g
-    ok = row_ok[:, None] & (g < G)[None, :]
-    ptrs = Q + ((b * S + rows[:, None, None]) * HQ + head[None, :, None]) * HEAD_DIM + d[None, None, :]
-    q = tl.load(ptrs, mask=ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
-    lse = _row_stats(LSE, (b * HQ + head[None, :]) * S + rows[:, None], ok)
-    return tl.reshape(q, (BLOCK_M * G_PAD, D_PAD)), lse
+def _teacher(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
+             G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``[BLOCK_M, BLOCK_N]`` sum over the group's ``G`` heads of ``exp2(scale * q_h . k - lse_h)``
+    for the rows against keys ``k`` (not masked: the caller selects the visible pairs once).
+    Heads of the group are ``q_base + h * HEAD_DIM`` (rows ``q_stride`` apart) and LSEs
+    ``lse_base + h * S``. The sum is in registers, in the product's own layout."""
+    p = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for h in tl.static_range(G):
+        q = _load_rows(q_base + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
+        lse = _row_stats(lse_base + h * S, rows, row_ok)
+        p += tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+    return p
 
 
 @triton.jit
-def _teacher(qg, lse, k, visible, qk_scale, inv_g, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``[BLOCK_M, BLOCK_N]`` head-mean main probabilities of the rows against keys ``k``
-    (0 where not ``visible``)."""
-    s = tl.reshape(tl.dot(qg, tl.trans(k), input_precision=PRECISION), (BLOCK_M, G_PAD, BLOCK_N))
-    x = tl.where(visible[:, None, :], s * qk_scale - lse[:, :, None], float("-inf"))
-    return tl.sum(tl.exp2(x), 1) * inv_g
-
-
-@triton.jit
-def _teacher_t(qg, lse, k, visible_t, qk_scale, inv_g, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``_teacher`` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x rows)."""
-    s = tl.reshape(tl.dot(k, tl.trans(qg), input_precision=PRECISION), (BLOCK_N, BLOCK_M, G_PAD))
-    x = tl.where(visible_t[:, :, None], s * qk_scale - lse[None, :, :], float("-inf"))
-    return tl.sum(tl.exp2(x), 2) * inv_g
+def _teacher_t(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
+               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``_teacher`` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x rows), keys the A operand."""
+    p = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for h in tl.static_range(G):
+        q = _load_rows(q_base + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
+        lse = _row_stats(lse_base + h * S, rows, row_ok)
+        p += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+    return p
 
 
 @triton.jit
@@ -128,8 +132,8 @@ def _index_lse_kernel(
 @triton.jit
 def _dq_kl_kernel(
     Q, K, LSE, QI, KI, LSE_IDX, GRAD, DQI, KL, TILES, TILE_CNT, ROWSEL, QBLK, KBLK,
-    S, SK, HQ, HKV, G, TB, TH, NQB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    S, SK, HQ, HKV, TB, TH, NQB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -138,7 +142,8 @@ def _dq_kl_kernel(
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    qg, lse = _group_queries(Q, LSE, b, r, rows, row_ok, S, HQ, G, HEAD_DIM, D_PAD, BLOCK_M, G_PAD)
+    q_base = Q + (b * S * HQ + r * G) * HEAD_DIM
+    lse_base = LSE + (b * HQ + r * G) * S
     qi_off = b * S * HKV * DI + r * DI
     qi = _load_rows(QI + qi_off, rows, row_ok, HKV * DI, di, di_ok)
     lse_i = _row_stats(LSE_IDX, (b * HKV + r) * S + rows, row_ok)
@@ -154,7 +159,9 @@ def _dq_kl_kernel(
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
         visible = row_ok[:, None] & col_ok[None, :] & (col_pos[None, :] <= seen[:, None])
-        p = _teacher(qg, lse, k, visible, qk_scale, inv_g, BLOCK_M, G_PAD, BLOCK_N, PRECISION)
+        p = _teacher(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
+                     BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+        p = tl.where(visible, p, 0.0) * inv_g
         z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
         log_s = tl.where(visible, z - lse_i[:, None], float("-inf"))
         dq += tl.dot((tl.exp2(log_s) - p).to(ki.dtype), ki, input_precision=PRECISION)
@@ -167,8 +174,8 @@ def _dq_kl_kernel(
 @triton.jit
 def _dk_kl_kernel(
     Q, K, LSE, QI, KI, LSE_IDX, GRAD, DKI, TILES_T, TILE_T_CNT, ROWSEL, QBLK, KBLK,
-    S, SK, HQ, HKV, G, TB, TH, NKB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G_PAD: tl.constexpr,
+    S, SK, HQ, HKV, TB, TH, NKB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -189,16 +196,19 @@ def _dk_kl_kernel(
     dk = tl.zeros([BLOCK_N, DI_PAD], tl.float32)
     for r in range(HKV):
         k = _load_rows(K + b * SK * HKV * HEAD_DIM + r * HEAD_DIM, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
+        q_base = Q + (b * S * HQ + r * G) * HEAD_DIM
+        lse_base = LSE + (b * HQ + r * G) * S
         trow, th = _table_row(b, r, HKV, TB, TH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + trow) * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
             visible = col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= seen[None, :])
-            qg, lse = _group_queries(Q, LSE, b, r, rows, row_ok, S, HQ, G, HEAD_DIM, D_PAD, BLOCK_M, G_PAD)
+            p = _teacher_t(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
+                           BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+            p = tl.where(visible, p, 0.0) * inv_g
             qi = _load_rows(QI + b * S * HKV * DI + r * DI, rows, row_ok, HKV * DI, di, di_ok)
             lse_i = _row_stats(LSE_IDX, (b * HKV + r) * S + rows, row_ok)
-            p = _teacher_t(qg, lse, k, visible, qk_scale, inv_g, BLOCK_M, G_PAD, BLOCK_N, PRECISION)
             z = tl.dot(ki, tl.trans(qi), input_precision=PRECISION) * idx_scale
             s = tl.exp2(tl.where(visible, z - lse_i[None, :], float("-inf")))
             dk += tl.dot((s - p).to(qi.dtype), qi, input_precision=PRECISION)

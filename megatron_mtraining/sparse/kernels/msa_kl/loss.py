@@ -9,6 +9,7 @@ the backward (a 0-dim fp32 tensor on the device, never read by the host here).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from ..block_bar.tables import TileTables
 from ..shared import buffers
 from ..shared.kernels import LOG2E
 from .kernels import _dk_kl_kernel, _dq_kl_kernel, _index_lse_kernel
+
+CONFIG_ENV = "MTRAINING_KL_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -33,17 +36,53 @@ class LaunchConfig:
     num_stages: int
 
 
-def launch_config(kernel: str, block: int, group_pad: int) -> LaunchConfig:
-    """Rows x heads of about 128 in the packed teacher product (64 rows without GQA, whose
-    dq_idx accumulator then stays small; at least 16 rows, the smallest ``tl.dot``, so
-    wide groups pack more, with 32-key steps), else 64-key steps; two pipeline stages (a K
-    and an index-K tile a stage: 32 KiB at head dims 128 in 16 bits, within an A100's
-    shared memory). Chosen, not yet tuned on a GPU."""
-    if kernel == "lse":
-        return LaunchConfig(min(block, 128), min(block, 64), 8 if block >= 128 else 4, 2)
-    rows = min(block, 64 if group_pad == 1 else max(16, 128 // group_pad))
-    packed = rows * group_pad
-    return LaunchConfig(rows, min(block, 32 if packed > 128 else 64), 8 if packed >= 128 else 4, 2)
+# The table, per kernel (chosen by reasoning; ``scripts/bench_msa_kl.py --sweep`` measures
+# alternatives):
+# * lse: 128 rows, 64-key steps (one index product a step; 17 ms a layer at 128K).
+# * dq: 32 rows of one group; each key step runs the G heads' products [32, D] @ [D, 64]
+#   with the head's queries read in the step (loop-invariant: the compiler keeps them in
+#   registers or they hit L1; 32 rows x G=8 heads x 128 x 16 bits is 64 KiB, 64 registers
+#   a thread at 8 warps, where 64 rows would spill).
+# * dk: 64 keys a program, 64 query rows a step (the dK product's K = 64), the G heads'
+#   products [64, D] @ [D, 64] with the step's queries streamed; one stage (unpipelined):
+#   a pipelined stage would hold all G heads' queries (G x 16 KiB at 64 rows).
+DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
+    "lse": LaunchConfig(128, 64, 8, 2),
+    "dq": LaunchConfig(32, 64, 8, 2),
+    "dk": LaunchConfig(64, 64, 8, 1),
+}
+
+
+def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
+    """``"dq:64,64,8,3;dk:64,64,8,1"`` (any of ``lse``, ``dq``, ``dk``; each
+    ``block_m,block_n,num_warps,num_stages``) as a table; an empty text is no override."""
+    out: dict[str, LaunchConfig] = {}
+    for part in (text or "").replace(" ", "").split(";"):
+        if not part:
+            continue
+        name, _, values = part.partition(":")
+        fields = values.split(",")
+        if name not in DEFAULT_CONFIGS or len(fields) != 4:
+            raise ValueError(
+                f"{CONFIG_ENV}: {part!r} is not kernel:block_m,block_n,num_warps,num_stages (kernel lse|dq|dk)"
+            )
+        cfg = LaunchConfig(*(int(f) for f in fields))
+        for n in (cfg.block_m, cfg.block_n):
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"{CONFIG_ENV}: {part!r}: blocks must be powers of two >= 16")
+        out[name] = cfg
+    return out
+
+
+def launch_config(kernel: str, block: int) -> LaunchConfig:
+    """The table's entry for ``kernel`` (``lse``, ``dq`` or ``dk``), overridden by
+    ``MTRAINING_KL_CONFIG`` (read at each launch, so a sweep can change it in one process;
+    see :func:`parse_configs`), with the blocks capped at the tile size ``block`` (and then
+    at most 4 warps)."""
+    cfg = parse_configs(os.environ.get(CONFIG_ENV)).get(kernel, DEFAULT_CONFIGS[kernel])
+    m, n = min(block, cfg.block_m), min(block, cfg.block_n)
+    warps = cfg.num_warps if (m, n) == (cfg.block_m, cfg.block_n) else min(cfg.num_warps, 4)
+    return LaunchConfig(m, n, warps, cfg.num_stages)
 
 
 def _pad(n: int) -> int:
@@ -73,7 +112,7 @@ def index_lse(q_idx: torch.Tensor, k_idx: torch.Tensor, tables: TileTables) -> t
     step's chunk); -inf where none."""
     q_idx, k_idx = q_idx.contiguous(), k_idx.contiguous()
     b, s, hkv, di = q_idx.shape
-    cfg = launch_config("lse", tables.block, 1)
+    cfg = launch_config("lse", tables.block)
     lse = buffers.new_buffer((b, hkv, s), torch.float32, q_idx.device)
     n_qb = tables.tiles.shape[2]
     _index_lse_kernel[(n_qb * (tables.block // cfg.block_m), b * hkv)](
@@ -101,43 +140,64 @@ def kl_backward(
     q ``[B, S, Hq, D]`` and its main-pass ``lse [B, Hq, S]``; k ``[B, SK, Hkv, D]``;
     q_idx ``[B, S, Hkv, d_idx]`` with ``lse_idx`` from :func:`index_lse` (merged over the
     steps of a ring); k_idx ``[B, SK, 1, d_idx]``; ``grad`` a one-element tensor."""
+    args = kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, scale, grad, rows)
+    dq_idx, kl = kl_dq(args)
+    return dq_idx, kl_dk(args), kl
+
+
+def kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables: TileTables, scale: float, grad, rows: int) -> dict:
+    """What :func:`kl_dq` and :func:`kl_dk` take (``kl_backward``'s arguments, made
+    contiguous, and the kernels' scalars)."""
     q, k, q_idx, k_idx = (t.contiguous() for t in (q, k, q_idx, k_idx))
     lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
-    b, s, hq, d = q.shape
+    hq, d = q.shape[2], q.shape[3]
     hkv, di = q_idx.shape[2], q_idx.shape[3]
     group = hq // hkv
-    g_pad = triton.next_power_of_2(group)
     scalars = {
         "HQ": hq,
-        "G": group,
+        "G": group,  # a constexpr: the teacher's head loop unrolls
         "qk_scale": scale * LOG2E,
         "idx_scale": LOG2E / math.sqrt(di),
         "inv_g": 1.0 / group,
         "grad_scale": 1.0 / (rows * math.sqrt(di)),
         "HEAD_DIM": d,
         "D_PAD": _pad(d),
-        "G_PAD": g_pad,
         **_common(q_idx, k_idx, tables),
     }
     grad = grad.detach().float().reshape(1).contiguous()
+    return {"tensors": (q, k, lse, q_idx, k_idx, lse_idx, grad), "tables": tables, "scalars": scalars}
+
+
+def kl_dq(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dQ kernel's launch: (dq_idx, per-row KL ``[B, Hkv, S]`` fp32)."""
+    q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
+    tables = args["tables"]
+    b, s, hkv, _ = q_idx.shape
     dq_idx = buffers.new_buffer(q_idx.shape, q_idx.dtype, q.device)
     kl = buffers.new_buffer((b, hkv, s), torch.float32, q.device)
-    cfg = launch_config("dq", tables.block, g_pad)
+    cfg = launch_config("dq", tables.block)
     n_qb = tables.tiles.shape[2]
     _dq_kl_kernel[(n_qb * (tables.block // cfg.block_m), b * hkv)](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dq_idx, kl, tables.tiles, tables.tile_count,
         NQB=n_qb, T_MAX=tables.tiles.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalars,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
     )  # fmt: skip
+    return dq_idx, kl
+
+
+def kl_dk(args: dict) -> torch.Tensor:
+    """The dK kernel's launch: dk_idx."""
+    q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
+    tables = args["tables"]
     dk_idx = buffers.new_buffer(k_idx.shape, k_idx.dtype, q.device)
-    cfg = launch_config("dk", tables.block, g_pad)
+    cfg = launch_config("dk", tables.block)
     n_kb = tables.tiles_t.shape[2]
-    _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), b)](
+    _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), q_idx.shape[0])](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dk_idx, tables.tiles_t, tables.tile_t_count,
         NKB=n_kb, T_MAX=tables.tiles_t.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalars,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
     )  # fmt: skip
-    return dq_idx, dk_idx, kl
+    return dk_idx
 
 
 class FusedMSAKL(torch.autograd.Function):

@@ -1,0 +1,192 @@
+"""MSA's fused KL kernels (``sparse/kernels/msa_kl``) timed on one GPU, with a config sweep.
+
+    python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;dk:64,64,8,1" ...]
+                                   [--runs 5] [--check-seq 4096] [--out kl.json]
+
+Qwen2.5-3B's attention shape (16 query heads, 2 KV heads, head dim 128), index head dim
+128, bf16, batch 1, random RoPE-free inputs. Two indices: the dense warmup index
+(causal, every tile) and MSA top-k (block 128, k 16, selected by ``msa_select_blocks``
+from structured index queries/keys, so neighbouring rows pick similar blocks, as a
+trained indexer does; union-of-tiles tables). The main LSE is the sparse forward's on the
+same index (the teacher is normalised as in training). Per config (``MTRAINING_KL_CONFIG``
+syntax, see ``msa_kl.loss.parse_configs``; the empty config is the built-in table) and
+index it times ``_index_lse_kernel``, ``_dq_kl_kernel`` and ``_dk_kl_kernel`` (median of
+``--runs`` runs, CUDA events), and prints them against cuDNN's dense causal forward (SDPA,
+``enable_gqa``) of the same layer, the yardstick. Before timing a config it checks, at
+``--check-seq`` tokens on both indices, dq_idx / dk_idx / the KL value against
+``msa_kl_loss`` (PyTorch, fp32 of the same values): a config outside tolerance is
+reported WRONG; one that fails to compile or launch is reported with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megatron_mtraining.sparse import DenseIndex, MSAConfig, msa_kl_loss, msa_select_blocks, sparse_attention
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+from megatron_mtraining.sparse.kernels.msa_kl import loss
+
+HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
+
+# Built-in sweep: "" is the default table; the others vary rows, key steps, warps, stages.
+SWEEP = [
+    "",
+    "dq:16,64,4,2;dk:64,64,8,1",
+    "dq:32,128,8,2;dk:64,128,8,1",
+    "dq:64,64,8,2;dk:64,64,8,2",
+    "dq:32,64,4,3;dk:32,64,4,2",
+    "dq:64,128,8,1;dk:128,64,8,1",
+]
+
+
+def inputs(seq: int, gen: torch.Generator):
+    """q, k, v, q_idx, k_idx in bf16 on the GPU; index queries/keys share a mean direction
+    per group (structured, so top-k selections of neighbouring rows overlap)."""
+    mean = torch.randn(1, 1, HKV, DI, generator=gen)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = t(1, seq, HQ, D), t(1, seq, HKV, D), t(1, seq, HKV, D)
+    q_idx = mean + t(1, seq, HKV, DI)
+    k_idx = mean.mean(2, keepdim=True) + t(1, seq, 1, DI)
+    return [x.to(torch.bfloat16).cuda() for x in (q, k, v, q_idx, k_idx)]
+
+
+def indices(q_idx, k_idx, seq):
+    return {
+        "dense": DenseIndex(1, HQ, seq, device=q_idx.device),
+        f"top-k k{TOPK} b{BLOCK}": msa_select_blocks(q_idx.float(), k_idx.float(), MSAConfig(BLOCK, TOPK, DI), HQ),
+    }
+
+
+def events_ms(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def prepared(seq, gen):
+    """Per index: (tables, the kernels' arguments) for the KL of the mean over rows."""
+    q, k, v, q_idx, k_idx = inputs(seq, gen)
+    out = {}
+    for name, index in indices(q_idx, k_idx, seq).items():
+        _, lse = sparse_attention(q, k, v, index, backend="triton")
+        tables = tile_tables(index, dense_block=BLOCK)
+        lse_idx = loss.index_lse(q_idx, k_idx, tables)
+        grad = torch.ones(1, device=q.device)
+        args = loss.kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, D**-0.5, grad, seq * HKV)
+        out[name] = (index, tables, args, (q, k, q_idx, k_idx))
+    return out
+
+
+def check(small) -> tuple[bool, str]:
+    """dq_idx, dk_idx and the KL value of the current config against msa_kl_loss (fp32)."""
+    worst = []
+    ok = True
+    for name, (index, _, args, (q, k, q_idx, k_idx)) in small.items():
+        dq, kl = loss.kl_dq(args)
+        dk = loss.kl_dk(args)
+        qi, ki = (t.detach().float().clone().requires_grad_() for t in (q_idx, k_idx))
+        ref = msa_kl_loss(q.float(), k.float(), qi, ki, index)
+        ref.backward()
+        value = kl.sum() / (q.shape[1] * HKV)
+        for what, got, want in (("dq_idx", dq, qi.grad), ("dk_idx", dk, ki.grad)):
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            worst.append(f"{name} {what} {err:.1e}")
+            ok &= math.isfinite(err) and err < 6e-2
+        err = abs(value.item() - ref.item()) / max(abs(ref.item()), 1e-6)
+        worst.append(f"{name} value {err:.1e}")
+        ok &= math.isfinite(err) and err < 2e-2
+    return ok, ", ".join(worst)
+
+
+def cudnn_forward_ms(seq, gen, runs) -> float:
+    q, k, v = (x.transpose(1, 2) for x in inputs(seq, gen)[:3])
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return events_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), runs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--sweep", action="store_true", help="run --configs, or the built-in list")
+    parser.add_argument("--configs", nargs="*", default=None, help="MTRAINING_KL_CONFIG strings ('' = defaults)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--check-seq", type=int, default=4096)
+    parser.add_argument("--out", default=None, help="JSON results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    configs = (
+        args.configs if args.configs is not None else (SWEEP if args.sweep else [os.environ.get(loss.CONFIG_ENV, "")])
+    )
+    gen = torch.Generator().manual_seed(0)
+    results = {"seq": args.seq, "shape": {"hq": HQ, "hkv": HKV, "d": D, "d_idx": DI, "block": BLOCK, "topk": TOPK}}
+    try:
+        results["cudnn_dense_forward_ms"] = cudnn_forward_ms(args.seq, gen, args.runs)
+    except Exception as e:  # noqa: BLE001
+        results["cudnn_dense_forward_ms"] = None
+        print(f"cuDNN forward FAILED: {type(e).__name__}: {e}")
+    print(f"seq {args.seq}: cuDNN dense causal forward {results['cudnn_dense_forward_ms']} ms (the yardstick)")
+    small = prepared(args.check_seq, gen)
+    big = prepared(args.seq, gen)
+    for name, (_, tables, _, _) in big.items():
+        print(f"  {name}: {int(tables.tile_count.sum())} query-block x tile pairs")
+    rows = []
+    print(f"{'config':<34} {'index':<16} {'kernel':<6} {'ms':>9}  check")
+    for config in configs:
+        os.environ[loss.CONFIG_ENV] = config
+        label = config or "(defaults)"
+        entry = {"config": config, "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in ("lse", "dq", "dk")}}
+        try:
+            entry["ok"], entry["check"] = check(small)
+        except Exception as e:  # noqa: BLE001
+            entry.update(ok=False, check=f"FAILED: {type(e).__name__}: {e}"[:300])
+            print(f"{label:<34} {entry['check']}")
+            rows.append(entry)
+            continue
+        print(f"{label:<34} check at {args.check_seq}: {'ok' if entry['ok'] else 'WRONG'} ({entry['check']})")
+        for name, (_, tables, kargs, (_, _, q_idx, k_idx)) in big.items():
+            for kernel, fn in (
+                ("lse", lambda q_idx=q_idx, k_idx=k_idx, tables=tables: loss.index_lse(q_idx, k_idx, tables)),
+                ("dq", lambda kargs=kargs: loss.kl_dq(kargs)),
+                ("dk", lambda kargs=kargs: loss.kl_dk(kargs)),
+            ):
+                try:
+                    ms = events_ms(fn, args.runs)
+                except Exception as e:  # noqa: BLE001
+                    ms = None
+                    entry.setdefault("errors", []).append(f"{name} {kernel}: {type(e).__name__}: {e}"[:300])
+                entry[f"{name} {kernel} ms"] = ms
+                shown = f"{ms:9.2f}" if ms is not None else "   FAILED"
+                print(f"{label:<34} {name:<16} {kernel:<6} {shown}  {'ok' if entry['ok'] else 'WRONG'}")
+        rows.append(entry)
+        if args.out:  # after each config, so a timeout keeps what ran
+            with open(args.out, "w") as f:
+                json.dump({**results, "rows": rows}, f, indent=1)
+    os.environ.pop(loss.CONFIG_ENV, None)
+    results["rows"] = rows
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
