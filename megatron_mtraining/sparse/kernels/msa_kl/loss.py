@@ -36,20 +36,18 @@ class LaunchConfig:
     num_stages: int
 
 
-# The table, per kernel (chosen by reasoning; ``scripts/bench_msa_kl.py --sweep`` measures
-# alternatives):
-# * lse: 128 rows, 64-key steps (one index product a step; 17 ms a layer at 128K).
-# * dq: 32 rows of one group; each key step runs the G heads' products [32, D] @ [D, 64]
-#   with the head's queries read in the step (loop-invariant: the compiler keeps them in
-#   registers or they hit L1; 32 rows x G=8 heads x 128 x 16 bits is 64 KiB, 64 registers
-#   a thread at 8 warps, where 64 rows would spill).
-# * dk: 64 keys a program, 64 query rows a step (the dK product's K = 64), the G heads'
-#   products [64, D] @ [D, 64] with the step's queries streamed; one stage (unpipelined):
-#   a pipelined stage would hold all G heads' queries (G x 16 KiB at 64 rows).
+# The table, per kernel: the fastest of ``scripts/bench_msa_kl.py --sweep`` on an H200
+# summed over the dense (warmup) and top-k indices (docs/benchmarks.md); each fits an
+# A100's 164 KiB of shared memory.
+# * lse: 128 rows, 64-key steps (one index product a step).
+# * dq: 32 rows of one group, 128-key steps; each key step runs the G heads' products
+#   [32, D] @ [D, 128] with the head's queries loop-invariant (in registers or L1).
+# * dk: 128 keys a program, 64 query rows a step, the G heads' products streamed; one
+#   stage (unpipelined): a pipelined stage would hold all G heads' queries.
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),
-    "dq": LaunchConfig(32, 64, 8, 2),
-    "dk": LaunchConfig(64, 64, 8, 1),
+    "dq": LaunchConfig(32, 128, 8, 2),
+    "dk": LaunchConfig(64, 128, 8, 1),
 }
 
 
