@@ -1,0 +1,149 @@
+"""Packed documents on one GPU: document-masked attention against the same attention
+unmasked and against a library's varlen kernel.
+
+    python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--out DIR]
+
+One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``examples.synthetic
+.document_bounds``) with mean length ``--mean``; Qwen2.5-3B's attention shape (16 query heads,
+2 KV heads, head dim 128, bf16). Forward and backward medians (``triton.testing.do_bench``) of:
+
+* cuDNN dense causal attention with no document mask (the unpacked yardstick);
+* PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``) on the documents,
+  where this PyTorch has it: the library answer for document-masked dense attention;
+* the plugin's dense attention with and without the documents (``DenseIndex``);
+* the plugin's vertical-slash attention with and without the documents, its index built from
+  the inputs (``build_vertical_slash_index``; per document with ``cu_seqlens``), the build timed
+  apart.
+
+The q/k carry RoPE over a shared mean direction, so vertical-slash statistics are local as in
+trained models. Prints a table and writes ``DIR/bench_documents.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, document_bounds, rope
+from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention
+from megatron_mtraining.sparse.documents import packed_documents
+
+HQ, HKV, D = 16, 2, 128
+
+
+def timed(fn, rep_ms: int) -> float:
+    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def fwd_bwd(forward, inputs, rep_ms: int) -> tuple[float, float]:
+    fwd = timed(lambda: forward(*inputs), rep_ms)
+    out = forward(*inputs)
+    grad = torch.randn_like(out)
+    bwd = timed(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), rep_ms)
+    return fwd, bwd
+
+
+def inputs(seq: int, gen: torch.Generator):
+    mean = torch.randn(1, 1, HKV, D, generator=gen) * 1.5
+    k = rope((mean + torch.randn(1, seq, HKV, D, generator=gen)).cuda())
+    q = rope((mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).cuda())
+    v = torch.randn(1, seq, HKV, D, generator=gen).cuda()
+    return [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+
+
+def cudnn_dense(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+    return out.transpose(1, 2)
+
+
+def varlen_flash(cu_seqlens: torch.Tensor, longest: int):
+    """Causal varlen FlashAttention over the documents, in the call this PyTorch takes (the
+    keyword for causality and GQA changed across releases); None where it has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def run(q, k, v):
+        if not gqa:
+            k, v = (t.repeat_interleave(HQ // HKV, 2) for t in (k, v))
+        extra = {"enable_gqa": True} if gqa else {}
+        return varlen_attn(q[0], k[0], v[0], cu_seqlens, cu_seqlens, longest, longest, **causal, **extra)[None]
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--mean", type=int, default=8192)
+    p.add_argument("--mix", default="lognormal", choices=DOCUMENT_MIXES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rep-ms", type=int, default=150)
+    p.add_argument("--out", default="runs/bench_documents")
+    args = p.parse_args()
+    gen = torch.Generator().manual_seed(args.seed)
+    seq = args.seq_len
+    cu = document_bounds(args.mix, seq, args.mean, gen).cuda()
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    docs = packed_documents(cu, seq)
+    q, k, v = inputs(seq, gen)
+    scale = D**-0.5
+    rows: list[dict] = []
+
+    def record(name, forward, area):
+        try:
+            fwd, bwd = fwd_bwd(forward, (q, k, v), args.rep_ms)
+        except Exception as err:  # a library kernel this build lacks: say so, keep going
+            rows.append({"name": name, "error": f"{type(err).__name__}: {err}"[:300]})
+            print(f"{name:<40} failed: {rows[-1]['error']}")
+            return
+        rows.append({"name": name, "fwd_ms": fwd, "bwd_ms": bwd, "area": area})
+        print(f"{name:<40} fwd {fwd:9.2f} ms  bwd {bwd:9.2f} ms  fwd+bwd {fwd + bwd:9.2f} ms  area {area:.4g}")
+
+    causal = HQ * seq * (seq + 1) / 2
+    packed = HQ * sum(n * (n + 1) / 2 for n in lengths)
+    print(f"seq {seq}, {len(lengths)} documents ({args.mix}, mean {seq / len(lengths):.0f}, longest {max(lengths)})")
+    record("cudnn dense, no document mask", cudnn_dense, causal)
+    flash = varlen_flash(cu, max(lengths))
+    if flash is None:
+        rows.append({"name": "varlen flash (torch)", "error": "torch.nn.attention.varlen is missing"})
+    else:
+        record("varlen flash (torch), documents", flash, packed)
+    dense = DenseIndex(1, HQ, seq, device=q.device)
+    dense_docs = DenseIndex(1, HQ, seq, device=q.device, documents=docs)
+    record("ours dense, no document mask", lambda a, b, c: sparse_attention(a, b, c, dense, scale)[0], causal)
+    record("ours dense, documents", lambda a, b, c: sparse_attention(a, b, c, dense_docs, scale)[0], packed)
+    config = VerticalSlashConfig()
+    builds = {}
+    for name, bounds in (("vertical-slash, no document mask", None), ("vertical-slash, documents", cu)):
+        with torch.no_grad():
+            index = build_vertical_slash_index(q, k, config, scale, cu_seqlens=bounds)
+            builds[name] = timed(lambda b=bounds: build_vertical_slash_index(q, k, config, scale, cu_seqlens=b), 100)
+        area = float(index.attended_area().sum())
+        record(f"ours {name}", lambda a, b, c, i=index: sparse_attention(a, b, c, i, scale)[0], area)
+        rows[-1]["index_build_ms"] = builds[name]
+        print(f"{'':<40} index build {builds[name]:.2f} ms")
+    os.makedirs(args.out, exist_ok=True)
+    result = {"seq_len": seq, "mix": args.mix, "mean": args.mean, "documents": lengths, "rows": rows,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+    with open(os.path.join(args.out, "bench_documents.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
