@@ -51,6 +51,19 @@ class TileTables:
     query_blocks: torch.Tensor | None = None
     key_blocks: torch.Tensor | None = None
     bar_positions: torch.Tensor | None = None  # [B, Hq, V] int32, as ``vertical`` (None: ``vertical``)
+    # Packed documents (the index's ``documents``): the start of each row's document, [S]
+    # int32 by global position, which the kernels compare with the key positions (one load
+    # per row), and the ends, which bound the rows a vertical column's dK/dV walks.
+    # Tiles wholly before the document start of a query block's first row are not listed.
+    doc_start: torch.Tensor | None = None
+    doc_end: torch.Tensor | None = None
+    # With documents and bars: per (head, query block) the vertical entries before the
+    # document start of the block's first row, which no row of the block sees (its bars
+    # start after them), [B, Hq, n_qblocks] int32; per query block, where that document's
+    # diagonals start in ``active`` (then ``[B, Hq, n_blocks + n_documents]``, see
+    # ``VerticalSlashIndex.document_active``), [n_qblocks] int32.
+    bar_start: torch.Tensor | None = None
+    active_offset: torch.Tensor | None = None
 
     def __post_init__(self):
         # The kernels index every table with flat row-major offsets.
@@ -82,7 +95,16 @@ def transpose_tiles(
 
 def dense_tables(index: DenseIndex, block: int) -> TileTables:
     kb = torch.arange(-(-index.seq_len // block), device=index.device)
-    return tables_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
+    member = kb.view(1, -1) <= kb.view(-1, 1)
+    if index.documents is not None:  # block-diagonal: from the key block of each block's first document start
+        member &= kb.view(1, -1) >= (index.documents.block_firsts(block) // block).view(-1, 1)
+    return tables_from_membership(member.view(1, 1, len(kb), len(kb)), block, **_document_fields(index))
+
+
+def _document_fields(index: SparseIndex) -> dict:
+    """The tables' document vectors of ``index`` (none without documents)."""
+    docs = index.documents
+    return {} if docs is None else {"doc_start": docs.starts, "doc_end": docs.ends()}
 
 
 def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Tensor, n_blocks: int):
@@ -129,6 +151,14 @@ def vertical_slash_tables(
     at the end, holding every vertical column: a rank's gathered column keys) the keys are
     those columns: bars only, no tiles. In one Triton launch for CUDA indices
     (``tables_kernel``), else composed from the torch helpers below."""
+    if index.documents is not None:
+        if queries is not None or keys is not None or columns is not None:
+            fail(
+                "index.documents",
+                f"{index.documents.count} documents",
+                "None for a context-parallel rank's tables (packed documents run on one device so far)",
+            )
+        return _document_tables(index, bars)
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
@@ -168,6 +198,46 @@ def vertical_slash_tables(
         vertical_ptr=vertical_counts(key_vertical, key_starts),
         active=index.active_diagonals().to(torch.int8),
         **ids,
+    )
+
+
+def _document_tables(index: VerticalSlashIndex, bars: bool) -> TileTables:
+    """A vertical-slash index's tables with documents, from torch operations on any device
+    (the one-launch ``tables_kernel`` does not take documents). Query block ``qb`` reads
+    the key blocks ``qb - d`` of the diagonals ``d >= 1`` of the document holding its first
+    row, from that document's first key block on, and itself (diagonal 0, every document).
+    Widths follow from shapes: ``d >= 1`` entries and the block itself a query block; a
+    key block is read by itself and through the diagonals of the one document that runs
+    past it (``VerticalSlashIndex``), so at most the diagonals plus one too."""
+    n, bs, docs = index.num_blocks, index.block_size, index.documents
+    qb = torch.arange(n, device=index.device)
+    firsts = docs.block_firsts(bs)
+    diags = index.block_diagonals(qb)
+    kb = qb.view(1, 1, -1, 1) - diags
+    own = qb.view(1, 1, -1, 1).expand(*diags.shape[:3], 1)
+    keep = torch.cat(
+        [(diags > 0) & (kb >= (firsts // bs).view(1, 1, -1, 1)), torch.ones_like(own, dtype=torch.bool)], -1
+    )
+    width = min(diags.shape[-1] + 1, n)
+    tiles, count = compact(torch.cat([kb, own], -1).int(), keep, width)
+    tiles_t, count_t = transpose_tiles(tiles, count, n, width)
+    if not bars:
+        return TileTables(bs, tiles, count, tiles_t, count_t, **_document_fields(index))
+    active, offsets = index.document_active()
+    last_rows = torch.clamp((qb + 1) * bs, max=index.seq_len) - 1
+    return TileTables(
+        bs,
+        tiles,
+        count,
+        tiles_t,
+        count_t,
+        vertical=index.vertical,
+        bar_count=vertical_counts(index.vertical, last_rows, right=True),
+        vertical_ptr=vertical_counts(index.vertical, torch.arange(n + 1, device=index.device) * bs),
+        active=active.to(torch.int8),
+        bar_start=vertical_counts(index.vertical, firsts),
+        active_offset=offsets[docs.ids[qb * bs].long()].to(torch.int32),
+        **_document_fields(index),
     )
 
 
@@ -213,7 +283,9 @@ def block_topk_tables(index: BlockTopKIndex, max_tile: int = 128) -> TileTables:
     member = chosen.repeat_interleave(ratio, dim=-1)[..., :n_tiles]
     kb = torch.arange(n_tiles, device=index.device)
     member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
-    return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
+    if index.documents is not None:  # no tile wholly before the document start of a block's first row
+        member &= kb.view(1, -1) >= (index.documents.block_firsts(tile) // tile).view(-1, 1)
+    return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio, **_document_fields(index))
 
 
 # The index types that have tile tables, so the block-bar kernels serve them (the dispatch
