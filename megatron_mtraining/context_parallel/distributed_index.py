@@ -26,12 +26,21 @@ from .layout import ContextParallelLayout
 
 @runtime_checkable
 class IndexSource(Protocol):
-    """Builds a pattern's index (``megatron_mtraining.patterns.base.Pattern`` implements it)."""
+    """Builds a pattern's index (``megatron_mtraining.patterns.base.Pattern`` implements it);
+    ``cu_seqlens``: packed documents (``sparse.documents``), None for one document."""
 
-    def local_index(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> SparseIndex: ...
+    def local_index(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
+    ) -> SparseIndex: ...
 
     def distributed_index(
-        self, q: torch.Tensor, k: torch.Tensor, layout: ContextParallelLayout, group, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        layout: ContextParallelLayout,
+        group,
+        scale: float,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> SparseIndex: ...
 
 
@@ -42,10 +51,16 @@ def build_index(
     scale: float,
     layout: ContextParallelLayout | None = None,
     group=None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> SparseIndex:
     """``pattern`` itself if it is an index, else its index: of the whole sequence on this
-    device (``layout`` None), or of this rank's queries over ``layout``'s group."""
+    device (``layout`` None), or of this rank's queries over ``layout``'s group.
+    ``cu_seqlens``: the packed documents of the sequence (flash-attn's varlen boundaries,
+    ``sparse.documents.packed_documents``), one device only so far; an index passed as
+    ``pattern`` must carry the same documents."""
     if isinstance(pattern, SparseIndex):
+        if cu_seqlens is not None:
+            _check_index_documents(pattern, cu_seqlens)
         return pattern
     if not isinstance(pattern, IndexSource):
         fail(
@@ -54,8 +69,33 @@ def build_index(
             "a pattern (megatron_mtraining.patterns.get(name)(settings)) or a SparseIndex built for the whole sequence",
         )
     if layout is None:
-        return pattern.local_index(q, k, scale)
+        return pattern.local_index(q, k, scale) if cu_seqlens is None else pattern.local_index(q, k, scale, cu_seqlens)
+    unsupported_under_cp(cu_seqlens)
     return pattern.distributed_index(q, k, layout, group, scale)
+
+
+def unsupported_under_cp(cu_seqlens) -> None:
+    """Fails where packed documents meet context parallelism, which does not take them yet."""
+    if cu_seqlens is not None:
+        fail(
+            "cu_seqlens",
+            "given",
+            "None under context parallelism (cp_size > 1): packed documents run on one device only so far",
+        )
+
+
+def _check_index_documents(index: SparseIndex, cu_seqlens) -> None:
+    """A prebuilt index given with ``cu_seqlens`` must carry those documents (its lists were
+    chosen for them; attaching other boundaries would not make them per-document)."""
+    docs = index.documents
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    if docs is None or list(docs.bounds) != list(bounds):
+        fail(
+            "cu_seqlens",
+            bounds,
+            f"the documents the index was built with ({None if docs is None else list(docs.bounds)}): "
+            "build the index with cu_seqlens (the pattern's local_index, or the index's documents field)",
+        )
 
 
 def rank_positions(layout: ContextParallelLayout, group, device) -> torch.Tensor:

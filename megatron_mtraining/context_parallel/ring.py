@@ -316,6 +316,13 @@ def ring_attention(
     # Posted before the index build, which the transfer then overlaps.
     gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
     index = build_index(pattern, q, k, scale, layout, cp_group)
+    if index.documents is not None:
+        fail(
+            "pattern",
+            f"an index with {index.documents.count} packed documents",
+            "an index without documents under context parallelism (cp_size > 1): packed documents run on one "
+            "device only so far",
+        )
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
     decision = attention_kernel(q, index, backend, piece=True)

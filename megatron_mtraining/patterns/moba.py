@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..context_parallel.distributed_index import all_reduce_fn, rank_positions
+from ..context_parallel.distributed_index import all_reduce_fn, rank_positions, unsupported_under_cp
 from ..sparse.index import BlockTopKIndex
 from ..sparse.moba import MoBAConfig, build_moba_index, moba_select_from_parts
 from .base import Pattern
@@ -22,10 +22,11 @@ class MoBAPattern(Pattern):
     settings = MoBAConfig
     size_field = "chunk_size"
 
-    def local_index(self, q, k, scale) -> BlockTopKIndex:
-        return build_moba_index(q, k, self.config)
+    def local_index(self, q, k, scale, cu_seqlens=None) -> BlockTopKIndex:
+        return build_moba_index(q, k, self.config, cu_seqlens=cu_seqlens)
 
-    def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> BlockTopKIndex:
+        unsupported_under_cp(cu_seqlens)
         bsz, _, hq, _ = q.shape
         seq, config = layout.seq_len, self.config
         positions = rank_positions(layout, group, q.device)

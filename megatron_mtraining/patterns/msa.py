@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel.comm import RingExchange
-from ..context_parallel.distributed_index import rank_positions
+from ..context_parallel.distributed_index import rank_positions, unsupported_under_cp
 from ..sparse.index import BlockTopKIndex, select_topk_blocks
 from ..sparse.msa import MSAConfig, block_max_scores, msa_select_blocks
 from ..sparse.validation import check_index_qk, fail
@@ -50,11 +50,12 @@ class MSAPattern(Pattern):
             fail("MSAPattern.q_idx", None, "the index branch's outputs: bind them with MSAPattern.with_inputs")
         return self.q_idx.detach(), self.k_idx.detach()
 
-    def local_index(self, q, k, scale) -> BlockTopKIndex:
+    def local_index(self, q, k, scale, cu_seqlens=None) -> BlockTopKIndex:
         q_idx, k_idx = self._inputs()
-        return msa_select_blocks(q_idx, k_idx, self.config, q.shape[2])
+        return msa_select_blocks(q_idx, k_idx, self.config, q.shape[2], cu_seqlens=cu_seqlens)
 
-    def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> BlockTopKIndex:
+        unsupported_under_cp(cu_seqlens)
         cfg, seq = self.config, layout.seq_len
         q_idx, k_idx = self._inputs()
         positions = rank_positions(layout, group, q.device)

@@ -12,7 +12,7 @@ import math
 
 import torch.distributed as dist
 
-from ..context_parallel.distributed_index import all_reduce_fn, gather_window, rank_positions
+from ..context_parallel.distributed_index import all_reduce_fn, gather_window, rank_positions, unsupported_under_cp
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.vertical_slash import (
     VerticalSlashConfig,
@@ -30,10 +30,11 @@ class VerticalSlashPattern(Pattern):
     settings = VerticalSlashConfig
     size_field = "block_size"
 
-    def local_index(self, q, k, scale) -> VerticalSlashIndex:
-        return build_vertical_slash_index(q, k, self.config, softmax_scale=scale)
+    def local_index(self, q, k, scale, cu_seqlens=None) -> VerticalSlashIndex:
+        return build_vertical_slash_index(q, k, self.config, softmax_scale=scale, cu_seqlens=cu_seqlens)
 
-    def distributed_index(self, q, k, layout, group, scale) -> VerticalSlashIndex:
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> VerticalSlashIndex:
+        unsupported_under_cp(cu_seqlens)
         config, seq = self.config, layout.seq_len
         positions = rank_positions(layout, group, q.device)
         stats = window_statistics_from_parts(
