@@ -55,9 +55,9 @@ def build_index(
 ) -> SparseIndex:
     """``pattern`` itself if it is an index, else its index: of the whole sequence on this
     device (``layout`` None), or of this rank's queries over ``layout``'s group.
-    ``cu_seqlens``: the packed documents of the sequence (flash-attn's varlen boundaries,
-    ``sparse.documents.packed_documents``), one device only so far; an index passed as
-    ``pattern`` must carry the same documents."""
+    ``cu_seqlens``: the packed documents of the whole sequence (flash-attn's varlen
+    boundaries by global position, ``sparse.documents.packed_documents``; the same on every
+    rank); an index passed as ``pattern`` must carry the same documents."""
     if isinstance(pattern, SparseIndex):
         if cu_seqlens is not None:
             _check_index_documents(pattern, cu_seqlens)
@@ -68,20 +68,11 @@ def build_index(
             type(pattern).__name__,
             "a pattern (megatron_mtraining.patterns.get(name)(settings)) or a SparseIndex built for the whole sequence",
         )
+    # Passed only when given, so that an index source predating documents still serves.
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if layout is None:
-        return pattern.local_index(q, k, scale) if cu_seqlens is None else pattern.local_index(q, k, scale, cu_seqlens)
-    unsupported_under_cp(cu_seqlens)
-    return pattern.distributed_index(q, k, layout, group, scale)
-
-
-def unsupported_under_cp(cu_seqlens) -> None:
-    """Fails where packed documents meet context parallelism, which does not take them yet."""
-    if cu_seqlens is not None:
-        fail(
-            "cu_seqlens",
-            "given",
-            "None under context parallelism (cp_size > 1): packed documents run on one device only so far",
-        )
+        return pattern.local_index(q, k, scale, **documents)
+    return pattern.distributed_index(q, k, layout, group, scale, **documents)
 
 
 def _check_index_documents(index: SparseIndex, cu_seqlens) -> None:
@@ -114,9 +105,10 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
 
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
-    tokens at global ``positions``) on every rank, detached. Each row has one holder and
-    zeros elsewhere, so the sum is exact."""
-    rows = torch.where(positions >= first, positions - first, -1)
+    tokens at global ``positions``) on every rank, detached (``seq``: the end of the rows,
+    the sequence's or a packed document's). Each row has one holder and zeros elsewhere,
+    so the sum is exact."""
+    rows = torch.where((positions >= first) & (positions < seq), positions - first, -1)
     window = scatter_rows(x.detach(), rows, seq - first).contiguous()  # collectives take whole buffers
     dist.all_reduce(window, group=group)
     return window

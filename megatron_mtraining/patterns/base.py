@@ -87,8 +87,8 @@ class Pattern:
     ) -> SparseIndex:
         """The index :meth:`local_index` would build on the whole sequence, from this rank's
         tokens of a context-parallel group (in ``layout``'s order), with no rank gathering
-        the sequence. Top-k indices need rows only for this rank's queries. Packed
-        documents (``cu_seqlens``) are not supported under context parallelism yet."""
+        the sequence. Top-k indices need rows only for this rank's queries. ``cu_seqlens``:
+        the whole sequence's packed documents, by global position, on every rank."""
         raise NotImplementedError
 
     # Facts of one settings object.

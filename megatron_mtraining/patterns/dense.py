@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..context_parallel.distributed_index import unsupported_under_cp
 from ..sparse.documents import packed_documents
 from ..sparse.index import DenseIndex
 from .base import Pattern
@@ -18,5 +17,5 @@ class DensePattern(Pattern):
         return DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device, documents=documents)
 
     def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> DenseIndex:
-        unsupported_under_cp(cu_seqlens)
-        return DenseIndex(q.shape[0], q.shape[2], layout.seq_len, device=q.device)
+        documents = packed_documents(cu_seqlens, layout.seq_len, q.device)
+        return DenseIndex(q.shape[0], q.shape[2], layout.seq_len, device=q.device, documents=documents)

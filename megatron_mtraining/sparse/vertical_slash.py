@@ -334,15 +334,30 @@ def build_document_index(
     build's ~85 launches, about 1 ms, so ~100 long documents cost ~0.1 s a layer; the CUDA
     graph of the single-document build is not used, as every length would capture one).
     Dense documents cost a few tensor operations each."""
+    return document_index(
+        documents,
+        config,
+        q.shape[0],
+        q.shape[2],
+        q.device,
+        lambda a, b: _eager_index(q[:, a:b], k[:, a:b], config, scale),
+    )
+
+
+def document_index(
+    documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, build
+) -> VerticalSlashIndex:
+    """The per-document index from ``build(a, b)``, the index of document ``[a, b)`` alone
+    (on one device, or from a context-parallel group's parts), called for the documents of
+    at least ``config.dense_below`` tokens in order; see ``build_document_index``."""
     bs = config.block_size
-    bsz, hq = q.shape[0], q.shape[2]
     verticals, slashes = [], []
     for a, b in zip(documents.bounds[:-1], documents.bounds[1:], strict=True):
         if b - a < config.dense_below:
             span = (b - 1) // bs - a // bs + 1
-            slashes.append(torch.arange(span, device=q.device, dtype=torch.int32).expand(bsz, hq, span))
+            slashes.append(torch.arange(span, device=device, dtype=torch.int32).expand(batch, heads, span))
             continue
-        own = _eager_index(q[:, a:b], k[:, a:b], config, scale)
+        own = build(a, b)
         verticals.append(torch.where(own.vertical >= 0, own.vertical + a, -1))
         slashes.append(own.slash)
     width = max(t.shape[-1] for t in slashes)
@@ -351,5 +366,5 @@ def build_document_index(
         vertical = torch.cat(verticals, -1)
         vertical = sort_kept(torch.where(vertical >= 0, vertical, INT32_MAX), vertical.shape[-1])
     else:
-        vertical = torch.full((bsz, hq, 0), -1, dtype=torch.int32, device=q.device)
-    return VerticalSlashIndex(vertical, slash.contiguous(), q.shape[1], bs, documents)
+        vertical = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
+    return VerticalSlashIndex(vertical, slash.contiguous(), documents.seq_len, bs, documents)

@@ -150,15 +150,8 @@ def vertical_slash_tables(
     vertical columns' tables too. With ``columns`` (int32 positions, ascending, -1 padded
     at the end, holding every vertical column: a rank's gathered column keys) the keys are
     those columns: bars only, no tiles. In one Triton launch for CUDA indices
-    (``tables_kernel``), else composed from the torch helpers below."""
-    if index.documents is not None:
-        if queries is not None or keys is not None or columns is not None:
-            fail(
-                "index.documents",
-                f"{index.documents.count} documents",
-                "None for a context-parallel rank's tables (packed documents run on one device so far)",
-            )
-        return _document_tables(index, bars)
+    (``tables_kernel``; not with packed documents yet), else composed from the torch
+    helpers below."""
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
@@ -167,7 +160,8 @@ def vertical_slash_tables(
     vertical = {"vertical": index.vertical} if bars else {}
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
         vertical = {"bar_positions": index.vertical}
-    if index.device.type == "cuda" and triton_available():
+    docs = index.documents
+    if index.device.type == "cuda" and triton_available() and docs is None:
         from .tables_kernel import launch_vertical_slash_tables  # imports Triton
 
         written = launch_vertical_slash_tables(index, queries, keys, bars, columns)
@@ -175,8 +169,10 @@ def vertical_slash_tables(
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
+    if docs is not None:
+        ids.update(_document_fields(index))
     if columns is None:
-        tiles = slash_tiles(index.slash, gq, gk, n)
+        tiles = slash_tiles(index.slash, gq, gk, n) if docs is None else _document_tiles(index, gq, keys)
         if not bars:
             return TileTables(bs, *tiles, **ids)
         key_vertical, key_starts = index.vertical, blocks * bs
@@ -190,55 +186,49 @@ def vertical_slash_tables(
         key_starts = torch.arange(n_column_blocks + 1, device=index.device, dtype=torch.int32) * bs
         vertical["vertical"] = key_vertical
     last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
+    if docs is None:
+        diagonals = {"active": index.active_diagonals().to(torch.int8)}
+    else:  # per document: the packed table, where each query block's document starts in it, its bars' start
+        active, offsets = index.document_active()
+        first_rows = gq.long() * bs
+        diagonals = {
+            "active": active.to(torch.int8),
+            "active_offset": offsets[docs.ids[first_rows].long()].to(torch.int32),
+            "bar_start": vertical_counts(index.vertical, docs.starts[first_rows]),
+        }
     return TileTables(
         bs,
         *tiles,
         **vertical,
         bar_count=vertical_counts(index.vertical, last_rows, right=True),
         vertical_ptr=vertical_counts(key_vertical, key_starts),
-        active=index.active_diagonals().to(torch.int8),
+        **diagonals,
         **ids,
     )
 
 
-def _document_tables(index: VerticalSlashIndex, bars: bool) -> TileTables:
-    """A vertical-slash index's tables with documents, from torch operations on any device
-    (the one-launch ``tables_kernel`` does not take documents). Query block ``qb`` reads
-    the key blocks ``qb - d`` of the diagonals ``d >= 1`` of the document holding its first
-    row, from that document's first key block on, and itself (diagonal 0, every document).
-    Widths follow from shapes: ``d >= 1`` entries and the block itself a query block; a
-    key block is read by itself and through the diagonals of the one document that runs
-    past it (``VerticalSlashIndex``), so at most the diagonals plus one too."""
-    n, bs, docs = index.num_blocks, index.block_size, index.documents
-    qb = torch.arange(n, device=index.device)
-    firsts = docs.block_firsts(bs)
-    diags = index.block_diagonals(qb)
-    kb = qb.view(1, 1, -1, 1) - diags
-    own = qb.view(1, 1, -1, 1).expand(*diags.shape[:3], 1)
-    keep = torch.cat(
-        [(diags > 0) & (kb >= (firsts // bs).view(1, 1, -1, 1)), torch.ones_like(own, dtype=torch.bool)], -1
-    )
-    width = min(diags.shape[-1] + 1, n)
-    tiles, count = compact(torch.cat([kb, own], -1).int(), keep, width)
-    tiles_t, count_t = transpose_tiles(tiles, count, n, width)
-    if not bars:
-        return TileTables(bs, tiles, count, tiles_t, count_t, **_document_fields(index))
-    active, offsets = index.document_active()
-    last_rows = torch.clamp((qb + 1) * bs, max=index.seq_len) - 1
-    return TileTables(
-        bs,
-        tiles,
-        count,
-        tiles_t,
-        count_t,
-        vertical=index.vertical,
-        bar_count=vertical_counts(index.vertical, last_rows, right=True),
-        vertical_ptr=vertical_counts(index.vertical, torch.arange(n + 1, device=index.device) * bs),
-        active=active.to(torch.int8),
-        bar_start=vertical_counts(index.vertical, firsts),
-        active_offset=offsets[docs.ids[qb * bs].long()].to(torch.int32),
-        **_document_fields(index),
-    )
+def _document_tiles(index: VerticalSlashIndex, gq: torch.Tensor, keys: BlockMap | None) -> tuple[torch.Tensor, ...]:
+    """The tiles of a vertical-slash index with documents between the query blocks with
+    global ids ``gq`` and the key blocks ``keys`` holds (the whole sequence's where None), in
+    local indices, ascending: query block ``g`` reads the key blocks ``g - d`` of the
+    diagonals ``d >= 1`` of the document holding its first row, from that document's first
+    key block on, and ``g`` itself (diagonal 0, every document). Widths follow from shapes:
+    the diagonals plus the block itself per query block; a key block is read by itself and
+    through the diagonals of the one document that runs past it (``VerticalSlashIndex``),
+    so by as many query blocks at most. Torch operations on any device."""
+    bs, docs = index.block_size, index.documents
+    diags = index.block_diagonals(gq)
+    g = gq.long().view(1, 1, -1, 1)
+    kb = torch.cat([g - diags, g.expand(*diags.shape[:3], 1)], -1)
+    first_block = (docs.starts[gq.long() * bs].long() // bs).view(1, 1, -1, 1)
+    keep = torch.cat([(diags > 0) & (kb[..., :-1] >= first_block), torch.ones_like(kb[..., -1:], dtype=torch.bool)], -1)
+    n_k = index.num_blocks if keys is None else len(keys.ids)
+    if keys is not None:  # global -> this chunk's blocks, -1 where another chunk holds them
+        kb = keys.local[torch.where(keep, kb, 0)].long()
+        keep &= kb >= 0
+    width = min(diags.shape[-1] + 1, n_k)
+    tiles, count = compact(kb.int(), keep, width)
+    return tiles, count, *transpose_tiles(tiles, count, n_k, min(diags.shape[-1] + 1, len(gq)))
 
 
 def _no_tiles(index: VerticalSlashIndex, n_q: int, n_k: int) -> tuple[torch.Tensor, ...]:
