@@ -14,7 +14,10 @@ import os
 
 import pytest
 import torch
+from cp_workers import check_ring_with_documents
 from dense_reference import dense_attention, finite
+from documents_reference import block_diagonal, random_boundaries
+from gloo import run, run_on_device
 
 from megatron_mtraining import patterns
 from megatron_mtraining.context_parallel.distributed_index import build_index
@@ -43,31 +46,6 @@ VS_CONFIG = VerticalSlashConfig(
 )
 MSA_CONFIG = MSAConfig(block_size=BLOCK, topk=3, index_head_dim=16)
 MOBA_CONFIG = MoBAConfig(chunk_size=32, topk=3)
-
-
-def random_boundaries(rng, seq: int, block: int = BLOCK) -> torch.Tensor:
-    """int32 ``[0, ..., seq]``: a document of one token, a boundary on a block edge, a
-    document of exactly one block, a run of short documents (1 to 8 tokens), then two long
-    documents split at a random place (usually inside a block)."""
-
-    def between(lo: int, hi: int) -> int:
-        return int(torch.randint(lo, hi, (1,), generator=rng))
-
-    cuts = [1, block, 2 * block]
-    while cuts[-1] < 2 * block + seq // 8:
-        cuts.append(cuts[-1] + between(1, 9))
-    cuts.append((seq + cuts[-1]) // 2 + between(-block // 2, block // 2))
-    return torch.tensor([0, *cuts, seq], dtype=torch.int32)
-
-
-def block_diagonal(cu: torch.Tensor, seq: int) -> torch.Tensor:
-    """``[S, S]``: key at or before the row, in the row's document (written from the bounds
-    with a loop, independent of ``Documents``)."""
-    mask = torch.zeros(seq, seq, dtype=torch.bool)
-    bounds = cu.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
-    return mask
 
 
 def inputs(rng, seq, hq=4, hkv=2, d=16, dtype=torch.float32, device="cpu"):
@@ -424,12 +402,10 @@ def test_int64_boundaries_and_none():
     assert docs.ids.tolist() == [0] * 3 + [1] * 7 and docs.ends().tolist() == [3] * 3 + [10] * 7
 
 
-def test_api_errors_name_what_is_unsupported(rng):
+def test_api_errors_name_the_argument(rng):
     seq = 64
     q, k, _ = inputs(rng, seq)
     cu = torch.tensor([0, 20, 64], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens='given' .*context parallelism"):
-        build_index(patterns.get("dense")(), q, k, 1.0, layout=object(), cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 20, 64\] .*documents the index was built with \(None\)"):
         build_index(DenseIndex(1, 4, seq), q, k, 1.0, cu_seqlens=cu)
     index = build_index(patterns.get("dense")(), q, k, 1.0, cu_seqlens=cu)
@@ -478,3 +454,18 @@ def test_recall_is_dense_mass_within_documents(rng):
     probs = torch.softmax(logits * q.shape[-1] ** -0.5 + torch.where(allowed, 0.0, float("-inf")), -1)
     want = (probs * index.to_dense_mask(seq)[:, :, -rows:]).sum(-1).mean(-1)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_context_parallel_reference_path(kv_exchange, rng):
+    """CP 2 on gloo, fp64 reference path: contiguous, zigzag and striped layouts."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run(2, check_ring_with_documents, seed, 192, False, kv_exchange)
+
+
+@KERNELS
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_context_parallel_kernels(kv_exchange, rng):
+    """CP 2, the ring steps (and the column piece) or the all-gathered piece on the kernels."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(2, check_ring_with_documents, seed, 192, True, kv_exchange)
