@@ -34,8 +34,8 @@ from megatron_mtraining.sparse import (
     packed_documents,
     sparse_attention,
 )
-from megatron_mtraining.sparse.index import VerticalSlashPart
-from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+from megatron_mtraining.sparse.index import VerticalSlashPart, compact
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables, transpose_sorted, transpose_tiles
 
 KERNELS = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET"
@@ -116,6 +116,8 @@ def test_reference_path_within_documents(kind, rng):
     assert mask[0, 0].diagonal().all(), "every row attends itself"
     if kind == "dense":
         assert torch.equal(mask, allowed.expand_as(mask))
+    assert index.causal_area() == int(allowed.sum())
+    assert index.density() == pytest.approx(mask.double().sum().item() / mask.shape[1] / int(allowed.sum()))
     check_attention(q, k, v, index, "reference", rng)
 
 
@@ -265,6 +267,17 @@ def test_tile_tables_skip_tiles_before_the_documents(kind, rng):
                 for c in tables.vertical[0, h, first : tables.bar_count[0, h, qb]].tolist():
                     covered[h, rows, c] = True
     assert not (mask[0] & ~covered).any()
+
+
+def test_transpose_by_sorting_equals_the_membership_table(rng):
+    n_q, n_kv, listed = 12, 9, 5
+    tiles = torch.randint(0, n_kv, (2, 3, n_q, listed), generator=rng).sort(-1).values
+    keep = torch.cat([torch.ones(2, 3, n_q, 1, dtype=torch.bool), tiles[..., 1:] != tiles[..., :-1]], -1)
+    keep &= torch.rand(keep.shape, generator=rng) < 0.8
+    tiles, count = compact(tiles.int(), keep, listed)
+    want = transpose_tiles(tiles, count, n_kv, n_q)
+    got = transpose_sorted(tiles, count, n_kv, n_q)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 def test_vertical_slash_per_document_equals_each_document_alone(rng):

@@ -156,10 +156,16 @@ class SparseIndex:
             area.index_add_(0, pair, torch.full(pair.shape, float(weight), dtype=torch.float64, device=area.device))
         return area.view(n, n)
 
+    def causal_area(self) -> int:
+        """(query, key) pairs that dense causal attention attends per head: the causal
+        triangle, or with documents each document's."""
+        lengths = [self.seq_len] if self.documents is None else self.documents.lengths()
+        return sum(n * (n + 1) // 2 for n in lengths)
+
     def density(self) -> float:
-        """Attended fraction of the causal triangle, averaged over batch and heads."""
-        causal = self.seq_len * (self.seq_len + 1) // 2
-        return float(self.attended_area().double().mean() / causal)
+        """Attended fraction of the causal triangle (each document's, with documents),
+        averaged over batch and heads."""
+        return float(self.attended_area().double().mean() / self.causal_area())
 
     @property
     def device(self) -> torch.device:

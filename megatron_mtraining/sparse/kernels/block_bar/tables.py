@@ -93,6 +93,29 @@ def transpose_tiles(
     return compact(q_idx, member, width)
 
 
+def transpose_sorted(
+    tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``transpose_tiles`` by sorting the listed (KV block, query block) pairs rather than
+    through a ``[n_kv, n_q]`` membership table: memory and work follow the listed tiles,
+    not the square of the block count (a vertical-slash index's lists are short), and no
+    read of the device (``width`` bounds the query blocks reading one KV block)."""
+    tb, th, nq, listed = tiles.shape
+    dev = tiles.device
+    valid = torch.arange(listed, device=dev) < count.unsqueeze(-1)
+    rows = torch.arange(nq, device=dev).view(1, 1, -1, 1)
+    pairs = torch.where(valid, tiles.long() * nq + rows, n_kv_blocks * nq).flatten(2).sort(-1).values
+    kv, q = pairs // nq, pairs % nq  # padding sorts last, as KV block n_kv_blocks
+    per_kv = torch.zeros(tb, th, n_kv_blocks + 1, dtype=torch.int64, device=dev)
+    per_kv.scatter_add_(-1, kv, torch.ones_like(kv))
+    first = per_kv.cumsum(-1) - per_kv  # where each KV block's run starts among the sorted pairs
+    slot = torch.arange(pairs.shape[-1], device=dev) - first.gather(-1, kv)
+    keep = (kv < n_kv_blocks) & (slot < width)
+    out = torch.full((tb, th, n_kv_blocks * width + 1), -1, dtype=torch.int32, device=dev)
+    out.scatter_(-1, torch.where(keep, kv * width + slot, n_kv_blocks * width), q.int())
+    return out[..., :-1].view(tb, th, n_kv_blocks, width), per_kv[..., :-1].to(torch.int32)
+
+
 def dense_tables(index: DenseIndex, block: int) -> TileTables:
     kb = torch.arange(-(-index.seq_len // block), device=index.device)
     member = kb.view(1, -1) <= kb.view(-1, 1)
@@ -228,7 +251,7 @@ def _document_tiles(index: VerticalSlashIndex, gq: torch.Tensor, keys: BlockMap 
         keep &= kb >= 0
     width = min(diags.shape[-1] + 1, n_k)
     tiles, count = compact(kb.int(), keep, width)
-    return tiles, count, *transpose_tiles(tiles, count, n_k, min(diags.shape[-1] + 1, len(gq)))
+    return tiles, count, *transpose_sorted(tiles, count, n_k, min(diags.shape[-1] + 1, len(gq)))
 
 
 def _no_tiles(index: VerticalSlashIndex, n_q: int, n_k: int) -> tuple[torch.Tensor, ...]:
