@@ -281,3 +281,78 @@ def check_ring_with_nothing_attended(rank, world, backend, kv_exchange):
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all()), rank
     for g in torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v)):
         assert torch.equal(g, torch.zeros_like(g)), rank
+
+
+def check_ring_with_documents(rank, world, seed, seq, kernels: bool, kv_exchange: str):
+    """Packed documents over the ring (or the all-gather): each pattern's distributed index
+    with ``cu_seqlens`` equals the single-device one, and the rank's attention (fp64 on the
+    reference path, or fp32 on the Triton kernels with poisoned outputs) equals fp64 dense
+    attention under the index's mask, which stays inside the block-diagonal causal mask,
+    gradients included; the recorded areas add up to the index's."""
+    from dense_reference import dense_attention, finite
+    from documents_reference import block_diagonal, random_boundaries
+
+    if kernels:
+        from megatron_mtraining.sparse.kernels.shared import buffers
+
+        buffers.new_buffer = lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev)
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d = 1, 4, 2, 16
+    # The ring's LSE is fp32, so its gradient's share is too (as in check_ring_equals_single_device).
+    dtype, tol, grad_tol = (torch.float32, 2e-5, 1e-4) if kernels else (torch.float64, 1e-10, 1e-5)
+    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
+    cu = random_boundaries(gen, seq)
+    allowed = block_diagonal(cu, seq)
+    vs = VerticalSlashConfig(last_q=16, vertical_topp=0.5, slash_topp=0.5, block_size=16, sink_tokens=2, dense_below=32)
+    msa = MSAConfig(block_size=16, topk=3, index_head_dim=8)
+    for kind in PATTERNS:
+        q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64).to(dtype) for h in (hq, hkv, hkv))
+        scale = d**-0.5
+        if kind == "msa":
+            q_idx, k_idx = (torch.randn(b, seq, h, 8, generator=gen, dtype=torch.float64) for h in (hkv, 1))
+            pattern = MSAPattern(msa, q_idx, k_idx)
+        else:
+            pattern = {"dense": DensePattern(), "vertical_slash": VerticalSlashPattern(vs)}.get(kind)
+            pattern = pattern or MoBAPattern(MoBAConfig(chunk_size=32, topk=3))
+        index = pattern.local_index(q, k, scale, cu)
+        mask = index.to_dense_mask(seq)
+        assert not (mask & ~allowed).any(), kind
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        out, lse = dense_attention(qr, kr, vr, mask, scale)
+        g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+        grads = torch.autograd.grad((out * g_out).sum() + (finite(lse) * g_lse).sum(), (qr, kr, vr))
+        for layout_kind in ("contiguous", "zigzag", "striped"):
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+            where = f"documents cp={world} {kv_exchange} kernels={kernels} rank={rank} {kind} {layout_kind}"
+            lq, lk, lv = (layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
+            local = pattern
+            if kind == "msa":  # each rank has its tokens' index queries and keys
+                local = pattern.with_inputs(layout.shard(q_idx, rank), layout.shard(k_idx, rank))
+            built = local.distributed_index(lq, lk, layout, None, scale, cu.to(device))
+            if kind == "vertical_slash":
+                assert torch.equal(built.vertical, index.vertical) and torch.equal(built.slash, index.slash), where
+            elif kind != "dense":
+                mine = layout.positions(rank)
+                assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
+            stats = RingStats()
+            l_out, l_lse = ring_attention(
+                lq, lk, lv, local, layout, None, softmax_scale=scale, stats=stats, kv_exchange=kv_exchange,
+                backend="triton" if kernels else None, cu_seqlens=cu.to(device),
+            )  # fmt: skip
+            assert not l_out.isnan().any(), where
+            torch.testing.assert_close(
+                l_out.double().cpu(), layout.shard(out, rank), atol=tol, rtol=0, msg=lambda m, w=where: f"{w}: {m}"
+            )
+            torch.testing.assert_close(
+                finite(l_lse.double().cpu()), finite(layout.shard(lse, rank, dim=2)), atol=max(tol, 1e-6), rtol=0
+            )
+            loss = (l_out.double() * layout.shard(g_out, rank).to(device)).sum()
+            loss = loss + (finite(l_lse.double()) * layout.shard(g_lse, rank, dim=2).to(device)).sum()
+            for name, got, full in zip("qkv", torch.autograd.grad(loss, (lq, lk, lv)), grads, strict=True):
+                torch.testing.assert_close(
+                    got.double().cpu(), layout.shard(full, rank), atol=grad_tol, rtol=0,
+                    msg=lambda m, n=name, w=where: f"{w} d{n}: {m}",
+                )  # fmt: skip
+            ring_area, local_area = stats.gather()
+            assert ring_area.sum() + local_area.sum() == float(index.attended_area().sum()), where

@@ -26,12 +26,21 @@ from .layout import ContextParallelLayout
 
 @runtime_checkable
 class IndexSource(Protocol):
-    """Builds a pattern's index (``megatron_mtraining.patterns.base.Pattern`` implements it)."""
+    """Builds a pattern's index (``megatron_mtraining.patterns.base.Pattern`` implements it);
+    ``cu_seqlens``: packed documents (``sparse.documents``), None for one document."""
 
-    def local_index(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> SparseIndex: ...
+    def local_index(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
+    ) -> SparseIndex: ...
 
     def distributed_index(
-        self, q: torch.Tensor, k: torch.Tensor, layout: ContextParallelLayout, group, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        layout: ContextParallelLayout,
+        group,
+        scale: float,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> SparseIndex: ...
 
 
@@ -42,10 +51,16 @@ def build_index(
     scale: float,
     layout: ContextParallelLayout | None = None,
     group=None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> SparseIndex:
     """``pattern`` itself if it is an index, else its index: of the whole sequence on this
-    device (``layout`` None), or of this rank's queries over ``layout``'s group."""
+    device (``layout`` None), or of this rank's queries over ``layout``'s group.
+    ``cu_seqlens``: the packed documents of the whole sequence (flash-attn's varlen
+    boundaries by global position, ``sparse.documents.packed_documents``; the same on every
+    rank); an index passed as ``pattern`` must carry the same documents."""
     if isinstance(pattern, SparseIndex):
+        if cu_seqlens is not None:
+            _check_index_documents(pattern, cu_seqlens)
         return pattern
     if not isinstance(pattern, IndexSource):
         fail(
@@ -53,9 +68,25 @@ def build_index(
             type(pattern).__name__,
             "a pattern (megatron_mtraining.patterns.get(name)(settings)) or a SparseIndex built for the whole sequence",
         )
+    # Passed only when given, so that an index source predating documents still serves.
+    documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if layout is None:
-        return pattern.local_index(q, k, scale)
-    return pattern.distributed_index(q, k, layout, group, scale)
+        return pattern.local_index(q, k, scale, **documents)
+    return pattern.distributed_index(q, k, layout, group, scale, **documents)
+
+
+def _check_index_documents(index: SparseIndex, cu_seqlens) -> None:
+    """A prebuilt index given with ``cu_seqlens`` must carry those documents (its lists were
+    chosen for them; attaching other boundaries would not make them per-document)."""
+    docs = index.documents
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    if docs is None or list(docs.bounds) != list(bounds):
+        fail(
+            "cu_seqlens",
+            bounds,
+            f"the documents the index was built with ({None if docs is None else list(docs.bounds)}): "
+            "build the index with cu_seqlens (the pattern's local_index, or the index's documents field)",
+        )
 
 
 def rank_positions(layout: ContextParallelLayout, group, device) -> torch.Tensor:
@@ -74,9 +105,10 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
 
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
-    tokens at global ``positions``) on every rank, detached. Each row has one holder and
-    zeros elsewhere, so the sum is exact."""
-    rows = torch.where(positions >= first, positions - first, -1)
+    tokens at global ``positions``) on every rank, detached (``seq``: the end of the rows,
+    the sequence's or a packed document's). Each row has one holder and zeros elsewhere,
+    so the sum is exact."""
+    rows = torch.where((positions >= first) & (positions < seq), positions - first, -1)
     window = scatter_rows(x.detach(), rows, seq - first).contiguous()  # collectives take whole buffers
     dist.all_reduce(window, group=group)
     return window

@@ -274,6 +274,7 @@ def ring_attention(
     stats: RingStats | None = None,
     backend: str | None = None,
     kv_exchange: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of this rank's tokens over the whole sequence.
 
@@ -294,7 +295,10 @@ def ring_attention(
     one step for the all-gather) and of the local vertical-column pass, and with
     ``time_kernels`` their kernel times and the exposed transfer wait (imbalance
     accounting). ``backend``: as for ``sparse_attention``; a step whose
-    tokens are not whole kernel blocks runs on the reference path.
+    tokens are not whole kernel blocks runs on the reference path. ``cu_seqlens``: the
+    whole sequence's packed documents (by global position, the same on every rank), for a
+    pattern's index (an index passed as ``pattern`` carries its own); every ring step
+    masks each row by its document start, by global position.
     """
     check_qkv(q, k, v)
     group_size = dist.get_world_size(cp_group) if dist.is_initialized() else 1
@@ -305,7 +309,7 @@ def ring_attention(
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
     if group_size == 1:
-        index = build_index(pattern, q, k, scale)
+        index = build_index(pattern, q, k, scale, cu_seqlens=cu_seqlens)
         return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
     rank = dist.get_rank(cp_group)
     members = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(group_size))
@@ -315,7 +319,7 @@ def ring_attention(
     n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
     # Posted before the index build, which the transfer then overlaps.
     gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
-    index = build_index(pattern, q, k, scale, layout, cp_group)
+    index = build_index(pattern, q, k, scale, layout, cp_group, cu_seqlens)
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
     decision = attention_kernel(q, index, backend, piece=True)

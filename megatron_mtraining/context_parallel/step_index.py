@@ -57,6 +57,12 @@ class StepIndex(SparseIndex):
         return self.index.selection_heads
 
     @property
+    def documents(self):
+        # The global index's: its row starts are indexed by global position, which
+        # ``visible`` compares with the chunk's global key positions.
+        return self.index.documents
+
+    @property
     def device(self) -> torch.device:
         return self.query_positions.device
 

@@ -112,6 +112,12 @@ class StepTables:
         # key-position arithmetic, which cost the forward 6-11% (``block_bar``'s ``HAS_KPOS``).
         fields = {"query_blocks": gq, "key_blocks": None if _whole_sequence(keys) else gk}
         causal = gq.view(-1, 1) >= gk.view(1, -1)
+        docs = work.documents
+        if docs is not None:
+            # Packed documents: no tile wholly before the document start of its query block's
+            # first row; the kernels compare each row's start with the keys' global positions.
+            causal &= gk.view(1, -1) >= (docs.starts[gq.long() * block].long() // block).view(-1, 1)
+            fields.update(doc_start=docs.starts, doc_end=docs.ends())
         if isinstance(work, DenseIndex):
             # One table for every head, and the latest query block reads about every key
             # block: full widths are what trimming would give.

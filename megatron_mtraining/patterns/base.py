@@ -68,16 +68,27 @@ class Pattern:
     __hash__ = None
 
     # Index builders.
-    def local_index(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> SparseIndex:
-        """The index of the whole sequence held on this device (q ``[B, S, Hq, D]``, k ``[B, S, Hkv, D]``)."""
+    def local_index(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
+    ) -> SparseIndex:
+        """The index of the whole sequence held on this device (q ``[B, S, Hq, D]``, k ``[B, S, Hkv, D]``).
+        ``cu_seqlens``: packed documents (flash-attn's varlen boundaries, int32 ``[0, ..., S]``;
+        ``sparse.documents``), which no row's attention crosses; None: one document."""
         raise NotImplementedError
 
     def distributed_index(
-        self, q: torch.Tensor, k: torch.Tensor, layout: ContextParallelLayout, group, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        layout: ContextParallelLayout,
+        group,
+        scale: float,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> SparseIndex:
         """The index :meth:`local_index` would build on the whole sequence, from this rank's
         tokens of a context-parallel group (in ``layout``'s order), with no rank gathering
-        the sequence. Top-k indices need rows only for this rank's queries."""
+        the sequence. Top-k indices need rows only for this rank's queries. ``cu_seqlens``:
+        the whole sequence's packed documents, by global position, on every rank."""
         raise NotImplementedError
 
     # Facts of one settings object.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..sparse.documents import packed_documents
 from ..sparse.index import DenseIndex
 from .base import Pattern
 from .registry import register
@@ -11,8 +12,10 @@ from .registry import register
 class DensePattern(Pattern):
     name = "dense"
 
-    def local_index(self, q, k, scale) -> DenseIndex:
-        return DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    def local_index(self, q, k, scale, cu_seqlens=None) -> DenseIndex:
+        documents = packed_documents(cu_seqlens, q.shape[1], q.device)
+        return DenseIndex(q.shape[0], q.shape[2], q.shape[1], device=q.device, documents=documents)
 
-    def distributed_index(self, q, k, layout, group, scale) -> DenseIndex:
-        return DenseIndex(q.shape[0], q.shape[2], layout.seq_len, device=q.device)
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> DenseIndex:
+        documents = packed_documents(cu_seqlens, layout.seq_len, q.device)
+        return DenseIndex(q.shape[0], q.shape[2], layout.seq_len, device=q.device, documents=documents)

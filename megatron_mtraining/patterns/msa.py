@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..context_parallel.comm import RingExchange
 from ..context_parallel.distributed_index import rank_positions
+from ..sparse.documents import packed_documents
 from ..sparse.index import BlockTopKIndex, select_topk_blocks
 from ..sparse.msa import MSAConfig, block_max_scores, msa_select_blocks
 from ..sparse.validation import check_index_qk, fail
@@ -54,14 +55,16 @@ class MSAPattern(Pattern):
             fail("MSAPattern.q_idx", None, "the index branch's outputs: bind them with MSAPattern.with_inputs")
         return self.q_idx.detach(), self.k_idx.detach()
 
-    def local_index(self, q, k, scale) -> BlockTopKIndex:
+    def local_index(self, q, k, scale, cu_seqlens=None) -> BlockTopKIndex:
         q_idx, k_idx = self._inputs()
-        return msa_select_blocks(q_idx, k_idx, self.config, q.shape[2])
+        return msa_select_blocks(q_idx, k_idx, self.config, q.shape[2], cu_seqlens=cu_seqlens)
 
-    def distributed_index(self, q, k, layout, group, scale) -> BlockTopKIndex:
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> BlockTopKIndex:
         cfg, seq = self.config, layout.seq_len
         q_idx, k_idx = self._inputs()
         positions = rank_positions(layout, group, q.device)
+        documents = packed_documents(cu_seqlens, seq, q.device)
+        starts = None if documents is None else documents.starts
         bsz, _, groups, _ = q_idx.shape
         n_blocks = -(-seq // cfg.block_size)
         members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -71,13 +74,13 @@ class MSAPattern(Pattern):
         for step in range(len(members)):
             if step + 1 < len(members):
                 exchange.start([keys, key_pos])
-            part = block_max_scores(q_idx, positions, keys, key_pos, n_blocks, cfg.block_size)
+            part = block_max_scores(q_idx, positions, keys, key_pos, n_blocks, cfg.block_size, starts)
             block_max = part if block_max is None else torch.maximum(block_max, part)
             if step + 1 < len(members):
                 keys, key_pos = exchange.wait()
         blocks = torch.full((bsz, seq, groups, cfg.topk), -1, dtype=torch.int32, device=q_idx.device)
         blocks[:, positions] = select_topk_blocks(block_max, positions // cfg.block_size, cfg.topk).permute(0, 2, 1, 3)
-        return BlockTopKIndex(blocks=blocks, block_size=cfg.block_size, num_heads=q.shape[2])
+        return BlockTopKIndex(blocks=blocks, block_size=cfg.block_size, num_heads=q.shape[2], documents=documents)
 
     @classmethod
     def index_parameters(cls, config, hidden_size, query_groups) -> int:

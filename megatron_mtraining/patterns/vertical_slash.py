@@ -4,19 +4,27 @@ Under context parallelism the observation window (the last ``last_q`` queries of
 sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]`` buffer; the
 row maxima, normalisers and column / diagonal mass are reduced, and every rank runs the
 single-device selection on them (``window_statistics_from_parts``).
+
+With packed documents each document of at least ``dense_below`` tokens is built so in turn:
+its last ``last_q`` rows gathered, the statistics of each rank's keys in it reduced (five
+collectives a document), and every rank selects the document's index, which equals the
+single-device per-document build.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 
 from ..context_parallel.distributed_index import all_reduce_fn, gather_window, rank_positions
+from ..sparse.documents import Documents, packed_documents
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.vertical_slash import (
     VerticalSlashConfig,
     build_vertical_slash_index,
+    document_index,
     select_vertical_slash,
     window_statistics_from_parts,
 )
@@ -30,12 +38,15 @@ class VerticalSlashPattern(Pattern):
     settings = VerticalSlashConfig
     size_field = "block_size"
 
-    def local_index(self, q, k, scale) -> VerticalSlashIndex:
-        return build_vertical_slash_index(q, k, self.config, softmax_scale=scale)
+    def local_index(self, q, k, scale, cu_seqlens=None) -> VerticalSlashIndex:
+        return build_vertical_slash_index(q, k, self.config, softmax_scale=scale, cu_seqlens=cu_seqlens)
 
-    def distributed_index(self, q, k, layout, group, scale) -> VerticalSlashIndex:
+    def distributed_index(self, q, k, layout, group, scale, cu_seqlens=None) -> VerticalSlashIndex:
         config, seq = self.config, layout.seq_len
         positions = rank_positions(layout, group, q.device)
+        documents = packed_documents(cu_seqlens, seq, q.device)
+        if documents is not None:
+            return self._documents(q, k, layout, group, scale, documents)
         stats = window_statistics_from_parts(
             gather_window(q, positions, seq - min(config.last_q, seq), seq, group),
             k.detach(),
@@ -47,6 +58,25 @@ class VerticalSlashPattern(Pattern):
             all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
         )
         return select_vertical_slash(stats, config, seq)
+
+    def _documents(self, q, k, layout, group, scale, documents: Documents) -> VerticalSlashIndex:
+        """The per-document index from this rank's tokens: each sparse document's window
+        gathered and its statistics reduced over the ranks' keys in it."""
+        config = self.config
+        held = layout.token_positions(dist.get_rank(group), q.device)
+        positions, k = held.values, k.detach()
+        reduce_max, reduce_sum = all_reduce_fn(dist.ReduceOp.MAX, group), all_reduce_fn(dist.ReduceOp.SUM, group)
+
+        def build(a: int, b: int) -> VerticalSlashIndex:
+            # This rank's keys of the document (chosen on the host copy of the positions).
+            mine = torch.nonzero((held.host >= a) & (held.host < b)).flatten().to(q.device)
+            window = gather_window(q, positions, b - min(config.last_q, b - a), b, group)
+            stats = window_statistics_from_parts(
+                window, k.index_select(1, mine), positions[mine] - a, b - a, config, scale, reduce_max, reduce_sum
+            )
+            return select_vertical_slash(stats, config, b - a)
+
+        return document_index(documents, config, q.shape[0], q.shape[2], q.device, build)
 
     @classmethod
     def index_state_bytes(cls, config, batch, heads, query_groups, seq, local_seq) -> float:

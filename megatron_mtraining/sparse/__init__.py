@@ -5,6 +5,7 @@ lse ``[B, Hq, S]`` float32; causal.
 """
 
 from .attention import merge_attention_outputs, sparse_attention
+from .documents import Documents, packed_documents
 from .index import BlockColumns, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
 from .metrics import attention_recall, msa_recall
 from .moba import MoBAConfig, build_moba_index
@@ -21,6 +22,7 @@ __all__ = [
     "BlockColumns",
     "BlockTopKIndex",
     "DenseIndex",
+    "Documents",
     "IndexBranch",
     "MSAConfig",
     "MoBAConfig",
@@ -37,6 +39,7 @@ __all__ = [
     "msa_kl_objective",
     "msa_recall",
     "msa_select_blocks",
+    "packed_documents",
     "select_vertical_slash",
     "sparse_attention",
     "window_statistics",

@@ -4,11 +4,13 @@ An attention call goes to one of :data:`KERNELS`:
 
 * ``flash_attn`` / ``sdpa``: another library's whole causal attention (flash-attn 2 where it
   is installed, else PyTorch's fused attention: cuDNN on sm90+, FlashAttention-2 on sm80). Only
-  a ``DenseIndex`` over the whole sequence on one device, in fp16/bf16: these libraries take
-  no index, no key positions and no running result. Not ``sdpa`` under torch's deterministic
+  a ``DenseIndex`` over the whole sequence on one device, in fp16/bf16, without packed
+  documents: these libraries take no index, no key positions, no document bounds and no
+  running result. Not ``sdpa`` under torch's deterministic
   mode (Megatron's ``deterministic_mode``): its backward is not bitwise reproducible.
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
-  queries select a small share of the keys (:func:`kv_outer_preferred`).
+  queries select a small share of the keys (:func:`kv_outer_preferred`), without packed
+  documents (they take no document bounds; ``block_bar`` masks rows by their document start).
 * ``block_bar``: the Triton query-major tile + bar kernels (``kernels/block_bar``), for every
   index type. The only kernels that take keys at arbitrary global positions and add into an
   fp32 running result, which a piece of a context-parallel rank's attention (a ring step, the
@@ -93,9 +95,14 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
     if piece:
         return Decision("block_bar", "a context-parallel piece: keys at global positions, an fp32 running result")
     if kv_outer_preferred(index):
-        return Decision(
-            "kv_outer", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
-        )
+        share = f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
+        if index.documents is not None:
+            return Decision(
+                "block_bar",
+                f"{share} with packed documents: the KV-outer kernels take no document bounds, "
+                "the union of tiles masks each row by its document start",
+            )
+        return Decision("kv_outer", share)
     if isinstance(index, BlockTopKIndex):
         return Decision(
             "block_bar", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"

@@ -17,16 +17,22 @@ the kernels, which read ``key_lists``, with dense attention under
 ``to_dense_mask``, so a conversion bug cannot hide behind a shared helper.
 ``attended_area`` is a third derivation, closed forms over per-block counts (the
 metrics and the ring's accounting call it every step); its tests check it against both.
+
+Packed documents (``documents``, see ``documents.py``): a row sees no key before the start
+of its document. ``key_lists`` may still name such keys (a list shared by a query block's
+rows); ``visible``, ``to_dense_mask`` and the area accounting apply the bound.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from .documents import Documents, check_documents
 from .validation import check_int, check_tensor, fail
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -47,10 +53,13 @@ class SparseIndex:
     # simply 0..S-1 (a context-parallel rank's tokens); causality compares these.
     query_positions: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+    # Packed documents (``documents.py``): row ``i`` sees no key before
+    # ``documents.starts[i]``; None: one document.
+    documents: Documents | None = None
 
     def to(self, device) -> SparseIndex:
         def move(v):
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, (torch.Tensor, Documents)):
                 return v.to(device)
             return torch.device(device) if isinstance(v, torch.device) else v
 
@@ -73,13 +82,16 @@ class SparseIndex:
         return [(q0, min(q0 + self.query_chunk, num_rows)) for q0 in range(0, num_rows, self.query_chunk)]
 
     def visible(self, keys: torch.Tensor, q_start: int, q_end: int) -> torch.Tensor:
-        """Which entries of ``key_lists(q_start, q_end)`` a row sees: listed and causal
-        (by global position). Broadcasts to ``[B, Hs, q_end - q_start, nk]``."""
+        """Which entries of ``key_lists(q_start, q_end)`` a row sees: listed, causal and in
+        the row's document (by global position). Broadcasts to ``[B, Hs, q_end - q_start, nk]``."""
         rows = torch.arange(q_start, q_end, device=keys.device)
         if self.query_positions is not None:
             rows = self.query_positions[q_start:q_end]
         key_pos = keys if self.key_positions is None else self.key_positions[keys.clamp(min=0)]
-        return (keys >= 0) & (key_pos <= rows.view(1, 1, -1, 1))
+        seen = (keys >= 0) & (key_pos <= rows.view(1, 1, -1, 1))
+        if self.documents is not None:
+            seen &= key_pos >= self.documents.starts[rows.long()].view(1, 1, -1, 1)
+        return seen
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         raise NotImplementedError
@@ -144,10 +156,16 @@ class SparseIndex:
             area.index_add_(0, pair, torch.full(pair.shape, float(weight), dtype=torch.float64, device=area.device))
         return area.view(n, n)
 
+    def causal_area(self) -> int:
+        """(query, key) pairs that dense causal attention attends per head: the causal
+        triangle, or with documents each document's."""
+        lengths = [self.seq_len] if self.documents is None else self.documents.lengths()
+        return sum(n * (n + 1) // 2 for n in lengths)
+
     def density(self) -> float:
-        """Attended fraction of the causal triangle, averaged over batch and heads."""
-        causal = self.seq_len * (self.seq_len + 1) // 2
-        return float(self.attended_area().double().mean() / causal)
+        """Attended fraction of the causal triangle (each document's, with documents),
+        averaged over batch and heads."""
+        return float(self.attended_area().double().mean() / self.causal_area())
 
     @property
     def device(self) -> torch.device:
@@ -162,9 +180,11 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-def _causal(seq_len: int, device) -> torch.Tensor:
+def _causal(seq_len: int, device, documents: Documents | None = None) -> torch.Tensor:
+    """``[S, S]``: key at or before the row (and, with ``documents``, in its document)."""
     i = torch.arange(seq_len, device=device)
-    return i.view(-1, 1) >= i.view(1, -1)
+    causal = i.view(-1, 1) >= i.view(1, -1)
+    return causal if documents is None else causal & documents.mask().to(device)
 
 
 def _blocks_to_tokens(blocks: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
@@ -275,6 +295,11 @@ class DenseIndex(SparseIndex):
     num_heads: int
     seq_len: int
     device: torch.device = torch.device("cpu")
+    # With documents: block-diagonal causal attention, each document its own causal triangle.
+    documents: Documents | None = None
+
+    def __post_init__(self):
+        check_documents("DenseIndex.documents", self.documents, self.seq_len)
 
     @property
     def selection_heads(self) -> int:
@@ -285,14 +310,26 @@ class DenseIndex(SparseIndex):
         return 64
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
-        return torch.arange(q_end, device=self.device).view(1, 1, 1, -1).expand(self.batch_size, 1, 1, q_end)
+        # With documents, from the document start of the chunk's first row (on the host).
+        first = 0 if self.documents is None else _document_start(self.documents, q_start)
+        keys = torch.arange(first, q_end, device=self.device)
+        return keys.view(1, 1, 1, -1).expand(self.batch_size, 1, 1, -1)
 
     def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:
-        return keys.before(rows.values + 1).sum().view(1, 1)
+        q = rows.values
+        if self.documents is None:
+            return keys.before(q + 1).sum().view(1, 1)
+        return keys.between(self.documents.starts[q].long(), q + 1).sum().view(1, 1)
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
-        return _causal(seq_len, self.device).expand(self.batch_size, self.num_heads, seq_len, seq_len).clone()
+        causal = _causal(seq_len, self.device, self.documents)
+        return causal.expand(self.batch_size, self.num_heads, seq_len, seq_len).clone()
+
+
+def _document_start(documents: Documents, position: int) -> int:
+    """The start of the document holding ``position``, from the host copy of the bounds."""
+    return documents.bounds[bisect.bisect_right(documents.bounds, position) - 1]
 
 
 @dataclass
@@ -314,12 +351,33 @@ class VerticalSlashIndex(SparseIndex):
     ``slash`` holds *block-diagonal* offsets ``d``: tile (query block qb, key block kb)
     is attended when ``qb - kb == d``. ``vertical`` holds key token positions attended
     by every (causally later) query. Both ascending, ``-1`` padded.
+
+    With ``documents`` each document has its own diagonals, ``slash [B, Hq, n_documents,
+    max_slash]``: a row attends the tiles of its document's diagonals (on the sequence's
+    block grid) and always block diagonal 0 (its document's keys of its own block up to
+    itself). ``vertical`` lists every document's columns (global positions, ascending),
+    which only rows of the same document see (the document bound). A document that
+    starts inside a query block sees only that block's tile there (every earlier key
+    lies before its start), so a query block's tiles are those of the document holding
+    its first row, and its rows share one key list.
     """
 
     vertical: torch.Tensor  # [B, Hq, max_vertical] int32
-    slash: torch.Tensor  # [B, Hq, max_slash] int32
+    slash: torch.Tensor  # [B, Hq, max_slash] int32; with documents [B, Hq, n_documents, max_slash]
     seq_len: int
     block_size: int
+    documents: Documents | None = None
+
+    def __post_init__(self):
+        check_documents("VerticalSlashIndex.documents", self.documents, self.seq_len)
+        if self.documents is None and self.slash.dim() != 3:
+            fail("VerticalSlashIndex.slash.shape", tuple(self.slash.shape), "[B, Hq, max_slash] (no documents)")
+        if self.documents is not None and (self.slash.dim() != 4 or self.slash.shape[2] != self.documents.count):
+            fail(
+                "VerticalSlashIndex.slash.shape",
+                tuple(self.slash.shape),
+                f"[B, Hq, n_documents = {self.documents.count}, max_slash]: one diagonal list per document",
+            )
 
     @property
     def batch_size(self) -> int:
@@ -342,10 +400,53 @@ class VerticalSlashIndex(SparseIndex):
         return self.block_size
 
     def active_diagonals(self) -> torch.Tensor:
-        """``[B, Hq, n_blocks]`` bool: which block diagonals are attended."""
-        active = torch.zeros(self.batch_size, self.num_heads, self.num_blocks + 1, dtype=torch.bool, device=self.device)
+        """``[B, Hq, n_blocks]`` bool: which block diagonals are attended (with documents,
+        ``[B, Hq, n_documents, n_blocks]``, diagonal 0 always)."""
+        active = torch.zeros(*self.slash.shape[:-1], self.num_blocks + 1, dtype=torch.bool, device=self.device)
         active.scatter_(-1, torch.where(self.slash >= 0, self.slash.long(), self.num_blocks), True)
+        if self.documents is not None:
+            active[..., 0].fill_(True)
         return active[..., :-1]
+
+    def document_active(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """With documents, every document's attended diagonals in one flat table:
+        (``[B, Hq, n_blocks + n_documents]`` bool, where document ``m``'s diagonal ``d`` is
+        entry ``offsets[m] + d``; ``offsets [n_documents]`` int64). A document touching
+        ``span`` blocks has diagonals ``0 .. span - 1`` only (none of its rows is further
+        from one of its keys), and the spans add up to at most blocks + documents, so the
+        table is O(blocks + documents) per head, where ``[n_documents, n_blocks]`` would be
+        their product."""
+        docs = self.documents
+        width = self.num_blocks + docs.count
+        spans = docs.spans(self.block_size)
+        offsets = spans.cumsum(0) - spans
+        d = self.slash.long()
+        ok = (d >= 0) & (d < spans.view(-1, 1))
+        flat = torch.zeros(*self.slash.shape[:2], width + 1, dtype=torch.bool, device=self.device)
+        flat.scatter_(-1, torch.where(ok, offsets.view(-1, 1) + d, width).flatten(2), True)
+        flat.index_fill_(-1, offsets, True)  # diagonal 0 of every document
+        return flat[..., :width], offsets
+
+    def _document_in_tile(self, q_block: torch.Tensor, key_block: torch.Tensor) -> torch.Tensor:
+        """With documents: whether key block ``key_block`` is an attended tile of query block
+        ``q_block`` (broadcast together) for the rows of the document holding the query
+        block's first row (whose keys it must hold to be seen)."""
+        docs = self.documents
+        flat, offsets = self.document_active()
+        first_doc = docs.ids[q_block.long() * self.block_size].long()
+        diag = q_block - key_block
+        ok = (diag >= 0) & (diag < docs.spans(self.block_size)[first_doc])
+        at = torch.where(ok, offsets[first_doc] + diag, 0)
+        at = at.expand(*flat.shape[:2], *at.shape[2:])
+        return ok & flat.gather(-1, at.flatten(2)).view(at.shape)
+
+    def block_diagonals(self, qb: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, len(qb), max_slash]`` int64: the diagonals of query blocks ``qb``: the
+        index's, or with documents those of the document holding each block's first row."""
+        if self.documents is None:
+            return self.slash.long().unsqueeze(2).expand(-1, -1, len(qb), -1)
+        first_doc = self.documents.ids[qb.long() * self.block_size].long()
+        return self.slash.long().index_select(2, first_doc)
 
     def block_columns(
         self, qblock_start: int = 0, qblock_end: int | None = None, qblocks: torch.Tensor | None = None
@@ -358,6 +459,8 @@ class VerticalSlashIndex(SparseIndex):
             qb = torch.arange(qblock_start, qblock_end, device=dev, dtype=torch.int32)
         else:
             qb = qblocks.to(device=dev, dtype=torch.int32)
+        if self.documents is not None:
+            return self._document_block_columns(qb.long())
         # Tiles: key block qb - d for each attended diagonal d <= qb.
         kb = qb.view(1, 1, -1, 1) - self.slash.unsqueeze(2)
         block_idx, block_count = compact(kb, (self.slash.unsqueeze(2) >= 0) & (kb >= 0))
@@ -368,6 +471,25 @@ class VerticalSlashIndex(SparseIndex):
         last_row = torch.clamp((qb + 1) * bs, max=self.seq_len) - 1
         visible = (self.vertical.unsqueeze(2) >= 0) & (self.vertical.unsqueeze(2) <= last_row.view(1, 1, -1, 1))
         column_idx, column_count = compact(self.vertical.unsqueeze(2).expand_as(diag), visible & ~in_tile)
+        return BlockColumns(block_idx, block_count, column_idx, column_count)
+
+    def _document_block_columns(self, qb: torch.Tensor) -> BlockColumns:
+        """``block_columns`` with documents: the tiles of the diagonals of the document holding
+        each block's first row, from its start's key block on, and the block's own tile;
+        the bars, its columns from that start on that are in no such tile."""
+        bs = self.block_size
+        firsts = self.documents.starts[qb * bs].long().view(1, 1, -1, 1)
+        diags = self.block_diagonals(qb)
+        qbv = qb.view(1, 1, -1, 1)
+        kb = qbv - diags
+        own = qbv.expand(*diags.shape[:3], 1)
+        keep = torch.cat([(diags > 0) & (kb >= firsts // bs), torch.ones_like(own, dtype=torch.bool)], -1)
+        block_idx, block_count = compact(torch.cat([kb, own], -1).int(), keep)
+        v = self.vertical.long().unsqueeze(2)
+        last_row = torch.clamp((qb + 1) * bs, max=self.seq_len).view(1, 1, -1, 1) - 1
+        visible = (v >= firsts) & (v <= last_row)  # a column before the start: no row of the block sees it
+        in_tile = self._document_in_tile(qbv, v.clamp(min=0) // bs)
+        column_idx, column_count = compact(v.expand_as(in_tile).int(), visible & ~in_tile)
         return BlockColumns(block_idx, block_count, column_idx, column_count)
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
@@ -384,6 +506,8 @@ class VerticalSlashIndex(SparseIndex):
 
     def _part_area(self, rows: _PositionSet, keys: _PositionSet, part: str) -> torch.Tensor:
         """``_area`` of the tiles or of the bars alone, ``[B, Hq]``."""
+        if self.documents is not None:
+            return self._document_part_area(rows, keys, part)
         bs = self.block_size
         active = self.active_diagonals()
         row_blocks = rows.per_block(bs)
@@ -405,14 +529,53 @@ class VerticalSlashIndex(SparseIndex):
         later = _correlate(row_blocks, not_tile).gather(-1, vb)
         return ((own + later) * present).sum(-1)
 
+    def _document_part_area(self, rows: _PositionSet, keys: _PositionSet, part: str) -> torch.Tensor:
+        """``_part_area`` with documents: per query block (tiles) or per column (bars) and
+        listed diagonal, O((blocks + columns) x diagonals) per head."""
+        bs, docs = self.block_size, self.documents
+        cu = docs.cu_seqlens.long()
+        if part == "tiles":
+            # Diagonal 0, every row: its document's keys of its own block up to itself.
+            q = rows.values
+            own = keys.between(torch.maximum(q // bs * bs, docs.starts[q].long()), q + 1).sum()
+            # Diagonals d >= 1 serve the rows of block qb in the document holding its first
+            # row (those of a document starting inside the block see nothing before it).
+            qb = torch.arange(self.num_blocks, device=self.device)
+            first_doc = docs.ids[qb * bs].long()
+            block_rows = rows.between(qb * bs, torch.minimum((qb + 1) * bs, cu[first_doc + 1])).clamp(min=0)
+            diags = self.block_diagonals(qb)
+            kb = qb.view(1, 1, -1, 1) - diags
+            pairs = keys.between(torch.maximum(kb * bs, cu[first_doc].view(1, 1, -1, 1)), (kb + 1) * bs).clamp(min=0)
+            return ((pairs * ((diags > 0) & (kb >= 0))).sum(-1) * block_rows).sum(-1) + own
+        # A column is a bar for the rows of its document after its own block, except those of
+        # the blocks vb + d on its document's diagonals d >= 1 (diagonal 0 is always a tile).
+        v = self.vertical.long()
+        vc = v.clamp(min=0)
+        vb = vc // bs
+        doc = docs.ids[vc].long()
+        end = cu[doc + 1]
+        after = rows.between((vb + 1) * bs, end).clamp(min=0)
+        d = self.slash.long().gather(2, doc.unsqueeze(-1).expand(-1, -1, -1, self.slash.shape[-1]))
+        lo = (vb.unsqueeze(-1) + d) * bs
+        tiled = rows.between(lo, torch.minimum(lo + bs, end.unsqueeze(-1))).clamp(min=0) * (d > 0)
+        present = (v >= 0) & (keys.between(vc, vc + 1) > 0)
+        return ((after - tiled.sum(-1)) * present).sum(-1)
+
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
         pos = torch.arange(seq_len, device=self.device)
         diag = (pos.view(-1, 1) // self.block_size) - (pos.view(1, -1) // self.block_size)
-        on_slash = self.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
+        if self.documents is None:
+            on_slash = self.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)
+        else:  # each row with its own document's diagonals
+            docs = self.documents
+            flat, offsets = self.document_active()
+            row_doc = docs.ids.long().view(-1, 1)
+            ok = (diag >= 0) & (diag < docs.spans(self.block_size)[row_doc])
+            on_slash = flat[..., torch.where(ok, offsets[row_doc] + diag, 0)] & ok
         on_vertical = torch.zeros(self.batch_size, self.num_heads, seq_len + 1, dtype=torch.bool, device=self.device)
         on_vertical.scatter_(-1, torch.where(self.vertical >= 0, self.vertical.long(), seq_len), True)
-        return _causal(seq_len, self.device) & (on_slash | on_vertical[..., None, :seq_len])
+        return _causal(seq_len, self.device, self.documents) & (on_slash | on_vertical[..., None, :seq_len])
 
 
 @dataclass
@@ -433,6 +596,7 @@ class VerticalSlashPart(SparseIndex):
     selection_heads = property(lambda self: self.index.selection_heads)
     query_chunk = property(lambda self: self.index.query_chunk)
     device = property(lambda self: self.index.device)
+    documents = property(lambda self: self.index.documents)
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         tiles, bars = self.index.tile_and_bar_keys(q_start)
@@ -442,7 +606,7 @@ class VerticalSlashPart(SparseIndex):
         return self.index._part_area(rows, keys, self.part)
 
     def block_areas(self, block: int) -> torch.Tensor:
-        if self.part != "tiles" or block != self.index.block_size:
+        if self.part != "tiles" or block != self.index.block_size or self.documents is not None:
             return super().block_areas(block)
         # Tiles are whole blocks: area = active diagonal x the tile's pairs (causal on the diagonal).
         n, bs, s = self.index.num_blocks, block, self.seq_len
@@ -469,9 +633,13 @@ class BlockTopKIndex(SparseIndex):
     blocks: torch.Tensor  # [B, S, Hs, k] int32
     block_size: int
     num_heads: int
+    # With documents, a row sees only its document's keys of the blocks it chose (the
+    # builders choose no block wholly before the row's document).
+    documents: Documents | None = None
 
     def __post_init__(self):
         check_tensor("BlockTopKIndex.blocks", self.blocks, ndim=4, float_dtype=False)
+        check_documents("BlockTopKIndex.documents", self.documents, self.seq_len)
         if self.blocks.dtype not in (torch.int32, torch.int64):
             fail("BlockTopKIndex.blocks.dtype", self.blocks.dtype, "torch.int32 or torch.int64 key block ids")
         check_int("BlockTopKIndex.block_size", self.block_size, minimum=1)
@@ -522,10 +690,20 @@ class BlockTopKIndex(SparseIndex):
         area = torch.zeros(b, hs, dtype=torch.int64, device=self.device)
         # Rows in chunks bound the temporaries (a [B, rows, Hs, k] gather each) to ~32 MiB.
         chunk = max(1, _AREA_ENTRIES // (b * hs * k))
+        starts = None if self.documents is None else self.documents.starts
+        if starts is not None:  # the keys of the row's own block from its document's start
+            own = keys.between(torch.maximum(q // bs * bs, starts[q].long()), q + 1)
         for r0 in range(0, len(q), chunk):
-            chosen = self.blocks.index_select(1, q[r0 : r0 + chunk]).long()
-            own_block = (q[r0 : r0 + chunk] // bs).view(1, -1, 1, 1)
-            earlier = per_block[chosen.clamp(min=0)] * ((chosen >= 0) & (chosen < own_block))
+            rq = q[r0 : r0 + chunk]
+            chosen = self.blocks.index_select(1, rq).long()
+            own_block = (rq // bs).view(1, -1, 1, 1)
+            before = (chosen >= 0) & (chosen < own_block)
+            if starts is None:
+                earlier = per_block[chosen.clamp(min=0)] * before
+            else:  # an earlier block's keys from the row's document start on
+                c = chosen.clamp(min=0)
+                first = starts[rq].long().view(1, -1, 1, 1)
+                earlier = keys.between(torch.maximum(c * bs, first), (c + 1) * bs).clamp(min=0) * before
             area += (earlier + own[r0 : r0 + chunk].view(1, -1, 1, 1) * (chosen == own_block)).sum((1, 3))
         return area
 
@@ -537,7 +715,7 @@ class BlockTopKIndex(SparseIndex):
         key_block = torch.arange(seq_len, device=self.device) // self.block_size
         per_selection = chosen[..., key_block].permute(0, 2, 1, 3)  # [B, Hs, S, S]
         per_head = per_selection.repeat_interleave(self.num_heads // self.selection_heads, dim=1)
-        return per_head & _causal(seq_len, self.device)
+        return per_head & _causal(seq_len, self.device, self.documents)
 
 
 def _check_mask_len(index: SparseIndex, seq_len: int) -> None:

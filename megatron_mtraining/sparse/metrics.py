@@ -20,7 +20,8 @@ def attention_recall(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Share of the dense causal attention mass of the last ``num_rows`` queries that
-    falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost)."""
+    falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost); with the
+    index's packed documents, the dense mass within each row's document."""
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
@@ -56,9 +57,11 @@ def recall_from_parts(
     first = seq - rows
     qr = q_window.float().unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.float()).flatten(1, 2) * scale
-    causal = key_positions.view(1, -1) > torch.arange(first, seq, device=k.device).view(-1, 1)
-    logits.masked_fill_(causal, float("-inf"))
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees key 0: finite
+    hidden = key_positions.view(1, -1) > torch.arange(first, seq, device=k.device).view(-1, 1)
+    if index.documents is not None:  # dense attention within each row's document
+        hidden |= key_positions.view(1, -1) < index.documents.starts[first:seq].view(-1, 1)
+    logits.masked_fill_(hidden, float("-inf"))
+    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees its document's start: finite
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
 
     # Global key position -> its column here (n_keys where it is elsewhere or padding).

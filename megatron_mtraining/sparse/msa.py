@@ -14,10 +14,15 @@
   main pass's LSE and hands the value over in the backward (``kernels/msa_kl``).
 * Warmup: for the first ``warmup_steps`` steps the main branch is dense and the
   KL spans every visible token (pass a ``DenseIndex``).
+* Packed documents (``cu_seqlens``): a block's score is the max over the keys of the
+  query's document only (from its start to the query), so a block wholly before the
+  document scores -inf and is never chosen; the index carries the documents, so the
+  attention and the KL see only those keys.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from .dispatch import backend_choice, kl_kernel, log_decision
+from .documents import packed_documents
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
 from .reference import chunks, compute_dtype, finite_or_zero, flat_kv, to_rows, unflat_kv
 from .validation import (
@@ -90,20 +96,29 @@ def block_max_scores(
     key_positions: torch.Tensor,
     n_blocks: int,
     block_size: int,
+    doc_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, nq, n_blocks]`` max over the given, causally visible keys of each block of
     ``q_idx . k_idx / sqrt(d_idx)`` (fp32; -inf where the block has no such key). Max is
-    exact and order-free, so maxima over key subsets (ring steps) combine to the whole."""
+    exact and order-free, so maxima over key subsets (ring steps) combine to the whole.
+    ``doc_starts`` (``[S]`` by global position, packed documents): keys before the start of
+    the query's document are not visible."""
     scores = torch.einsum("bqrd,bkd->brqk", q_idx.float(), k_idx[:, :, 0].float()) / math.sqrt(q_idx.shape[-1])
-    scores.masked_fill_(key_positions.view(1, -1) > query_positions.view(-1, 1), float("-inf"))
+    hidden = key_positions.view(1, -1) > query_positions.view(-1, 1)
+    if doc_starts is not None:
+        hidden |= key_positions.view(1, -1) < doc_starts[query_positions.long()].view(-1, 1)
+    scores.masked_fill_(hidden, float("-inf"))
     out = scores.new_full((*scores.shape[:3], n_blocks), float("-inf"))
     blocks = (key_positions // block_size).expand_as(scores)
     return out.scatter_reduce_(-1, blocks, scores, "amax", include_self=True)
 
 
 @torch.no_grad()
-def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int) -> BlockTopKIndex:
-    """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count.
+def msa_select_blocks(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfig, num_heads: int, cu_seqlens: torch.Tensor | None = None
+) -> BlockTopKIndex:
+    """Top-k key blocks per (query, GQA group); ``num_heads`` is the query head count;
+    ``cu_seqlens``: packed documents (each query scores only its document's keys).
 
     Where the kernels run (``dispatch.backend_choice``: CUDA inputs, not ruled out by
     ``MTRAINING_ATTENTION_BACKEND=reference``) and ``topk`` fits its register-resident set,
@@ -116,12 +131,15 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
     if num_heads % groups:
         fail("num_heads", num_heads, f"a multiple of the index query head count {groups} (one per GQA group)")
     bs = config.block_size
+    documents = packed_documents(cu_seqlens, seq, q_idx.device)
+    starts = None if documents is None else documents.starts
     if backend_choice(q_idx) == "triton":
         from .kernels.index_build import msa_index  # imports Triton
 
         if config.topk <= msa_index.MAX_TOPK:
-            blocks = msa_index.select_blocks(q_idx, k_idx, bs, config.topk)
-            return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
+            documented = {} if starts is None else {"doc_starts": starts}
+            blocks = msa_index.select_blocks(q_idx, k_idx, bs, config.topk, **documented)
+            return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads, documents=documents)
     n_blocks = -(-seq // bs)
     rows_per_chunk = max(bs, (1 << 22) // max(seq, 1) // bs * bs)
     positions = torch.arange(seq, device=q_idx.device)
@@ -129,9 +147,11 @@ def msa_select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, config: MSAConfi
     for q0 in range(0, seq, rows_per_chunk):
         q1 = min(q0 + rows_per_chunk, seq)
         rows = positions[q0:q1]
-        block_max = block_max_scores(q_idx[:, q0:q1], rows, k_idx[:, :q1], positions[:q1], n_blocks, bs)
+        # No row of the chunk sees a key before the document start of its first row.
+        k0 = 0 if documents is None else documents.bounds[bisect.bisect_right(documents.bounds, q0) - 1]
+        block_max = block_max_scores(q_idx[:, q0:q1], rows, k_idx[:, k0:q1], positions[k0:q1], n_blocks, bs, starts)
         blocks[:, q0:q1] = select_topk_blocks(block_max, rows // bs, config.topk).permute(0, 2, 1, 3)
-    return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads)
+    return BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=num_heads, documents=documents)
 
 
 class _MSAKLLoss(torch.autograd.Function):

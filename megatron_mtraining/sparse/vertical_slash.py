@@ -22,6 +22,13 @@ diagonal 0 always is (each query attends at least the keys of its own block up t
 
 Statistics and selection are separate so that a context-parallel builder can
 reduce partial statistics across ranks and run the same selection everywhere.
+
+Packed documents (``cu_seqlens``): each document gets the index built on it alone, from
+its own last window and budgets, placed at its offset (its columns shifted by its start;
+its block-diagonal offsets kept, on the sequence's block grid, which a document that
+starts inside a block meets at another phase than its own grid); a document shorter than
+``dense_below`` tokens attends densely (every diagonal it touches) without statistics.
+``VerticalSlashIndex`` states what the per-document lists mean.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 
 from .cuda_graphs import GraphedCalls, graphs_enabled
 from .dispatch import backend_choice, index_kernels
+from .documents import Documents, packed_documents
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
 from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (
@@ -56,6 +64,13 @@ class VerticalSlashConfig(ValidatedConfig):
     block_size: int = setting(64, check_power_of_two, minimum=16)
     sink_tokens: int = setting(0, check_int, minimum=0)
     local_window: int = setting(0, check_int, minimum=0)
+    # Packed documents (cu_seqlens given) shorter than this many tokens attend densely, with
+    # no statistics: under 1024 tokens a document's whole causal triangle is at most 0.5M
+    # pairs (1/16000 of a 128K sequence's), its sparse index (a few block diagonals of 64)
+    # would save next to nothing, and its build would cost as many launches as a long
+    # document's. 0: every document gets its own sparse index. Without cu_seqlens the
+    # sequence is one document and keeps its sparse index at any length.
+    dense_below: int = setting(1024, check_int, minimum=0)
 
     @property
     def slash_block_cap(self) -> int:
@@ -254,9 +269,15 @@ _GRAPHS = GraphedCalls(size=2)
 
 @torch.no_grad()
 def build_vertical_slash_index(
-    q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, softmax_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: VerticalSlashConfig,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> VerticalSlashIndex:
-    """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``.
+    """The vertical-slash index of q ``[B, S, Hq, D]`` and k ``[B, S, Hkv, D]``; with
+    ``cu_seqlens`` (packed documents, see ``documents.packed_documents``), one index per
+    document (:func:`build_document_index`).
 
     Where the statistics run on the kernels and CUDA graphs apply (``cuda_graphs.graphs_enabled``;
     ``MTRAINING_INDEX_GRAPHS=0`` turns them off), the passes over the keys run as they come
@@ -270,6 +291,9 @@ def build_vertical_slash_index(
     check_qk(q, k)
     seq = q.shape[1]
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    documents = packed_documents(cu_seqlens, seq, q.device)
+    if documents is not None:
+        return build_document_index(q, k, config, scale, documents)
     q_window = q[:, seq - min(config.last_q, seq) :]
     if not (graphs_enabled(q) and backend_choice(q) == "triton"):
         return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
@@ -283,3 +307,64 @@ def build_vertical_slash_index(
     index, tables = _GRAPHS.call(key, index_and_tables, mass)
     keep_tables(index, tables)
     return index
+
+
+def _eager_index(q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, scale: float) -> VerticalSlashIndex:
+    """The index of a whole sequence, eagerly: ``build_vertical_slash_index``'s result
+    without its CUDA graph (the graphed build equals it bit for bit)."""
+    seq = q.shape[1]
+    q_window = q[:, seq - min(config.last_q, seq) :]
+    return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
+
+
+@torch.no_grad()
+def build_document_index(
+    q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, scale: float, documents: Documents
+) -> VerticalSlashIndex:
+    """The vertical-slash index of packed documents: document ``[a, b)`` gets the index
+    built on ``q[:, a:b]``, ``k[:, a:b]`` alone (its last ``last_q`` queries' statistics, its
+    budgets and forced entries), its columns placed at ``a``, its block-diagonal offsets as
+    they are; one shorter than ``config.dense_below`` gets every diagonal of the blocks it
+    touches and no column (dense, no statistics).
+
+    Cost: a host loop over the documents (their bounds were read once, with
+    ``cu_seqlens``), one eager build per sparse document: its statistics read its ``L`` keys
+    for ``min(last_q, L)`` window rows, so the documents' passes together read no more than
+    one window over the whole sequence, but each is a build of its own (on a GPU the eager
+    build's ~85 launches, about 1 ms, so ~100 long documents cost ~0.1 s a layer; the CUDA
+    graph of the single-document build is not used, as every length would capture one).
+    Dense documents cost a few tensor operations each."""
+    return document_index(
+        documents,
+        config,
+        q.shape[0],
+        q.shape[2],
+        q.device,
+        lambda a, b: _eager_index(q[:, a:b], k[:, a:b], config, scale),
+    )
+
+
+def document_index(
+    documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, build
+) -> VerticalSlashIndex:
+    """The per-document index from ``build(a, b)``, the index of document ``[a, b)`` alone
+    (on one device, or from a context-parallel group's parts), called for the documents of
+    at least ``config.dense_below`` tokens in order; see ``build_document_index``."""
+    bs = config.block_size
+    verticals, slashes = [], []
+    for a, b in zip(documents.bounds[:-1], documents.bounds[1:], strict=True):
+        if b - a < config.dense_below:
+            span = (b - 1) // bs - a // bs + 1
+            slashes.append(torch.arange(span, device=device, dtype=torch.int32).expand(batch, heads, span))
+            continue
+        own = build(a, b)
+        verticals.append(torch.where(own.vertical >= 0, own.vertical + a, -1))
+        slashes.append(own.slash)
+    width = max(t.shape[-1] for t in slashes)
+    slash = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t in slashes], dim=2)
+    if verticals:
+        vertical = torch.cat(verticals, -1)
+        vertical = sort_kept(torch.where(vertical >= 0, vertical, INT32_MAX), vertical.shape[-1])
+    else:
+        vertical = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
+    return VerticalSlashIndex(vertical, slash.contiguous(), documents.seq_len, bs, documents)

@@ -90,8 +90,8 @@ def _bars(tables: TileTables, k: torch.Tensor, v: torch.Tensor) -> dict:
     them alive between the passes."""
     if not tables.has_bars:
         t = tables.tile_count
-        return {"KBAR": k, "VBAR": v, "BAR_POS": t, "BAR_CNT": t, "ACTIVE": t, "V_MAX": 1, "N_ACTIVE": 1,
-                "HAS_BARS": False}  # fmt: skip
+        return {"KBAR": k, "VBAR": v, "BAR_POS": t, "BAR_CNT": t, "BAR_START": t, "ACTIVE": t, "ACT_OFF": t,
+                "V_MAX": 1, "N_ACTIVE": 1, "HAS_BARS": False}  # fmt: skip
     vertical = tables.vertical
     b, h, _ = vertical.shape
     cols = vertical.clamp(min=0).long()
@@ -102,10 +102,20 @@ def _bars(tables: TileTables, k: torch.Tensor, v: torch.Tensor) -> dict:
         "VBAR": v[batch, cols, kv_head],
         "BAR_POS": vertical if tables.bar_positions is None else tables.bar_positions,
         "BAR_CNT": tables.bar_count,
+        "BAR_START": tables.bar_count if tables.bar_start is None else tables.bar_start,
         "ACTIVE": tables.active,
+        "ACT_OFF": tables.bar_count if tables.active_offset is None else tables.active_offset,
         "V_MAX": vertical.shape[-1],
         "N_ACTIVE": tables.active.shape[-1],
         "HAS_BARS": True,
+    }
+
+
+def _documents(tables: TileTables) -> dict:
+    """The rows' document starts (a placeholder pointer, never read, without documents)."""
+    return {
+        "DOC_START": tables.tile_count if tables.doc_start is None else tables.doc_start,
+        "HAS_DOCS": tables.doc_start is not None,
     }
 
 
@@ -125,6 +135,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, tables: TileTables) -> dict:
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         **_row_selection(tables),
         **_positions(tables),
+        **_documents(tables),
     }
 
 
@@ -224,11 +235,14 @@ def kernel_backward(
         v_max = bar_tables.vertical.shape[-1]
         partials = buffers.new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
         bar_opts = _opts("bar_dkdv", bar_tables, q)
+        doc_end = bar_tables.doc_end
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
-            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_tables.active, partials[0],
-            partials[1], bar_common["QBLK"], S=s, H=h, NQB=n_qb, N_ACTIVE=bar_tables.active.shape[-1], V_MAX=v_max,
-            qk_scale=scale * LOG2E, HEAD_DIM=d, D_PAD=bar_common["D_PAD"], BLOCK=bar_tables.block,
-            HAS_QPOS=bar_common["HAS_QPOS"], PRECISION=bar_common["PRECISION"], **bar_opts,
+            q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_tables.active, bars["ACT_OFF"],
+            partials[0], partials[1], bar_common["QBLK"], bar_common["DOC_START"],
+            bar_tables.tile_count if doc_end is None else doc_end, S=s, H=h, NQB=n_qb,
+            N_ACTIVE=bar_tables.active.shape[-1], V_MAX=v_max, qk_scale=scale * LOG2E, HEAD_DIM=d,
+            D_PAD=bar_common["D_PAD"], BLOCK=bar_tables.block, HAS_QPOS=bar_common["HAS_QPOS"],
+            HAS_DOCS=bar_common["HAS_DOCS"], PRECISION=bar_common["PRECISION"], **bar_opts,
         )  # fmt: skip
     if columns is None:
         return dq, *_key_grads(q, k, v, tables, common, dout, lse, delta, partials, scale)

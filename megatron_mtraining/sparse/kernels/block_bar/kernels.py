@@ -41,6 +41,16 @@ key positions cost: given anyway, the forward ran slower (``scripts/bench_ring_p
 docs/benchmarks.md, "Context parallelism over all-gathered K/V"). Not the load waiting on the tile
 entry's: a table of the entries' global ids, read beside them, measured the same.
 Gathered vertical columns carry their positions in ``BAR_POS``.
+
+Packed documents (``HAS_DOCS``): a row sees no key before its document's start,
+``DOC_START[row position]`` (one load per row, a compare per score). The tables list no
+tile wholly before the document start of a query block's first row, so only the tiles
+that cross a row's start pay the compare where the kernels skip masking: the dQ kernel
+masks a step whose first key precedes the block's last row's start, the tile dK/dV kernel
+a step of rows whose latest start follows its first key. Bars start at ``BAR_START``
+(the block's columns before that start), look up the diagonals of the block's first
+row's document (``ACT_OFF``), and a column's dK/dV walks the rows up to the end of its
+document (``DOC_END``).
 """
 
 from __future__ import annotations
@@ -105,11 +115,12 @@ def _diagonal_tiles(ENTRY, n_tiles, BLK, own, HAS_POS: tl.constexpr, HAS_ROWSEL:
 
 
 @triton.jit
-def _in_tile(ACTIVE, bh, N_ACTIVE, q_block, col_pos, col_ok, BLOCK: tl.constexpr):
+def _in_tile(ACTIVE, bh, N_ACTIVE, act_off, q_block, col_pos, col_ok, BLOCK: tl.constexpr):
     """Columns inside an attended tile of global query block ``q_block``, which the tiles
-    already cover and the bars must skip."""
+    already cover and the bars must skip (``act_off``: where the diagonals of the block's
+    document start in a head's row of ``ACTIVE``; 0 without documents)."""
     diag = q_block - col_pos // BLOCK
-    return tl.load(ACTIVE + bh * N_ACTIVE + diag, mask=col_ok & (diag >= 0), other=0) != 0
+    return tl.load(ACTIVE + bh * N_ACTIVE + act_off + diag, mask=col_ok & (diag >= 0), other=0) != 0
 
 
 @triton.jit
@@ -135,18 +146,48 @@ def _tile_keys(TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_
 
 
 @triton.jit
-def _bar_keys(KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok,
-              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _bar_keys(KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, act_off, first_start, d, d_ok,
+              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
     """Entries ``c0 .. c0 + BLOCK_N`` of the first ``n_bars`` of head ``bh``'s gathered
     vertical columns: (k, v, positions, attended mask). The K/V loads are masked by the
-    count alone, so they need not wait for the position and tile lookups."""
+    count alone, so they need not wait for the position and tile lookups. With documents
+    the tile lookup reads only columns from ``first_start`` on (the document start of the
+    block's first row: no row sees an earlier one), which the diagonals at ``act_off``
+    cover."""
     offs = c0 + tl.arange(0, BLOCK_N)
     ok = offs < n_bars
     entries = bh * V_MAX + offs
     k = _load_rows(KBAR, entries, ok, HEAD_DIM, d, d_ok)
     v = _load_rows(VBAR, entries, ok, HEAD_DIM, d, d_ok)
     pos = tl.load(BAR_POS + entries, mask=ok, other=0)
-    return k, v, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, q_block, pos, ok, BLOCK)
+    look = ok
+    if HAS_DOCS:
+        look = ok & (pos >= first_start)
+    return k, v, pos, ok & ~_in_tile(ACTIVE, bh, N_ACTIVE, act_off, q_block, pos, look, BLOCK)
+
+
+@triton.jit
+def _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS: tl.constexpr):
+    """The document start of each row (``HAS_DOCS``; the rows' positions otherwise, unused)."""
+    first = row_pos
+    if HAS_DOCS:
+        first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
+    return first
+
+
+@triton.jit
+def _bar_range(BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS: tl.constexpr):
+    """(first bar entry, bar count, offset of the block's diagonals in ``ACTIVE``, the
+    document start of the block's first row) of query block ``qb``."""
+    n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+    c_start = n_bars * 0
+    act_off = n_bars * 0
+    first_start = n_bars * 0
+    if HAS_DOCS:
+        c_start = tl.load(BAR_START + bh * NQB + qb)
+        act_off = tl.load(ACT_OFF + qb)
+        first_start = tl.min(tl.where(row_ok, row_first, 2147483647), 0)
+    return c_start, n_bars, act_off, first_start
 
 
 @triton.jit
@@ -209,11 +250,13 @@ def _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK: tl.constexpr, ST
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL, QBLK, KBLK,
+    Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, BAR_START, ACTIVE, ACT_OFF,
+    ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """Output and LSE of the rows over their listed keys; with ``ACCUMULATE``, over those
     keys and the keys of the running fp32 result ``O_RUN`` / ``LSE_RUN`` of the same rows
@@ -221,6 +264,7 @@ def _fwd_kernel(
     program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
+    row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -243,17 +287,22 @@ def _fwd_kernel(
         )
         acc, m_i, l_i = _online_step(
             acc, m_i, l_i, q, k, v, col_pos, col_ok, _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS),
-            qk_scale, True, PRECISION,
+            row_first, qk_scale, True, HAS_DOCS, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
-        n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        c_start, n_bars, act_off, first_start = _bar_range(
+            BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS
+        )
         q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
-        for c0 in range(0, n_bars, BLOCK_N):
+        for c0 in range(c_start, n_bars, BLOCK_N):
             k, v, col_pos, col_ok = _bar_keys(
-                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, act_off, first_start, d, d_ok,
+                HEAD_DIM, BLOCK, BLOCK_N, HAS_DOCS,
+            )  # fmt: skip
+            acc, m_i, l_i = _online_step(
+                acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, row_first, qk_scale, True, HAS_DOCS, PRECISION
             )
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, True, PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -279,17 +328,23 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, ACTIVE, ROWSEL,
-    QBLK, KBLK, S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO, qk_scale, sm_scale,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, BAR_START, ACTIVE,
+    ACT_OFF, ROWSEL, QBLK, KBLK, DOC_START, S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO,
+    qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
     be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
     here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
+    row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
+    last_start = 0
+    if HAS_DOCS:
+        last_start = tl.max(row_first, 0)  # the rows' latest document start
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -314,19 +369,28 @@ def _dq_kernel(
         kb, k, v, col_pos, col_ok = _tile_keys(
             TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok, BLOCK, BLOCK_N, HAS_KPOS
         )
+        masked = j >= split
+        if HAS_DOCS:  # a step whose first key precedes a row's document start
+            masked = masked | (tl.min(col_pos, 0) < last_start)
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
-            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), qk_scale, j >= split, PRECISION,
+            _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), row_first, qk_scale, masked,
+            HAS_DOCS, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
         bh = b * H + h
-        n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        c_start, n_bars, act_off, first_start = _bar_range(
+            BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS
+        )
         q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
-        for c0 in range(0, n_bars, BLOCK_N):
+        for c0 in range(c_start, n_bars, BLOCK_N):
             k, v, col_pos, col_ok = _bar_keys(
-                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, act_off, first_start, d, d_ok,
+                HEAD_DIM, BLOCK, BLOCK_N, HAS_DOCS,
+            )  # fmt: skip
+            dq = _dq_step(
+                dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, row_first, qk_scale, True, HAS_DOCS, PRECISION
             )
-            dq = _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, True, PRECISION)
     dq *= sm_scale
     if ACCUMULATE:  # read after the loop, so the running sum takes no registers during it
         dq += _load_rows(DQ_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
@@ -358,10 +422,10 @@ def _kv_grads(
 
 @triton.jit
 def _bar_dkdv_kernel(
-    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, BAR_DK, BAR_DV, QBLK,
+    Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, ACT_OFF, BAR_DK, BAR_DV, QBLK, DOC_START, DOC_END,
     S, H, NQB, N_ACTIVE, V_MAX, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_N`` of a head's vertical columns against ``BLOCK_M`` query rows a step
     (``BLOCK_M`` divides ``BLOCK``, so a step's rows lie in one query block). The partials
@@ -388,13 +452,26 @@ def _bar_dkdv_kernel(
         first = first_col // BLOCK_M * BLOCK_M
         if HAS_QPOS:
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
-        for r0 in range(first, S, BLOCK_M):
+        stop = S
+        if HAS_DOCS and not HAS_QPOS:  # rows after the document of the chunk's last column see none of it
+            stop = tl.load(DOC_END + tl.max(col_pos, 0))
+        for r0 in range(first, stop, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
-            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, tl.max(row_pos, 0) // BLOCK, col_pos, col_ok, BLOCK)
+            act_off = r0 * 0
+            look = col_ok
+            if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
+                act_off = tl.load(ACT_OFF + r0 // BLOCK)
+                block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
+                look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
+            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+            seen = (~in_tile)[:, None]
+            if HAS_DOCS:
+                row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
+                seen = seen & (col_pos[:, None] >= row_first[None, :])
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, (~in_tile)[:, None], True, PRECISION,
+                d, d_ok, qk_scale, seen, True, PRECISION,
             )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
@@ -426,11 +503,12 @@ def _fold_bars(
 
 @triton.jit
 def _tile_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, H, HKV, TB, TH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr,
+    HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_N`` key rows of KV block ``kb`` against ``BLOCK_M`` rows of a reading query
     block a step."""
@@ -470,10 +548,16 @@ def _tile_dkdv_kernel(
         for j in range(n_tiles * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
+            seen = col_ok[:, None]
+            masked = j < n_masked
+            if HAS_DOCS:  # masked where a row's document starts after the first key
+                row_first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
+                seen = seen & (col_pos[:, None] >= row_first[None, :])
+                masked = masked | (tl.max(row_first, 0) > tl.min(col_pos, 0))
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), q_stride, d, d_ok, qk_scale,
-                col_ok[:, None], j < n_masked, PRECISION,
+                seen, masked, PRECISION,
             )  # fmt: skip
     _store_rows(DK + kv_off, cols, col_ok, kv_stride, d, d_ok, dk * sm_scale)
     _store_rows(DV + kv_off, cols, col_ok, kv_stride, d, d_ok, dv)

@@ -51,6 +51,19 @@ class TileTables:
     query_blocks: torch.Tensor | None = None
     key_blocks: torch.Tensor | None = None
     bar_positions: torch.Tensor | None = None  # [B, Hq, V] int32, as ``vertical`` (None: ``vertical``)
+    # Packed documents (the index's ``documents``): the start of each row's document, [S]
+    # int32 by global position, which the kernels compare with the key positions (one load
+    # per row), and the ends, which bound the rows a vertical column's dK/dV walks.
+    # Tiles wholly before the document start of a query block's first row are not listed.
+    doc_start: torch.Tensor | None = None
+    doc_end: torch.Tensor | None = None
+    # With documents and bars: per (head, query block) the vertical entries before the
+    # document start of the block's first row, which no row of the block sees (its bars
+    # start after them), [B, Hq, n_qblocks] int32; per query block, where that document's
+    # diagonals start in ``active`` (then ``[B, Hq, n_blocks + n_documents]``, see
+    # ``VerticalSlashIndex.document_active``), [n_qblocks] int32.
+    bar_start: torch.Tensor | None = None
+    active_offset: torch.Tensor | None = None
 
     def __post_init__(self):
         # The kernels index every table with flat row-major offsets.
@@ -80,9 +93,41 @@ def transpose_tiles(
     return compact(q_idx, member, width)
 
 
+def transpose_sorted(
+    tiles: torch.Tensor, count: torch.Tensor, n_kv_blocks: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``transpose_tiles`` by sorting the listed (KV block, query block) pairs rather than
+    through a ``[n_kv, n_q]`` membership table: memory and work follow the listed tiles,
+    not the square of the block count (a vertical-slash index's lists are short), and no
+    read of the device (``width`` bounds the query blocks reading one KV block)."""
+    tb, th, nq, listed = tiles.shape
+    dev = tiles.device
+    valid = torch.arange(listed, device=dev) < count.unsqueeze(-1)
+    rows = torch.arange(nq, device=dev).view(1, 1, -1, 1)
+    pairs = torch.where(valid, tiles.long() * nq + rows, n_kv_blocks * nq).flatten(2).sort(-1).values
+    kv, q = pairs // nq, pairs % nq  # padding sorts last, as KV block n_kv_blocks
+    per_kv = torch.zeros(tb, th, n_kv_blocks + 1, dtype=torch.int64, device=dev)
+    per_kv.scatter_add_(-1, kv, torch.ones_like(kv))
+    first = per_kv.cumsum(-1) - per_kv  # where each KV block's run starts among the sorted pairs
+    slot = torch.arange(pairs.shape[-1], device=dev) - first.gather(-1, kv)
+    keep = (kv < n_kv_blocks) & (slot < width)
+    out = torch.full((tb, th, n_kv_blocks * width + 1), -1, dtype=torch.int32, device=dev)
+    out.scatter_(-1, torch.where(keep, kv * width + slot, n_kv_blocks * width), q.int())
+    return out[..., :-1].view(tb, th, n_kv_blocks, width), per_kv[..., :-1].to(torch.int32)
+
+
 def dense_tables(index: DenseIndex, block: int) -> TileTables:
     kb = torch.arange(-(-index.seq_len // block), device=index.device)
-    return tables_from_membership((kb.view(1, -1) <= kb.view(-1, 1)).view(1, 1, len(kb), len(kb)), block)
+    member = kb.view(1, -1) <= kb.view(-1, 1)
+    if index.documents is not None:  # block-diagonal: from the key block of each block's first document start
+        member &= kb.view(1, -1) >= (index.documents.block_firsts(block) // block).view(-1, 1)
+    return tables_from_membership(member.view(1, 1, len(kb), len(kb)), block, **_document_fields(index))
+
+
+def _document_fields(index: SparseIndex) -> dict:
+    """The tables' document vectors of ``index`` (none without documents)."""
+    docs = index.documents
+    return {} if docs is None else {"doc_start": docs.starts, "doc_end": docs.ends()}
 
 
 def slash_tiles(slash: torch.Tensor, q_blocks: torch.Tensor, k_blocks: torch.Tensor, n_blocks: int):
@@ -128,7 +173,8 @@ def vertical_slash_tables(
     vertical columns' tables too. With ``columns`` (int32 positions, ascending, -1 padded
     at the end, holding every vertical column: a rank's gathered column keys) the keys are
     those columns: bars only, no tiles. In one Triton launch for CUDA indices
-    (``tables_kernel``), else composed from the torch helpers below."""
+    (``tables_kernel``; not with packed documents yet), else composed from the torch
+    helpers below."""
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
@@ -137,7 +183,8 @@ def vertical_slash_tables(
     vertical = {"vertical": index.vertical} if bars else {}
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
         vertical = {"bar_positions": index.vertical}
-    if index.device.type == "cuda" and triton_available():
+    docs = index.documents
+    if index.device.type == "cuda" and triton_available() and docs is None:
         from .tables_kernel import launch_vertical_slash_tables  # imports Triton
 
         written = launch_vertical_slash_tables(index, queries, keys, bars, columns)
@@ -145,8 +192,10 @@ def vertical_slash_tables(
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
+    if docs is not None:
+        ids.update(_document_fields(index))
     if columns is None:
-        tiles = slash_tiles(index.slash, gq, gk, n)
+        tiles = slash_tiles(index.slash, gq, gk, n) if docs is None else _document_tiles(index, gq, keys)
         if not bars:
             return TileTables(bs, *tiles, **ids)
         key_vertical, key_starts = index.vertical, blocks * bs
@@ -160,15 +209,49 @@ def vertical_slash_tables(
         key_starts = torch.arange(n_column_blocks + 1, device=index.device, dtype=torch.int32) * bs
         vertical["vertical"] = key_vertical
     last_rows = torch.clamp((gq + 1) * bs, max=index.seq_len) - 1
+    if docs is None:
+        diagonals = {"active": index.active_diagonals().to(torch.int8)}
+    else:  # per document: the packed table, where each query block's document starts in it, its bars' start
+        active, offsets = index.document_active()
+        first_rows = gq.long() * bs
+        diagonals = {
+            "active": active.to(torch.int8),
+            "active_offset": offsets[docs.ids[first_rows].long()].to(torch.int32),
+            "bar_start": vertical_counts(index.vertical, docs.starts[first_rows]),
+        }
     return TileTables(
         bs,
         *tiles,
         **vertical,
         bar_count=vertical_counts(index.vertical, last_rows, right=True),
         vertical_ptr=vertical_counts(key_vertical, key_starts),
-        active=index.active_diagonals().to(torch.int8),
+        **diagonals,
         **ids,
     )
+
+
+def _document_tiles(index: VerticalSlashIndex, gq: torch.Tensor, keys: BlockMap | None) -> tuple[torch.Tensor, ...]:
+    """The tiles of a vertical-slash index with documents between the query blocks with
+    global ids ``gq`` and the key blocks ``keys`` holds (the whole sequence's where None), in
+    local indices, ascending: query block ``g`` reads the key blocks ``g - d`` of the
+    diagonals ``d >= 1`` of the document holding its first row, from that document's first
+    key block on, and ``g`` itself (diagonal 0, every document). Widths follow from shapes:
+    the diagonals plus the block itself per query block; a key block is read by itself and
+    through the diagonals of the one document that runs past it (``VerticalSlashIndex``),
+    so by as many query blocks at most. Torch operations on any device."""
+    bs, docs = index.block_size, index.documents
+    diags = index.block_diagonals(gq)
+    g = gq.long().view(1, 1, -1, 1)
+    kb = torch.cat([g - diags, g.expand(*diags.shape[:3], 1)], -1)
+    first_block = (docs.starts[gq.long() * bs].long() // bs).view(1, 1, -1, 1)
+    keep = torch.cat([(diags > 0) & (kb[..., :-1] >= first_block), torch.ones_like(kb[..., -1:], dtype=torch.bool)], -1)
+    n_k = index.num_blocks if keys is None else len(keys.ids)
+    if keys is not None:  # global -> this chunk's blocks, -1 where another chunk holds them
+        kb = keys.local[torch.where(keep, kb, 0)].long()
+        keep &= kb >= 0
+    width = min(diags.shape[-1] + 1, n_k)
+    tiles, count = compact(kb.int(), keep, width)
+    return tiles, count, *transpose_sorted(tiles, count, n_k, min(diags.shape[-1] + 1, len(gq)))
 
 
 def _no_tiles(index: VerticalSlashIndex, n_q: int, n_k: int) -> tuple[torch.Tensor, ...]:
@@ -213,7 +296,9 @@ def block_topk_tables(index: BlockTopKIndex, max_tile: int = 128) -> TileTables:
     member = chosen.repeat_interleave(ratio, dim=-1)[..., :n_tiles]
     kb = torch.arange(n_tiles, device=index.device)
     member &= kb.view(1, -1) <= kb.view(-1, 1)  # a selected block may reach past the query block
-    return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio)
+    if index.documents is not None:  # no tile wholly before the document start of a block's first row
+        member &= kb.view(1, -1) >= (index.documents.block_firsts(tile) // tile).view(-1, 1)
+    return tables_from_membership(member, tile, rowsel=rowsel, rowsel_ratio=ratio, **_document_fields(index))
 
 
 # The index types that have tile tables, so the block-bar kernels serve them (the dispatch

@@ -64,6 +64,8 @@ def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
     the dense kernels."""
     if not isinstance(index, DenseIndex):
         return f"got a {type(index).__name__}"
+    if index.documents is not None:
+        return "got packed documents (cu_seqlens), which this backend is not given"
     module, why_not = interface()
     if module is None:
         return why_not

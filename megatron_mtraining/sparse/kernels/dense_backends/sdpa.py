@@ -36,6 +36,8 @@ def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
     None when it can."""
     if not isinstance(index, DenseIndex):
         return f"got a {type(index).__name__}"
+    if index.documents is not None:
+        return "got packed documents (cu_seqlens), which this backend is not given"
     if q.dtype not in DTYPES:
         return f"got {q.dtype}"
     if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:

@@ -25,6 +25,11 @@ ascending), exactly. ``torch.topk`` (the torch path) leaves the order of ties
 unspecified, so the two can pick different blocks among equally scored ones only.
 Blocks with no visible key score -inf and are never taken; a NaN score never enters.
 
+Packed documents (``doc_starts``, ``[S]`` int32 by position): a row sees no key before its
+document's start (one load per row, a compare per score), and a tile's walk starts at the
+key block of its first row's start, so blocks wholly before every row's document cost
+nothing; blocks before one row's document score -inf for it and are never taken.
+
 Scores are fp32 ``q . k / sqrt(d_idx)``; 16-bit products are exact in fp32. fp32 inputs
 use 3xTF32 products (``tf32x3``: fp32 accuracy on the tensor cores), not IEEE products: a
 128-row tile of fp32 index queries held for an IEEE (FMA) product spills its registers
@@ -72,9 +77,10 @@ LAUNCH = SelectLaunch()
 
 @triton.jit
 def _block_select_kernel(
-    Q, K, SCORES, BLOCKS, seq_len, n_blocks, HKV, sq_b, sq_s, sq_h, sk_b, sk_s, n_slots, width, scale,
+    Q, K, SCORES, BLOCKS, DOC_START, seq_len, n_blocks, HKV, sq_b, sq_s, sq_h, sk_b, sk_s, n_slots, width, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KP: tl.constexpr, SELECT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
     """One tile of ``BLOCK_M`` query rows of one (batch, group) against every key block
     up to its causal limit: the block maxima (``SCORES``, unless ``SELECT``) or the
@@ -94,6 +100,11 @@ def _block_select_kernel(
     last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, seq_len) - 1
     n_visible = last_row // BLOCK_SIZE + 1
     own = rows // BLOCK_SIZE
+    first_block = n_visible * 0
+    row_first = rows
+    if HAS_DOCS:  # each row's document start; blocks before the first row's see nothing
+        row_first = tl.load(DOC_START + rows, mask=row_ok, other=0)
+        first_block = tl.load(DOC_START + tile * BLOCK_M) // BLOCK_SIZE
     if SELECT:
         col = tl.arange(0, KP)[None, :]
         # Slot 0: the row's own block, forced. Slots past n_slots: +inf, never evicted.
@@ -103,7 +114,16 @@ def _block_select_kernel(
         top_i = tl.where(col == 0, own[:, None], _EMPTY + col)
     else:
         out_row = SCORES + (bg.to(tl.int64) * seq_len + rows.to(tl.int64)) * n_blocks
-    for j in range(0, n_visible):
+    if not SELECT:
+        pad = tl.arange(0, 16)
+        for j0 in range(0, first_block, 16):  # blocks before every row's document
+            unseen = j0 + pad
+            tl.store(
+                out_row[:, None] + unseen[None, :],
+                float("-inf"),
+                mask=row_ok[:, None] & (unseen < first_block)[None, :],
+            )
+    for j in range(first_block, n_visible):
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for t in tl.static_range(BLOCK_SIZE // BLOCK_N):
             keys = j * BLOCK_SIZE + t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +133,8 @@ def _block_select_kernel(
             )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             visible = key_ok[None, :] & (keys[None, :] <= rows[:, None])
+            if HAS_DOCS:
+                visible = visible & (keys[None, :] >= row_first[:, None])
             best = tl.maximum(best, tl.max(tl.where(visible, s, float("-inf")), 1))
         best = best * scale
         if SELECT:
@@ -160,7 +182,9 @@ def _check_device(q_idx: torch.Tensor) -> None:
         fail("q_idx.device", str(q_idx.device), "a CUDA device (or TRITON_INTERPRET=1) for the Triton selection")
 
 
-def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: int, block_m: int) -> None:
+def _launch(
+    q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: int, block_m: int, doc_starts=None
+) -> None:
     bsz, seq, groups, d = q_idx.shape
     q = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
     k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
@@ -171,11 +195,12 @@ def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: 
     while True:
         try:
             _block_select_kernel[(bsz * groups, triton.cdiv(seq, block_m))](
-                q, k, scores, blocks, seq, n_blocks, groups, *q.stride()[:3], *k.stride()[:2], n_slots, width,
+                q, k, scores, blocks, q if doc_starts is None else doc_starts, seq, n_blocks, groups, *q.stride()[:3],
+                *k.stride()[:2], n_slots, width,
                 1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
                 BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
                 PRECISION="tf32x3" if fp32 else "tf32", num_warps=LAUNCH.num_warps,
-                num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages,
+                num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages, HAS_DOCS=doc_starts is not None,
             )  # fmt: skip
             return
         except OutOfResources:
@@ -187,23 +212,35 @@ def _launch(q_idx, k_idx, block_size: int, scores, blocks, n_slots: int, width: 
 
 
 @torch.no_grad()
-def block_max_scores_triton(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_max_scores_triton(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, doc_starts: torch.Tensor | None = None
+) -> torch.Tensor:
     """``msa.block_max_scores`` over the whole sequence (positions ``0 .. S-1``):
-    ``[B, Hkv, S, n_blocks]`` fp32, -inf where the block has no key at or before the row."""
+    ``[B, Hkv, S, n_blocks]`` fp32, -inf where the block has no key at or before the row
+    (and, with ``doc_starts``, at or after the start of its document)."""
     _check(q_idx, k_idx, block_size)
     _check_device(q_idx)
     bsz, seq, groups, _ = q_idx.shape
     scores = torch.empty(bsz, groups, seq, -(-seq // block_size), dtype=torch.float32, device=q_idx.device)
     if seq:
-        _launch(q_idx, k_idx, block_size, scores, None, 1, 1, LAUNCH.block_m)
+        _launch(q_idx, k_idx, block_size, scores, None, 1, 1, LAUNCH.block_m, _starts(doc_starts, seq))
     return scores
 
 
+def _starts(doc_starts: torch.Tensor | None, seq: int) -> torch.Tensor | None:
+    if doc_starts is not None and (doc_starts.shape != (seq,) or doc_starts.dtype != torch.int32):
+        fail("doc_starts", f"{doc_starts.dtype} {tuple(doc_starts.shape)}", f"torch.int32 [{seq}] document starts")
+    return None if doc_starts is None else doc_starts.contiguous()
+
+
 @torch.no_grad()
-def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+def select_blocks(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, topk: int, doc_starts: torch.Tensor | None = None
+) -> torch.Tensor:
     """The MSA selection in one launch: per (query, group) its own block plus the top
     ``topk - 1`` other visible blocks, ``[B, S, Hkv, topk]`` int32 ascending, -1 padded.
-    Ties go to the lower block id (module docstring)."""
+    Ties go to the lower block id (module docstring). ``doc_starts``: the ``[S]`` int32
+    document start of each position (``Documents.starts``), for packed documents."""
     _check(q_idx, k_idx, block_size)
     check_int("topk", topk, minimum=1)
     if topk > MAX_TOPK:
@@ -214,5 +251,5 @@ def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, block_size: int, top
     if seq:
         n_slots = min(topk, -(-seq // block_size))
         block_m = LAUNCH.block_m if n_slots <= 32 else LAUNCH.block_m_wide
-        _launch(q_idx, k_idx, block_size, None, blocks, n_slots, topk, block_m)
+        _launch(q_idx, k_idx, block_size, None, blocks, n_slots, topk, block_m, _starts(doc_starts, seq))
     return blocks

@@ -120,7 +120,9 @@ def _fwd_kernel(
                 if BLOCK != BLOCK_N:
                     k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
                 # Masked everywhere: a compare and select per score, against a branch per tile.
-                acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, cols, col_ok, row_pos, qk_scale, True, PRECISION)
+                acc, m_i, l_i = _online_step(
+                    acc, m_i, l_i, q, k, v, cols, col_ok, row_pos, row_pos, qk_scale, True, False, PRECISION
+                )
             empty = l_i == 0.0
             l_safe = tl.where(empty, 1.0, l_i)
             _store_rows(O_BUF, slot_row, ok, HEAD_DIM, d, d_ok, acc / l_safe[:, None])
@@ -240,7 +242,9 @@ def _dq_kernel(
             dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
             for j in range(BLOCK // BLOCK_N):
                 k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
-                dq = _dq_step(dq, q, do, lse, delta, k, v, cols, col_ok, row_pos, qk_scale, True, PRECISION)
+                dq = _dq_step(
+                    dq, q, do, lse, delta, k, v, cols, col_ok, row_pos, row_pos, qk_scale, True, False, PRECISION
+                )
             _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq * sm_scale)
             q_row, ok, row_pos, stat, slot_row = n_row, n_ok, n_pos, n_stat, n_slot
 

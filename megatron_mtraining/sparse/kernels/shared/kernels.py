@@ -14,11 +14,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    """Scaled log2-domain logits [BLOCK, N]; if ``masked``, invisible keys at -inf."""
+def _scores(q, k, col_pos, col_ok, row_pos, row_first, qk_scale, masked, HAS_DOCS: tl.constexpr,
+            PRECISION: tl.constexpr):  # fmt: skip
+    """Scaled log2-domain logits [BLOCK, N]; if ``masked``, invisible keys at -inf: after
+    the row, or (``HAS_DOCS``) before ``row_first``, the start of the row's document."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if masked:
-        s = tl.where(col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
+        visible = col_ok[None, :] & (col_pos[None, :] <= row_pos[:, None])
+        if HAS_DOCS:
+            visible = visible & (col_pos[None, :] >= row_first[:, None])
+        s = tl.where(visible, s, float("-inf"))
     return s
 
 
@@ -35,8 +40,9 @@ def _store_rows(base, idx, ok, row_stride, d, d_ok, x):
 
 
 @triton.jit
-def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    s = _scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION)
+def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, row_first, qk_scale, masked,
+                 HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    s = _scores(q, k, col_pos, col_ok, row_pos, row_first, qk_scale, masked, HAS_DOCS, PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -46,8 +52,11 @@ def _online_step(acc, m_i, l_i, q, k, v, col_pos, col_ok, row_pos, qk_scale, mas
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION: tl.constexpr):
-    p = tl.exp2(_scores(q, k, col_pos, col_ok, row_pos, qk_scale, masked, PRECISION) - lse[:, None])
+def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, row_first, qk_scale, masked,
+             HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    p = tl.exp2(
+        _scores(q, k, col_pos, col_ok, row_pos, row_first, qk_scale, masked, HAS_DOCS, PRECISION) - lse[:, None]
+    )
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

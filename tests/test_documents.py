@@ -1,0 +1,484 @@
+"""Packed documents (``cu_seqlens``): no row attends a key of another document.
+
+Every pattern's index built with fresh random boundaries (documents of one token, of
+exactly one block, a boundary on a block edge, many short ones, a long one) is checked
+against an independent block-diagonal causal mask written here from the boundaries: its
+mask stays inside, its attention (reference path and Triton kernels, in the interpreter on
+a CPU) equals fp64 dense attention under its mask, gradients included, and its attended
+area agrees with the mask. The per-document builders are checked against the same build
+on each document alone (vertical-slash) and against brute force (MSA, MoBA).
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from cp_workers import check_ring_with_documents
+from dense_reference import dense_attention, finite
+from documents_reference import block_diagonal, random_boundaries
+from gloo import run, run_on_device
+
+from megatron_mtraining import patterns
+from megatron_mtraining.context_parallel.distributed_index import build_index
+from megatron_mtraining.sparse import (
+    BlockTopKIndex,
+    DenseIndex,
+    MoBAConfig,
+    MSAConfig,
+    VerticalSlashConfig,
+    VerticalSlashIndex,
+    attention_recall,
+    build_vertical_slash_index,
+    dispatch,
+    packed_documents,
+    sparse_attention,
+)
+from megatron_mtraining.sparse.index import VerticalSlashPart, compact
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables, transpose_sorted, transpose_tiles
+
+KERNELS = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET"
+)
+BLOCK = 16
+VS_CONFIG = VerticalSlashConfig(
+    last_q=16, vertical_topp=0.5, slash_topp=0.5, block_size=BLOCK, sink_tokens=2, dense_below=32
+)
+MSA_CONFIG = MSAConfig(block_size=BLOCK, topk=3, index_head_dim=16)
+MOBA_CONFIG = MoBAConfig(chunk_size=32, topk=3)
+
+
+def inputs(rng, seq, hq=4, hkv=2, d=16, dtype=torch.float32, device="cpu"):
+    def t(h):
+        return torch.randn(1, seq, h, d, generator=rng).to(device, dtype).requires_grad_()
+
+    return t(hq), t(hkv), t(hkv)
+
+
+def index_of(kind: str, q, k, cu, block: int = BLOCK):
+    """The pattern's index of q/k with documents ``cu``, through the pattern API (MoBA's
+    chunks are two blocks, so tiles and chunks differ)."""
+    if kind == "dense":
+        return patterns.get("dense")().local_index(q, k, 1.0, cu)
+    if kind == "mtraining":
+        config = dataclasses.replace(VS_CONFIG, block_size=block)
+        return patterns.get("mtraining")(config).local_index(q.detach(), k.detach(), q.shape[-1] ** -0.5, cu)
+    if kind == "msa":  # index projections stand-in: the group's mean query, and the mean key
+        q_idx = q.detach().float().unflatten(2, (k.shape[2], -1)).mean(3)
+        k_idx = k.detach().float().mean(2, keepdim=True)
+        config = dataclasses.replace(MSA_CONFIG, block_size=block, index_head_dim=q.shape[-1])
+        return patterns.get("msa")(config).with_inputs(q_idx, k_idx).local_index(q, k, 1.0, cu)
+    config = dataclasses.replace(MOBA_CONFIG, chunk_size=2 * block)
+    return patterns.get("moba")(config).local_index(q.detach(), k.detach(), 1.0, cu)
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2}
+
+
+def assert_close_rel(got, want, tol, what):
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(1.0, want.double().abs().max().item())
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
+
+
+def check_attention(q, k, v, index, backend, rng):
+    """``sparse_attention`` under ``index`` against fp64 dense attention under its mask."""
+    out, lse = sparse_attention(q, k, v, index, backend=backend)
+    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]).to(q.device))
+    tol = TOLERANCE[q.dtype]
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert_close_rel(out, ref_out, tol, "out")
+    assert_close_rel(finite(lse), finite(ref_lse), max(tol, 1e-5), "lse")
+    g_out = torch.randn(out.shape, generator=rng).to(q.device)
+    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
+    got = torch.autograd.grad((out.float() * g_out).sum() + (finite(lse) * g_lse).sum(), (q, k, v))
+    want = torch.autograd.grad(
+        (ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), (q, k, v), allow_unused=True
+    )
+    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert not a.isnan().any(), f"{name} has NaN (unwritten?)"
+        assert_close_rel(a, e, 2 * tol, name)
+
+
+KINDS = ["dense", "mtraining", "msa", "moba"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_path_within_documents(kind, rng):
+    seq = 160
+    cu = random_boundaries(rng, seq)
+    q, k, v = inputs(rng, seq)
+    index = index_of(kind, q, k, cu)
+    mask = index.to_dense_mask(seq)
+    allowed = block_diagonal(cu, seq)
+    assert not (mask & ~allowed).any(), "a row attends a key outside its document"
+    assert mask[0, 0].diagonal().all(), "every row attends itself"
+    if kind == "dense":
+        assert torch.equal(mask, allowed.expand_as(mask))
+    assert index.causal_area() == int(allowed.sum())
+    assert index.density() == pytest.approx(mask.double().sum().item() / mask.shape[1] / int(allowed.sum()))
+    check_attention(q, k, v, index, "reference", rng)
+
+
+@KERNELS
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernels_within_documents(kind, dtype, rng, kdevice):
+    seq = 160 if dtype == torch.float32 else 100  # also a ragged last block
+    cu = random_boundaries(rng, seq)
+    q, k, v = inputs(rng, seq, dtype=dtype, device=kdevice)
+    index = index_of(kind, q, k, cu.to(kdevice))
+    assert not (index.to_dense_mask(seq).cpu() & ~block_diagonal(cu, seq)).any()
+    check_attention(q, k, v, index, "triton", rng)
+
+
+@KERNELS
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_sub_tiles_within_documents(kind, rng, kdevice, monkeypatch):
+    """Blocks of 32 walked 16 keys / rows a step: document starts inside a step's keys."""
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    for name in block_bar.KERNELS:
+        monkeypatch.setitem(
+            block_bar.OVERRIDES, name, block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
+        )
+    seq = 224
+    cu = random_boundaries(rng, seq, block=32)
+    q, k, v = inputs(rng, seq, hq=2, hkv=1, d=32, device=kdevice)
+    index = index_of(kind, q, k, cu.to(kdevice), block=32)
+    assert not (index.to_dense_mask(seq).cpu() & ~block_diagonal(cu, seq)).any()
+    check_attention(q, k, v, index, "triton", rng)
+
+
+@KERNELS
+def test_vertical_slash_statistics_kernels_per_document(rng, kdevice, monkeypatch):
+    """The per-document build on the statistics kernels equals the reference build."""
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
+
+    seq = 192
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq, device=kdevice)
+    q, k = q.detach(), k.detach()
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    want = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(
+        window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2, block_mass=16)
+    )
+    got = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu.to(kdevice))
+    assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)
+
+
+def test_mask_is_block_diagonal_for_every_index_type(rng):
+    """Hand-made indexes that list keys before the documents: the rows never see them."""
+    seq, block = 96, 16
+    cu = random_boundaries(rng, seq)
+    docs = packed_documents(cu, seq)
+    allowed = block_diagonal(cu, seq)
+    everything = torch.arange(-(-seq // block), dtype=torch.int32)
+    indexes = [
+        DenseIndex(1, 2, seq, documents=docs),
+        VerticalSlashIndex(
+            torch.arange(seq, dtype=torch.int32).expand(1, 2, seq),
+            everything.expand(1, 2, docs.count, len(everything)).contiguous(),
+            seq,
+            block,
+            docs,
+        ),
+        BlockTopKIndex(everything.expand(1, seq, 2, len(everything)).contiguous(), block, 2, documents=docs),
+    ]
+    for index in indexes:
+        mask = index.to_dense_mask(seq)
+        assert torch.equal(mask, allowed.expand_as(mask)), type(index).__name__
+        assert torch.equal(key_list_mask(index), mask), type(index).__name__
+
+
+def key_list_mask(index) -> torch.Tensor:
+    """The mask that ``key_lists`` and ``visible`` give (the reference path's view)."""
+    b, h, s = index.batch_size, index.num_heads, index.seq_len
+    mask = torch.zeros(b, h, s, s + 1, dtype=torch.bool)
+    for q0, q1 in index.query_ranges(s):
+        keys = index.key_lists(q0, q1)
+        seen = index.visible(keys, q0, q1)
+        keys = torch.where(seen, keys.expand_as(seen), s).long()
+        keys = keys.expand(b, -1, -1, -1).repeat_interleave(h // keys.shape[1], dim=1)
+        mask[:, :, q0:q1].scatter_(-1, keys, True)
+    return mask[..., :s]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_views_and_area_agree_with_the_mask(kind, rng):
+    seq = 160
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    index = index_of(kind, q, k, cu)
+    mask = index.to_dense_mask(seq)
+    assert torch.equal(key_list_mask(index), mask)
+    assert torch.equal(index.attended_area(), mask.sum((-1, -2)))
+    rows = torch.randperm(seq, generator=rng)[: seq // 3].sort().values
+    keys = torch.randperm(seq, generator=rng)[: seq // 2].sort().values
+    want = mask[:, :, rows][..., keys].sum((-1, -2))
+    assert torch.equal(index.area_between(rows, torch.cat([keys, torch.full((3,), -1)])), want)
+    block = 16
+    n = -(-seq // block)
+    pooled = torch.nn.functional.pad(mask.double().sum((0, 1)), (0, n * block - seq, 0, n * block - seq))
+    assert torch.equal(index.block_areas(block), pooled.view(n, block, n, block).sum((1, 3)))
+    if kind == "mtraining":
+        for part in ("tiles", "bars"):
+            piece = VerticalSlashPart(index, part)
+            piece_mask = key_list_mask(piece)
+            assert torch.equal(piece.attended_area(), piece_mask.sum((-1, -2))), part
+            pooled = torch.nn.functional.pad(piece_mask.double().sum((0, 1)), (0, n * block - seq, 0, n * block - seq))
+            assert torch.equal(piece.block_areas(block), pooled.view(n, block, n, block).sum((1, 3))), part
+        assert torch.equal(
+            VerticalSlashPart(index, "tiles").attended_area() + VerticalSlashPart(index, "bars").attended_area(),
+            index.attended_area(),
+        )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tile_tables_skip_tiles_before_the_documents(kind, rng):
+    """No listed tile lies wholly before the document start of its query block's first row,
+    and every attended pair is in a listed tile or a listed bar."""
+    seq = 160
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    index = index_of(kind, q, k, cu)
+    tables = tile_tables(index)
+    bs = tables.block
+    starts = packed_documents(cu, seq).starts
+    n_q = tables.tiles.shape[2]
+    mask = index.to_dense_mask(seq)
+    covered = torch.zeros(mask.shape[1], seq, seq, dtype=torch.bool)
+    heads = mask.shape[1]
+    for h in range(heads):
+        th = h * tables.tiles.shape[1] // heads
+        for qb in range(n_q):
+            rows = slice(qb * bs, min((qb + 1) * bs, seq))
+            listed = tables.tiles[0, th, qb, : tables.tile_count[0, th, qb]].tolist()
+            assert all((kb + 1) * bs > starts[qb * bs] for kb in listed), (h, qb, listed)
+            for kb in listed:
+                covered[h, rows, kb * bs : (kb + 1) * bs] = True
+            if tables.has_bars:
+                first = 0 if tables.bar_start is None else int(tables.bar_start[0, h, qb])
+                for c in tables.vertical[0, h, first : tables.bar_count[0, h, qb]].tolist():
+                    covered[h, rows, c] = True
+    assert not (mask[0] & ~covered).any()
+
+
+def test_transpose_by_sorting_equals_the_membership_table(rng):
+    n_q, n_kv, listed = 12, 9, 5
+    tiles = torch.randint(0, n_kv, (2, 3, n_q, listed), generator=rng).sort(-1).values
+    keep = torch.cat([torch.ones(2, 3, n_q, 1, dtype=torch.bool), tiles[..., 1:] != tiles[..., :-1]], -1)
+    keep &= torch.rand(keep.shape, generator=rng) < 0.8
+    tiles, count = compact(tiles.int(), keep, listed)
+    want = transpose_tiles(tiles, count, n_kv, n_q)
+    got = transpose_sorted(tiles, count, n_kv, n_q)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_vertical_slash_per_document_equals_each_document_alone(rng):
+    seq = 192
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    q, k = q.detach(), k.detach()
+    index = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu)
+    assert index.slash.shape[:3] == (1, 4, len(cu) - 1)
+    bounds = cu.tolist()
+    sparse = 0
+    for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        slash = [[d for d in index.slash[0, h, m].tolist() if d >= 0] for h in range(4)]
+        columns = [[c - a for c in index.vertical[0, h].tolist() if a <= c < b] for h in range(4)]
+        if b - a < VS_CONFIG.dense_below:  # dense: every diagonal of the blocks it touches, no column
+            span = (b - 1) // BLOCK - a // BLOCK + 1
+            assert slash == [list(range(span))] * 4 and columns == [[]] * 4
+            continue
+        sparse += 1
+        alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], VS_CONFIG)
+        assert slash == [[d for d in alone.slash[0, h].tolist() if d >= 0] for h in range(4)], m
+        assert columns == [[c for c in alone.vertical[0, h].tolist() if c >= 0] for h in range(4)], m
+    assert sparse >= 2  # the two long documents
+
+
+def brute_force_msa(q_idx, k_idx, cu, block, topk):
+    """Per (query, group): the own block and the best ``topk - 1`` other blocks by the max
+    over the keys of the query's document up to the query, as sets."""
+    seq, groups = q_idx.shape[1], q_idx.shape[2]
+    allowed = block_diagonal(cu, seq)
+    scores = torch.einsum("bqgd,bkd->bgqk", q_idx.double(), k_idx[:, :, 0].double())
+    chosen = []
+    for i in range(seq):
+        row = []
+        for g in range(groups):
+            best = {}
+            for j in allowed[i].nonzero().flatten().tolist():
+                best[j // block] = max(best.get(j // block, float("-inf")), scores[0, g, i, j].item())
+            own = i // block
+            others = sorted((b for b in best if b != own), key=lambda b: -best[b])[: topk - 1]
+            row.append({own, *others})
+        chosen.append(row)
+    return chosen
+
+
+def selections(blocks: torch.Tensor):
+    return [
+        [{b for b in blocks[0, i, s].tolist() if b >= 0} for s in range(blocks.shape[2])]
+        for i in range(blocks.shape[1])
+    ]
+
+
+def test_msa_selection_is_brute_force_per_document(rng):
+    from megatron_mtraining.sparse import msa_select_blocks
+
+    seq = 112
+    cu = random_boundaries(rng, seq)
+    q_idx = torch.randn(1, seq, 2, 16, generator=rng)
+    k_idx = torch.randn(1, seq, 1, 16, generator=rng)
+    want = brute_force_msa(q_idx, k_idx, cu, BLOCK, MSA_CONFIG.topk)
+    index = msa_select_blocks(q_idx, k_idx, MSA_CONFIG, 4, cu_seqlens=cu)
+    assert index.documents is not None
+    assert selections(index.blocks) == want
+
+
+@KERNELS
+def test_msa_selection_kernel_per_document(rng, kdevice, monkeypatch):
+    from megatron_mtraining.sparse.kernels.index_build import msa_index
+
+    monkeypatch.setattr(msa_index, "LAUNCH", msa_index.SelectLaunch(block_m=32, block_m_wide=16, block_n=16))
+    seq = 112
+    cu = random_boundaries(rng, seq)
+    q_idx = torch.randn(1, seq, 2, 16, generator=rng)
+    k_idx = torch.randn(1, seq, 1, 16, generator=rng)
+    starts = packed_documents(cu, seq).starts
+    blocks = msa_index.select_blocks(q_idx.to(kdevice), k_idx.to(kdevice), BLOCK, 3, doc_starts=starts.to(kdevice))
+    assert selections(blocks.cpu()) == brute_force_msa(q_idx, k_idx, cu, BLOCK, 3)
+    scores = msa_index.block_max_scores_triton(q_idx.to(kdevice), k_idx.to(kdevice), BLOCK, starts.to(kdevice))
+    from megatron_mtraining.sparse import block_max_scores
+
+    positions = torch.arange(seq)
+    want = block_max_scores(q_idx, positions, k_idx, positions, -(-seq // BLOCK), BLOCK, starts)
+    torch.testing.assert_close(scores.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_moba_selection_is_brute_force_per_document(rng):
+    seq = 160
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    q, k = q.detach().double(), k.detach().double()
+    index = patterns.get("moba")(MOBA_CONFIG).local_index(q, k, 1.0, cu)
+    cs, topk, group = MOBA_CONFIG.chunk_size, MOBA_CONFIG.topk, 2
+    allowed = block_diagonal(cu, seq)
+    want = []
+    for i in range(seq):
+        own = i // cs
+        row = []
+        for h in range(4):
+            gate = {}
+            for c in range(own):  # an earlier chunk, pooled over the query's document's keys in it
+                keys = [j for j in range(c * cs, (c + 1) * cs) if allowed[i, j]]
+                if keys:
+                    gate[c] = (q[0, i, h] @ k[0, keys, h // group].mean(0)).item()
+            row.append({own, *sorted(gate, key=lambda c: -gate[c])[: topk - 1]})
+        want.append(row)
+    assert selections(index.blocks) == want
+
+
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([0, 5, 10], "cu_seqlens='list' is not accepted"),
+        (torch.tensor([0.0, 10.0]), "cu_seqlens.dtype=torch.float32"),
+        (torch.tensor([[0, 10]], dtype=torch.int32), r"cu_seqlens.shape=\(1, 2\)"),
+        (torch.tensor([0], dtype=torch.int32), "at least two entries"),
+        (torch.tensor([1, 10], dtype=torch.int32), r"cu_seqlens\[0\]=1 .*first document starts"),
+        (torch.tensor([0, 4, 4, 10], dtype=torch.int32), r"cu_seqlens\[2\]=4 .*no empty document"),
+        (torch.tensor([0, 6, 3, 10], dtype=torch.int32), r"cu_seqlens\[2\]=3 .*strictly increase"),
+        (torch.tensor([0, 4, 9], dtype=torch.int32), r"cu_seqlens\[2\]=9 .*sequence length 10"),
+        (torch.tensor([0, 4, 12], dtype=torch.int32), r"cu_seqlens\[2\]=12 .*sequence length 10"),
+    ],
+)
+def test_bad_boundaries_are_named(cu, message):
+    with pytest.raises(ValueError, match=message):
+        packed_documents(cu, 10)
+    q = torch.randn(1, 10, 2, 16)
+    with pytest.raises(ValueError, match=message):
+        patterns.get("dense")().local_index(q, q, 1.0, cu)
+
+
+def test_int64_boundaries_and_none():
+    assert packed_documents(None, 10) is None
+    docs = packed_documents(torch.tensor([0, 3, 10]), 10)
+    assert docs.cu_seqlens.dtype == torch.int32 and docs.starts.tolist() == [0] * 3 + [3] * 7
+    assert docs.ids.tolist() == [0] * 3 + [1] * 7 and docs.ends().tolist() == [3] * 3 + [10] * 7
+
+
+def test_api_errors_name_the_argument(rng):
+    seq = 64
+    q, k, _ = inputs(rng, seq)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 20, 64\] .*documents the index was built with \(None\)"):
+        build_index(DenseIndex(1, 4, seq), q, k, 1.0, cu_seqlens=cu)
+    index = build_index(patterns.get("dense")(), q, k, 1.0, cu_seqlens=cu)
+    assert build_index(index, q, k, 1.0, cu_seqlens=cu) is index
+    with pytest.raises(ValueError, match="VerticalSlashIndex.slash.shape"):
+        VerticalSlashIndex(torch.zeros(1, 4, 1, dtype=torch.int32), torch.zeros(1, 4, 1, dtype=torch.int32), seq, 16,
+                           packed_documents(cu, seq))  # fmt: skip
+    with pytest.raises(ValueError, match="DenseIndex.documents"):
+        DenseIndex(1, 4, 32, documents=packed_documents(cu, seq))
+
+
+def test_dispatch_keeps_documents_off_libraries_without_bounds():
+    import types
+
+    from megatron_mtraining.sparse.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("the kernel rules need Triton installed")
+    seq = 131072
+    shape = torch.Size((1, seq, 4, 64))
+    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=shape, device=torch.device("cuda"),
+                              numel=shape.numel)  # fmt: skip
+    docs = packed_documents(torch.tensor([0, 1000, seq], dtype=torch.int32), seq)
+    blocks = torch.full((1, seq, 2, 4), -1, dtype=torch.int32)
+    blocks[..., 0] = (torch.arange(seq) // 128).view(1, seq, 1).int()
+    plain = BlockTopKIndex(blocks, 128, 4)
+    assert dispatch.attention_kernel(q, plain, "auto").kernel == "kv_outer"
+    decision = dispatch.attention_kernel(q, BlockTopKIndex(blocks, 128, 4, documents=docs), "auto")
+    assert decision.kernel == "block_bar" and "packed documents" in decision.reason
+    dense = DenseIndex(1, 4, seq, documents=docs)
+    assert dispatch.attention_kernel(q, dense, "auto").kernel == "block_bar"
+    with pytest.raises(ValueError, match="packed documents"):
+        dispatch.attention_kernel(q, dense, "sdpa")
+
+
+def test_recall_is_dense_mass_within_documents(rng):
+    seq, rows = 128, 24
+    cu = random_boundaries(rng, seq)
+    cu = torch.cat([cu[cu < seq - 10], torch.tensor([seq - 10, seq], dtype=torch.int32)])  # the last rows split
+    q, k, _ = inputs(rng, seq)
+    q, k = q.detach(), k.detach()
+    index = index_of("mtraining", q, k, cu)
+    got = attention_recall(q, k, index, num_rows=rows)
+    allowed = block_diagonal(cu, seq)[-rows:]
+    logits = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2))[:, :, -rows:]
+    probs = torch.softmax(logits * q.shape[-1] ** -0.5 + torch.where(allowed, 0.0, float("-inf")), -1)
+    want = (probs * index.to_dense_mask(seq)[:, :, -rows:]).sum(-1).mean(-1)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_context_parallel_reference_path(kv_exchange, rng):
+    """CP 2 on gloo, fp64 reference path: contiguous, zigzag and striped layouts."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run(2, check_ring_with_documents, seed, 192, False, kv_exchange)
+
+
+@KERNELS
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_context_parallel_kernels(kv_exchange, rng):
+    """CP 2, the ring steps (and the column piece) or the all-gathered piece on the kernels."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(2, check_ring_with_documents, seed, 192, True, kv_exchange)
