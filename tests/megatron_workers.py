@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import tempfile
 
 import torch
@@ -639,3 +640,64 @@ def check_msa_fused_kl_in_layer(rank, world):
     for n, g in _scaled_backward(recomputed, 1.0).items():
         torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
     torch.testing.assert_close(tracker.metrics["msa_kl_loss"].values, kl_recorded, rtol=1e-6, atol=1e-8)
+
+
+def check_packed_documents_equal_separate_samples(rank, world):
+    """A packed sample of two documents (the EOD closing the first) gives every token the loss
+    it gets when each document is its own sample, and the same gradients for the summed loss:
+    THD (positions restart) and sbhd (positions run on; RoPE is relative, so the same
+    attention), dense attention, at CP 1 and at CP ``world`` in the striped layout (the
+    sample split as one sequence, the boundaries global)."""
+    from megatron_mtraining.training.documents import packed_seq_params
+
+    eod = VOCAB - 1
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    first = int(torch.randint(SEQ // 4, 3 * SEQ // 4, (1,), generator=gen))
+    tokens = torch.randint(0, VOCAB - 1, (1, SEQ), generator=gen)
+    tokens[0, first - 1] = eod
+    labels = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
+    dist.broadcast(tokens, 0)
+    dist.broadcast(labels, 0)
+    first = int(torch.nonzero(tokens[0] == eod)[0]) + 1  # rank 0's draw
+    init_megatron(1)
+    model = build_model(attention_config("dense"))
+    state = model.state_dict()
+
+    def run(m, tok, lab, packed=None):
+        m.zero_grad(set_to_none=True)
+        positions = torch.arange(tok.shape[1]).view(1, -1)
+        per_token = m(tok, positions, None, labels=lab, packed_seq_params=packed)
+        per_token.float().sum().backward()
+        return per_token.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    parts = [run(model, tokens[:, a:b], labels[:, a:b]) for a, b in ((0, first), (first, SEQ))]
+    want = torch.cat([p[0] for p in parts], dim=1)
+    want_grads = {n: parts[0][1][n] + parts[1][1][n] for n in parts[0][1]}
+    for cp in (1, world):
+        init_megatron(cp)
+        layout = None
+        if cp > 1:
+            use_layout("striped", 16)
+            layout = ContextParallelLayout("striped", cp, SEQ, stripe=16)
+        cp_model = build_model(
+            attention_config("dense", layout="striped", stripe=16) if cp > 1 else attention_config("dense")
+        )
+        cp_model.load_state_dict(state)
+        for thd in (True, False):
+            packed = packed_seq_params(tokens, eod, reset_position_ids=thd)
+            assert torch.equal(packed.cu_seqlens_q, torch.tensor([0, first, SEQ], dtype=torch.int32))
+            tok, lab = (t if layout is None else layout.shard(t, dist.get_rank()) for t in (tokens, labels))
+            got, grads = run(cp_model, tok, lab, packed)
+            expected = want if layout is None else layout.shard(want, dist.get_rank())
+            where = f"cp={cp} {'thd' if thd else 'sbhd'} first document {first}"
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+            if cp > 1:
+                for g in grads.values():
+                    dist.all_reduce(g)
+            for n, g in grads.items():
+                # Relative to the tensor's scale: sbhd rotates by other absolute angles (the same
+                # relative ones), so its fp32 rounding differs from the separate samples'.
+                err = (g - want_grads[n]).abs().max() / want_grads[n].abs().max()
+                assert err < 1e-3, f"{where} {n}: max error {err:.2e} of the largest gradient"
+        if cp > 1:
+            patches.remove_patches()

@@ -373,3 +373,7 @@ def test_cp4_equals_cp1(references):
     # across ranks) keeps the runtime down.
     runs += [(kind, "striped", True) for kind in ("mtraining", "msa")]
     run(4, workers.check_cp4, references, runs)
+
+
+def test_packed_documents_equal_separate_samples():
+    run(2, workers.check_packed_documents_equal_separate_samples)

@@ -27,6 +27,7 @@ from megatron_mtraining.sparse import (
     sparse_attention,
 )
 from megatron_mtraining.sparse.dispatch import kl_kernel
+from megatron_mtraining.sparse.documents import packed_documents
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 
 pytestmark = [
@@ -204,6 +205,9 @@ def test_dispatch_decision(rng):
     with pytest.raises(ValueError, match="KL kernels"):
         kl_kernel(q, q_idx, vs, backend="triton")
     assert kl_kernel(q, q_idx.double(), dense, backend="auto").kernel == "reference"
+    packed = DenseIndex(1, 4, 32, documents=packed_documents(torch.tensor([0, 9, 32], dtype=torch.int32), 32))
+    with pytest.raises(ValueError, match="packed documents"):
+        kl_kernel(q, q_idx, packed, backend="triton")
     if torch.cuda.is_available():
         topk = BlockTopKIndex(blocks=torch.zeros(1, 32, 2, 1, dtype=torch.int32), block_size=16, num_heads=4)
         decision = kl_kernel(q.cuda().half(), q_idx.cuda().half(), topk.to("cuda"))

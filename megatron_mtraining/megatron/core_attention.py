@@ -32,6 +32,7 @@ from .. import patches
 from ..context_parallel import ContextParallelLayout, ring_attention
 from ..context_parallel.distributed_index import build_index
 from ..sparse import DenseIndex, IndexBranch, sparse_attention
+from ..sparse.documents import packed_documents
 from ..sparse.validation import fail
 from .config import get_attention_config
 from .cp_groups import hierarchy_from_megatron
@@ -177,21 +178,23 @@ class SparseCoreAttention(MegatronModule):
         packed_seq_params=None,
         index_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[sq, b, np, hn]`` queries over ``[sk, b, ng, hn]`` keys/values -> ``[sq, b, np*hn]``.
+        """``[sq, b, np, hn]`` queries over ``[sk, b, ng, hn]`` keys/values -> ``[sq, b, np*hn]``
+        (``[t, np, hn]`` -> ``[t, 1, np*hn]`` for packed ``thd`` input).
 
         ``attention_mask`` is not read: the attention is causal over global positions, which
         the layout gives (as Transformer Engine ignores the mask for a causal mask type).
+        ``packed_seq_params``: packed documents (``training/documents.py`` builds them from the
+        EOD tokens), ``thd`` or ``sbhd`` with batch 1, ``cu_seqlens_q`` the global document
+        boundaries of the whole sample; no query attends across one.
         ``index_input``: the layer input ``[s, b, hidden]`` for MSA's index branch when the
         caller passes it explicitly (recompute); otherwise ``self.index_input``.
         """
         if attention_bias is not None:
             fail("attention_bias", type(attention_bias).__name__, "None (no additive bias in sparse attention)")
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "packed_seq_params is not supported by SparseCoreAttention yet: pass packed_seq_params=None "
-                "(one sequence per sample, the sbhd format)"
-            )
         self._check_mask_type(attn_mask_type or self.attn_mask_type)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        cu_seqlens = _document_bounds(packed_seq_params, query.shape[1])
         q, k, v = (t.transpose(0, 1).contiguous() for t in (query, key, value))
         cp_size = _group_size(self.cp_group)
         layout = None
@@ -202,24 +205,26 @@ class SparseCoreAttention(MegatronModule):
             cfg = self.attention_config
             layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
         if self.pattern.has_index_branch:
-            out = self._msa(q, k, v, index_input if index_input is not None else self.index_input, layout)
+            hidden = index_input if index_input is not None else self.index_input
+            out = self._msa(q, k, v, hidden, layout, cu_seqlens)
         else:
-            out, _ = self._attend(q, k, v, self.pattern, layout)
+            out, _ = self._attend(q, k, v, self.pattern, layout, cu_seqlens)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
-    def _attend(self, q, k, v, pattern, layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse ``[B, Hq, L]`` fp32) of this rank's rows."""
+    def _attend(self, q, k, v, pattern, layout, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse ``[B, Hq, L]`` fp32) of this rank's rows; ``cu_seqlens``: packed documents."""
         scale, backend = self.softmax_scale, self.attention_config.backend
         if layout is None:
             with part_range("index"):
-                pattern = build_index(pattern, q, k, scale)
+                pattern = build_index(pattern, q, k, scale, cu_seqlens=cu_seqlens)
             return sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
         exchange = self.attention_config.kv_exchange
         return ring_attention(
-            q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange
-        )
+            q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
 
-    def _msa(self, q, k, v, hidden, layout) -> torch.Tensor:
+    def _msa(self, q, k, v, hidden, layout, cu_seqlens=None) -> torch.Tensor:
         """MSA: select with the index branch (dense during warmup), attend, and attach this
         rank's share of the KL loss to the output while training."""
         if hidden is None:
@@ -235,12 +240,13 @@ class SparseCoreAttention(MegatronModule):
             if cfg.warmup_steps > 0 and cfg.in_warmup(training_iteration(self.config)):
                 # Dense main branch; the KL spans every visible token.
                 seq = q.shape[1] if layout is None else layout.seq_len
-                index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device)
+                documents = packed_documents(cu_seqlens, seq, q.device)
+                index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device, documents=documents)
             else:
                 pattern = self.pattern.with_inputs(q_idx, k_idx)
-                index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
+                index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         self._msa_metrics(q, k, q_idx, k_idx, index, layout)
-        out, lse = self._attend(q, k, v, index, layout)
+        out, lse = self._attend(q, k, v, index, layout, cu_seqlens)
         if self.training and torch.is_grad_enabled():
             with part_range("msa_kl"):
                 # The main pass's LSE normalises the teacher on one device (the fused kernels
@@ -259,6 +265,25 @@ class SparseCoreAttention(MegatronModule):
 
     def _record_kl(self, value: torch.Tensor) -> None:
         record_kl(value, self.layer_number, self.config.num_layers, self.cp_group)
+
+
+def _document_bounds(packed_seq_params, batch: int) -> torch.Tensor | None:
+    """The global document boundaries of a packed sample, or None (unpacked); fails naming
+    what the plugin's packed path does not take."""
+    if packed_seq_params is None:
+        return None
+    p = packed_seq_params
+    if p.qkv_format not in ("thd", "sbhd"):
+        fail("packed_seq_params.qkv_format", p.qkv_format, "'thd' or 'sbhd'")
+    if batch != 1:
+        fail("micro-batch size", batch, "1 with packed documents (one packed sample per micro-batch)")
+    if p.cu_seqlens_q is None:
+        fail("packed_seq_params.cu_seqlens_q", None, "the document boundaries of the sample")
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(p, name)
+        if other is not None and other is not p.cu_seqlens_q and not torch.equal(other, p.cu_seqlens_q):
+            fail(f"packed_seq_params.{name}", "different boundaries", "None or cu_seqlens_q (self-attention, unpadded)")
+    return p.cu_seqlens_q
 
 
 class MSASelfAttention(SelfAttention):

@@ -130,6 +130,14 @@ def kl_kernel(q: torch.Tensor, q_idx: torch.Tensor, index: SparseIndex, backend:
         if setting == "triton":
             fail("backend", "triton", f"a BlockTopKIndex or DenseIndex for the KL kernels, got {type(index).__name__}")
         return Decision("reference", f"no KL kernel serves a {type(index).__name__}")
+    if index.documents is not None:
+        if setting == "triton":
+            fail(
+                "backend",
+                "triton",
+                "an index without packed documents for the KL kernels (they take no document bounds)",
+            )
+        return Decision("reference", "packed documents: the KL kernels take no document bounds")
     return Decision("msa_kl", f"a {type(index).__name__} on CUDA: fused KL kernels, the teacher from the main LSE")
 
 

@@ -72,7 +72,8 @@ class MeasuredCoreAttention(SparseCoreAttention):
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         # Runs before _attend, which marks the micro-batch measured.
         weight, _ = self._measuring()
-        if not weight:
+        if not weight or index.documents is not None:
+            # The recall's dense reference does not take packed documents yet: not recorded.
             return
         cfg, scale = self.attention_config.msa, self.softmax_scale
         with part_range("metrics"):
@@ -89,16 +90,18 @@ class MeasuredCoreAttention(SparseCoreAttention):
             self._record(BLOCK_RECALL_METRIC, block.mean() * share, group)
             self._record(SCORE_RECALL_METRIC, score.mean() * share, group)
 
-    def _attend(self, q, k, v, pattern, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, q, k, v, pattern, layout, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         weight, micro_batch = self._measuring()
         if not weight:
-            return super()._attend(q, k, v, pattern, layout)
+            return super()._attend(q, k, v, pattern, layout, cu_seqlens)
         self._measured_micro_batch = micro_batch
         seq = q.shape[1] if layout is None else layout.seq_len
-        causal = q.shape[0] * q.shape[2] * seq * (seq + 1) / 2
+        # Attendable pairs: the causal triangle, or each packed document's.
+        lengths = [seq] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        causal = q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
         if layout is None:
             with part_range("index"):
-                pattern = build_index(pattern, q, k, self.softmax_scale)
+                pattern = build_index(pattern, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
             with part_range("metrics"):
                 self._record(FRACTION_METRIC, pattern.attended_area().sum().double() * (weight / causal), None)
                 recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
@@ -106,7 +109,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             return super()._attend(q, k, v, pattern, layout)
         # Built here rather than inside the ring so that the recall scores the index the ring runs.
         with part_range("index"):
-            pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group)
+            pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         stats = RingStats()
         out, lse = ring_attention(
             q,
@@ -120,6 +123,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             stats=stats,
             backend=self.attention_config.backend,
             kv_exchange=self.attention_config.kv_exchange,
+            cu_seqlens=cu_seqlens,
         )
         with part_range("metrics"):
             rank = dist.get_rank(self.cp_group)
