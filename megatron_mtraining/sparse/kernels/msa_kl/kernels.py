@@ -119,7 +119,7 @@ def _index_lse_kernel(
         kb, cols, col_ok, col_pos = _block_step(TILES, trow, T_MAX, j, KBLK, SK, BLOCK, BLOCK_N, HAS_KPOS)
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
-        z = _scores(qi, ki, col_pos, col_ok, seen, idx_scale, True, PRECISION)
+        z = _scores(qi, ki, col_pos, col_ok, seen, seen, idx_scale, True, False, PRECISION)
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(z - m_safe[:, None]), 1)
