@@ -386,6 +386,29 @@ def test_moba_selection_is_brute_force_per_document(rng):
     assert selections(index.blocks) == want
 
 
+@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup-dense"])
+def test_msa_kl_loss_within_documents(warmup, rng):
+    """The KL spans the selected tokens of each row's document only (brute force from the
+    index's mask, as tests/test_msa.py checks it without documents)."""
+    from test_msa import brute_force_kl
+
+    from megatron_mtraining.sparse import msa_kl_loss, msa_select_blocks
+
+    seq, hq, groups, d, di = 112, 4, 2, 16, 8
+    cu = random_boundaries(rng, seq)
+    q, k = (torch.randn(1, seq, h, d, generator=rng, dtype=torch.float64) for h in (hq, groups))
+    q_idx = torch.randn(1, seq, groups, di, generator=rng, dtype=torch.float64).requires_grad_()
+    k_idx = torch.randn(1, seq, 1, di, generator=rng, dtype=torch.float64).requires_grad_()
+    config = MSAConfig(block_size=BLOCK, topk=2, index_head_dim=di)
+    docs = packed_documents(cu, seq)
+    index = DenseIndex(1, hq, seq, documents=docs) if warmup else msa_select_blocks(q_idx, k_idx, config, hq, cu)
+    loss = msa_kl_loss(q, k, q_idx, k_idx, index)
+    want = brute_force_kl(q, k, q_idx, k_idx, index.to_dense_mask(seq))
+    torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-10)
+    for a, e in zip(torch.autograd.grad(loss, (q_idx, k_idx)), torch.autograd.grad(want, (q_idx, k_idx)), strict=True):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-9)
+
+
 @pytest.mark.parametrize(
     "cu, message",
     [
