@@ -118,11 +118,14 @@ class RingStats:
         return tuple(torch.tensor([row[i] for row in rows], dtype=torch.float64) for i in range(3))
 
 
-def simulate_ring_areas(index: SparseIndex, layout: ContextParallelLayout, block: int) -> torch.Tensor:
+def simulate_ring_areas(
+    index: SparseIndex, layout: ContextParallelLayout, block: int, tiles: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[ranks, steps]`` areas the flat ring computes for ``index`` under ``layout``
     (for a vertical-slash index pass its tiles, ``ring_work(index)``), without
-    processes. ``block`` must divide the layout's stripes (or zigzag chunks)."""
-    tiles = index.block_areas(block)
+    processes. ``block`` must divide the layout's stripes (or zigzag chunks). ``tiles``:
+    ``index.block_areas(block)`` when the caller has it (one count for several layouts)."""
+    tiles = index.block_areas(block) if tiles is None else tiles
     owner = torch.empty(tiles.shape[0], dtype=torch.long)
     for r in range(layout.cp_size):
         owner[layout.positions(r)[::block] // block] = r

@@ -321,6 +321,20 @@ class DenseIndex(SparseIndex):
             return keys.before(q + 1).sum().view(1, 1)
         return keys.between(self.documents.starts[q].long(), q + 1).sum().view(1, 1)
 
+    def block_areas(self, block: int) -> torch.Tensor:
+        # Closed form per row: the keys of block j in [row's document start, row]; the
+        # generic count enumerates every pair (S^2).
+        n, seq = -(-self.seq_len // block), self.seq_len
+        first = torch.arange(n, device=self.device) * block
+        last = torch.clamp(first + block, max=seq) - 1
+        area = torch.zeros(n, n, dtype=torch.float64, device=self.device)
+        for r0 in range(0, seq, 8192):
+            rows = torch.arange(r0, min(r0 + 8192, seq), device=self.device)
+            lo = torch.zeros_like(rows) if self.documents is None else self.documents.starts[rows].long()
+            count = (torch.minimum(rows.view(-1, 1), last) - torch.maximum(lo.view(-1, 1), first) + 1).clamp(min=0)
+            area.index_add_(0, rows // block, count.double())
+        return area * (self.batch_size * self.num_heads)
+
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
         causal = _causal(seq_len, self.device, self.documents)
