@@ -269,6 +269,56 @@ def test_tile_tables_skip_tiles_before_the_documents(kind, rng):
     assert not (mask[0] & ~covered).any()
 
 
+@KERNELS
+@pytest.mark.parametrize("block", [16, 32])
+def test_tables_kernel_with_documents_equals_the_torch_tables(block, rng, kdevice):
+    """The one-launch tables of a vertical-slash index with documents (``tables_kernel``)
+    against the torch composition (the CPU path), entry for entry: the whole sequence with
+    bars, context-parallel rows over every chunk's keys (tiles only), over whole-sequence
+    keys (bars) and over the gathered column keys; built indexes and every-diagonal ones."""
+    from megatron_mtraining.context_parallel import ContextParallelLayout
+    from megatron_mtraining.sparse.kernels.block_bar.block_map import BlockMap
+    from megatron_mtraining.sparse.kernels.block_bar.tables import vertical_slash_tables
+    from megatron_mtraining.sparse.kernels.block_bar.tables_kernel import launch_vertical_slash_tables
+
+    seq = 256
+    n = seq // block
+    cu = random_boundaries(rng, seq, block=block)
+    q, k, _ = inputs(rng, seq)
+    config = dataclasses.replace(VS_CONFIG, block_size=block, dense_below=2 * block)
+    built = build_vertical_slash_index(q.detach(), k.detach(), config, cu_seqlens=cu)
+    docs = packed_documents(cu, seq)
+    everything = torch.arange(n, dtype=torch.int32).expand(1, 4, docs.count, n).contiguous()
+    columns = torch.arange(0, seq, 7, dtype=torch.int32).expand(1, 4, -1).contiguous()
+    layout = ContextParallelLayout("zigzag", 2, seq, stripe=block)
+
+    def blocks(rank, dev):
+        return BlockMap.of(layout.positions(rank, dev)[::block] // block, n)
+
+    for index in (built, VerticalSlashIndex(columns, everything, seq, block, docs)):
+        gathered = index.vertical[index.vertical >= 0].unique().int()
+        gathered = torch.cat([gathered, torch.full((3,), -1, dtype=torch.int32)])
+        cases = [(None, None, True, None)]
+        for rank in range(2):
+            cases += [(rank, src, False, None) for src in range(2)]
+            cases += [(rank, None, True, None), (rank, None, True, gathered)]
+        for rank, src, bars, cols in cases:
+            rows = None if rank is None else blocks(rank, "cpu")
+            keys = None if src is None else blocks(src, "cpu")
+            want = vertical_slash_tables(index, rows, keys, bars, cols)
+            got = launch_vertical_slash_tables(
+                index.to(kdevice),
+                None if rank is None else blocks(rank, kdevice),
+                None if src is None else blocks(src, kdevice),
+                bars,
+                None if cols is None else cols.to(kdevice),
+            )
+            for name, t in got.items():
+                expected = getattr(want, name)
+                assert t.dtype == expected.dtype and torch.equal(t.cpu(), expected), (rank, src, bars, name)
+            assert set(got) >= {"tiles", "tiles_t"} | ({"active", "active_offset", "bar_start"} if bars else set())
+
+
 def test_transpose_by_sorting_equals_the_membership_table(rng):
     n_q, n_kv, listed = 12, 9, 5
     tiles = torch.randint(0, n_kv, (2, 3, n_q, listed), generator=rng).sort(-1).values
@@ -280,7 +330,13 @@ def test_transpose_by_sorting_equals_the_membership_table(rng):
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
-def test_vertical_slash_per_document_equals_each_document_alone(rng):
+@pytest.mark.parametrize("config", [VS_CONFIG, dataclasses.replace(VS_CONFIG, dense_below=0, local_window=40)],
+                         ids=["dense-below-32", "all-sparse"])  # fmt: skip
+def test_vertical_slash_per_document_equals_each_document_alone(config, rng):
+    """The batched selection (``document_index``: every document's budgets in one pass)
+    against each document's build alone; with ``dense_below=0`` one-token documents too,
+    shorter than the window and than the forced sinks."""
+    VS_CONFIG = config
     seq = 192
     cu = random_boundaries(rng, seq)
     q, k, _ = inputs(rng, seq)

@@ -5,10 +5,10 @@ sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]`` buff
 row maxima, normalisers and column / diagonal mass are reduced, and every rank runs the
 single-device selection on them (``window_statistics_from_parts``).
 
-With packed documents each document of at least ``dense_below`` tokens is built so in turn:
-its last ``last_q`` rows gathered, the statistics of each rank's keys in it reduced (five
-collectives a document), and every rank selects the document's index, which equals the
-single-device per-document build.
+With packed documents each document of at least ``dense_below`` tokens has its statistics
+built so in turn: its last ``last_q`` rows gathered, the statistics of each rank's keys in
+it reduced (five collectives a document); every rank then selects all documents' indexes
+at once (``document_index``), which equals the single-device per-document build.
 """
 
 from __future__ import annotations
@@ -67,14 +67,13 @@ class VerticalSlashPattern(Pattern):
         positions, k = held.values, k.detach()
         reduce_max, reduce_sum = all_reduce_fn(dist.ReduceOp.MAX, group), all_reduce_fn(dist.ReduceOp.SUM, group)
 
-        def build(a: int, b: int) -> VerticalSlashIndex:
+        def build(a: int, b: int):
             # This rank's keys of the document (chosen on the host copy of the positions).
             mine = torch.nonzero((held.host >= a) & (held.host < b)).flatten().to(q.device)
             window = gather_window(q, positions, b - min(config.last_q, b - a), b, group)
-            stats = window_statistics_from_parts(
+            return window_statistics_from_parts(
                 window, k.index_select(1, mine), positions[mine] - a, b - a, config, scale, reduce_max, reduce_sum
             )
-            return select_vertical_slash(stats, config, b - a)
 
         return document_index(documents, config, q.shape[0], q.shape[2], q.device, build)
 

@@ -55,8 +55,12 @@ class Documents:
         return [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)]
 
     def ends(self) -> torch.Tensor:
-        """``[S]`` int32: the end (exclusive) of each position's document."""
-        return self.cu_seqlens[self.ids.long() + 1]
+        """``[S]`` int32: the end (exclusive) of each position's document (made once: the
+        tile tables of every attention call over these documents carry it)."""
+        ends = self.__dict__.get("_ends")
+        if ends is None:
+            ends = self.__dict__["_ends"] = self.cu_seqlens[self.ids.long() + 1]
+        return ends
 
     def block_firsts(self, block: int) -> torch.Tensor:
         """``[ceil(S / block)]`` int64: the document start of each ``block``-row block's first

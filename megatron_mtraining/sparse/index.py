@@ -427,13 +427,15 @@ class VerticalSlashIndex(SparseIndex):
         (``[B, Hq, n_blocks + n_documents]`` bool, where document ``m``'s diagonal ``d`` is
         entry ``offsets[m] + d``; ``offsets [n_documents]`` int64). A document touching
         ``span`` blocks has diagonals ``0 .. span - 1`` only (none of its rows is further
-        from one of its keys), and the spans add up to at most blocks + documents, so the
-        table is O(blocks + documents) per head, where ``[n_documents, n_blocks]`` would be
-        their product."""
+        from one of its keys). Its offset is ``cu[m] // block + m``, which leaves it
+        ``cu[m + 1] // block - cu[m] // block + 1 >= span`` entries (one spare where it ends
+        on a block edge): a kernel finds it from the boundaries alone, with no prefix sum
+        (``tables_kernel``). The table is O(blocks + documents) per head, where
+        ``[n_documents, n_blocks]`` would be their product."""
         docs = self.documents
         width = self.num_blocks + docs.count
         spans = docs.spans(self.block_size)
-        offsets = spans.cumsum(0) - spans
+        offsets = docs.cu_seqlens[:-1].long() // self.block_size + torch.arange(docs.count, device=self.device)
         d = self.slash.long()
         ok = (d >= 0) & (d < spans.view(-1, 1))
         flat = torch.zeros(*self.slash.shape[:2], width + 1, dtype=torch.bool, device=self.device)

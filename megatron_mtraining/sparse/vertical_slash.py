@@ -293,7 +293,10 @@ def build_vertical_slash_index(
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     documents = packed_documents(cu_seqlens, seq, q.device)
     if documents is not None:
-        return build_document_index(q, k, config, scale, documents)
+        index = build_document_index(q, k, config, scale, documents)
+        if q.is_cuda:  # its tables in one launch now (tables_kernel), not in the forward
+            keep_tables(index, tile_tables(index))
+        return index
     q_window = q[:, seq - min(config.last_q, seq) :]
     if not (graphs_enabled(q) and backend_choice(q) == "triton"):
         return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
@@ -309,14 +312,6 @@ def build_vertical_slash_index(
     return index
 
 
-def _eager_index(q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, scale: float) -> VerticalSlashIndex:
-    """The index of a whole sequence, eagerly: ``build_vertical_slash_index``'s result
-    without its CUDA graph (the graphed build equals it bit for bit)."""
-    seq = q.shape[1]
-    q_window = q[:, seq - min(config.last_q, seq) :]
-    return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
-
-
 @torch.no_grad()
 def build_document_index(
     q: torch.Tensor, k: torch.Tensor, config: VerticalSlashConfig, scale: float, documents: Documents
@@ -327,44 +322,99 @@ def build_document_index(
     they are; one shorter than ``config.dense_below`` gets every diagonal of the blocks it
     touches and no column (dense, no statistics).
 
-    Cost: a host loop over the documents (their bounds were read once, with
-    ``cu_seqlens``), one eager build per sparse document: its statistics read its ``L`` keys
-    for ``min(last_q, L)`` window rows, so the documents' passes together read no more than
-    one window over the whole sequence, but each is a build of its own (on a GPU the eager
-    build's ~85 launches, about 1 ms, so ~100 long documents cost ~0.1 s a layer; the CUDA
-    graph of the single-document build is not used, as every length would capture one).
-    Dense documents cost a few tensor operations each."""
+    Cost: the statistics of each sparse document (its passes over its ``L`` keys for
+    ``min(last_q, L)`` window rows: together no more than one window over the whole
+    sequence reads, ~16 launches a document), then one selection for all of them and the
+    dense ones (``document_index``: ~40 launches whatever the number of documents). The
+    bounds were read on the host once, with ``cu_seqlens``."""
     return document_index(
         documents,
         config,
         q.shape[0],
         q.shape[2],
         q.device,
-        lambda a, b: _eager_index(q[:, a:b], k[:, a:b], config, scale),
+        lambda a, b: window_statistics_from_parts(
+            q[:, b - min(config.last_q, b - a) : b], k[:, a:b], None, b - a, config, scale
+        ),
     )
 
 
 def document_index(
-    documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, build
+    documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, statistics
 ) -> VerticalSlashIndex:
-    """The per-document index from ``build(a, b)``, the index of document ``[a, b)`` alone
-    (on one device, or from a context-parallel group's parts), called for the documents of
-    at least ``config.dense_below`` tokens in order; see ``build_document_index``."""
-    bs = config.block_size
-    verticals, slashes = [], []
-    for a, b in zip(documents.bounds[:-1], documents.bounds[1:], strict=True):
-        if b - a < config.dense_below:
-            span = (b - 1) // bs - a // bs + 1
-            slashes.append(torch.arange(span, device=device, dtype=torch.int32).expand(batch, heads, span))
-            continue
-        own = build(a, b)
-        verticals.append(torch.where(own.vertical >= 0, own.vertical + a, -1))
-        slashes.append(own.slash)
-    width = max(t.shape[-1] for t in slashes)
-    slash = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t in slashes], dim=2)
-    if verticals:
-        vertical = torch.cat(verticals, -1)
-        vertical = sort_kept(torch.where(vertical >= 0, vertical, INT32_MAX), vertical.shape[-1])
-    else:
+    """The per-document index from ``statistics(a, b)``, the window statistics of document
+    ``[a, b)`` alone (on one device, or reduced over a context-parallel group), called for
+    the documents of at least ``config.dense_below`` tokens in order; see
+    ``build_document_index``. The selection runs once for every document: the statistics
+    are stacked (zero-padded to the longest; a zero is never taken) and
+    ``select_vertical_slash``'s budgets taken per (head, document), equal to each document's
+    own selection (``_selected_per_document``)."""
+    bs, bounds = config.block_size, documents.bounds
+    docs = list(zip(bounds[:-1], bounds[1:], strict=True))
+    spans = [(b - 1) // bs - a // bs + 1 for a, b in docs]
+    sparse = [m for m, (a, b) in enumerate(docs) if b - a >= config.dense_below]
+    lengths = [docs[m][1] - docs[m][0] for m in sparse]
+    n_diagonals = [-(-n // bs) for n in lengths]
+    local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 1
+    # Each document's own list widths (``_selected``'s bound), so that the shapes are the
+    # per-document build's: the vertical lists concatenated, the slash lists padded to the widest.
+    vertical_width = sum(min(config.sink_tokens, n) + min(config.vertical_cap, n) for n in lengths)
+    slash_width = max(
+        [*spans, *(min(local_diagonals, n) + min(config.slash_block_cap, n) for n in n_diagonals)], default=0
+    )
+    j = torch.arange(slash_width, device=device, dtype=torch.int32)
+    span_of = torch.tensor(spans, dtype=torch.int32).to(device, non_blocking=True)
+    # Dense documents: every diagonal of the blocks they touch (sparse ones are written over).
+    slash = torch.where(j < span_of.view(-1, 1), j, -1).expand(batch, heads, -1, -1).contiguous()
+    if not sparse:
         vertical = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
-    return VerticalSlashIndex(vertical, slash.contiguous(), documents.seq_len, bs, documents)
+        return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
+    stats = [statistics(*docs[m]) for m in sparse]
+    host = torch.tensor([[docs[m][0] for m in sparse], lengths, n_diagonals], dtype=torch.int64)
+    starts, n_keys, n_blocks = host.to(device, non_blocking=True).unbind(0)
+    columns = _selected_per_document(
+        _stacked([s.vertical for s in stats], lengths), n_keys, config.vertical_topp, config.vertical_cap,
+        config.sink_tokens,
+    )  # fmt: skip
+    columns = torch.where(columns != INT32_MAX, columns + starts.view(-1, 1).int(), INT32_MAX)
+    vertical = sort_kept(columns.flatten(2), vertical_width)
+    diagonals = _selected_per_document(
+        _stacked([s.slash for s in stats], n_diagonals), n_blocks, config.slash_topp, config.slash_block_cap,
+        local_diagonals,
+    )  # fmt: skip
+    diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
+    diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
+    slash.index_copy_(2, torch.tensor(sparse).to(device, non_blocking=True), diagonals)
+    return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
+
+
+def _stacked(parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """``[..., n_documents, longest]``: the per-document ``[..., length]`` scores, zero-padded
+    (one concatenation and one gather)."""
+    flat = torch.nn.functional.pad(torch.cat(parts, -1), (0, 1))  # the last entry: the padding's 0
+    n = torch.tensor(lengths).view(-1, 1)
+    t = torch.arange(max(lengths))
+    where = torch.where(t < n, n.cumsum(0) - n + t, int(n.sum()))  # built on the host, copied once
+    return flat[..., where.to(flat.device, non_blocking=True)]
+
+
+def _selected_per_document(scores: torch.Tensor, n_valid: torch.Tensor, p: float, cap: int, forced: int):
+    """``_selected`` of each document's scores at once: ``scores [B, H, M, longest]`` (the
+    document's ``n_valid[m]`` entries, then zeros), unsorted candidates (``INT32_MAX``: none)
+    ``[B, H, M, min(forced, longest) + min(cap, longest)]``. The padding's zeros are never
+    taken, and a forced first index past a document's end is dropped, so each document's
+    candidates are those ``_selected`` finds on its scores alone: the best ``min(cap, n)``
+    of its scores are its best ``min(cap, longest)`` but zeros, and the mass to reach is
+    the same sum (zeros added)."""
+    top, order = scores.topk(min(cap, scores.shape[-1]), dim=-1)
+    limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
+    n_first = min(forced, scores.shape[-1])
+    if index_kernels(scores):
+        from .kernels.index_build.top_p import take_top_p  # imports Triton
+
+        values = take_top_p(top, order, limit, forced, n_first)
+    else:
+        values = _taken(top, order, limit, forced, n_first)
+    slot = torch.arange(values.shape[-1], device=values.device)
+    past_end = (slot < n_first) & (slot >= n_valid.view(-1, 1))
+    return torch.where(past_end, INT32_MAX, values.to(torch.int32) if values.dtype != torch.int32 else values)

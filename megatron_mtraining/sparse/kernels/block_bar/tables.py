@@ -173,8 +173,8 @@ def vertical_slash_tables(
     vertical columns' tables too. With ``columns`` (int32 positions, ascending, -1 padded
     at the end, holding every vertical column: a rank's gathered column keys) the keys are
     those columns: bars only, no tiles. In one Triton launch for CUDA indices
-    (``tables_kernel``; not with packed documents yet), else composed from the torch
-    helpers below."""
+    (``tables_kernel``, packed documents too), else composed from the torch helpers below:
+    the CPU path and the reference the kernel's tests compare with."""
     if keys is not None and bars:
         fail("bars", True, "False where the keys are a chunk (bars need whole-sequence keys)")
     if columns is not None and (keys is not None or not bars):
@@ -184,11 +184,11 @@ def vertical_slash_tables(
     if columns is not None:  # the bars' keys are the columns: positions beside their indices
         vertical = {"bar_positions": index.vertical}
     docs = index.documents
-    if index.device.type == "cuda" and triton_available() and docs is None:
+    if index.device.type == "cuda" and triton_available():
         from .tables_kernel import launch_vertical_slash_tables  # imports Triton
 
         written = launch_vertical_slash_tables(index, queries, keys, bars, columns)
-        return TileTables(index.block_size, **vertical, **written, **ids)
+        return TileTables(index.block_size, **vertical, **written, **ids, **_document_fields(index))
     n, bs = index.num_blocks, index.block_size
     blocks = torch.arange(n + 1, device=index.device, dtype=torch.int32)
     gq, gk = (blocks[:-1] if side is None else side.ids for side in (queries, keys))
@@ -309,9 +309,11 @@ SERVED_INDEXES = (VerticalSlashIndex, DenseIndex, BlockTopKIndex)
 def tile_tables(index: SparseIndex, dense_block: int = 128) -> TileTables | None:
     """The tile tables of ``index`` (those kept for it, ``keep_tables``, if any), or None when
     the kernels do not serve its type."""
+    kept = kept_tables(index)
+    if kept is not None:
+        return kept
     if isinstance(index, VerticalSlashIndex):
-        kept = kept_tables(index)
-        return kept if kept is not None else vertical_slash_tables(index)
+        return vertical_slash_tables(index)
     if isinstance(index, DenseIndex):
         return dense_tables(index, dense_block)
     if isinstance(index, BlockTopKIndex):
