@@ -1,5 +1,7 @@
 """Worker bodies for the gloo context-parallel tests (spawned processes import this)."""
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
@@ -356,3 +358,149 @@ def check_ring_with_documents(rank, world, seed, seq, kernels: bool, kv_exchange
                 )  # fmt: skip
             ring_area, local_area = stats.gather()
             assert ring_area.sum() + local_area.sum() == float(index.attended_area().sum()), where
+
+
+@contextlib.contextmanager
+def ring_traffic_only(limit: int):
+    """Inside: every collective fails, and each point-to-point message (``batch_isend_irecv``,
+    as ``RingExchange`` sends) must hold at most ``limit`` elements; yields the list of the
+    message sizes seen."""
+    names = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast", "all_to_all")
+    saved = {name: getattr(dist, name) for name in (*names, "batch_isend_irecv")}
+    sizes = []
+
+    def refused(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"dist.{name} called inside the MSA KL ring")
+
+        return call
+
+    def batch(ops):
+        for op in ops:
+            sizes.append(op.tensor.numel())
+            assert op.tensor.numel() <= limit, f"a ring message of {op.tensor.numel()} elements (limit {limit})"
+        return saved["batch_isend_irecv"](ops)
+
+    for name in names:
+        setattr(dist, name, refused(name))
+    dist.batch_isend_irecv = batch
+    try:
+        yield sizes
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def kl_launches():
+    """Yields the names of the fused KL launches made inside, in order (none where Triton is
+    not installed)."""
+    launches = []
+    try:
+        from megatron_mtraining.sparse.kernels.msa_kl import loss  # imports Triton
+    except ImportError:
+        yield launches
+        return
+    names = ("index_lse", "kl_dq", "kl_dk")
+    saved = {name: getattr(loss, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            launches.append(name)
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(loss, name, counted(name))
+    try:
+        yield launches
+    finally:
+        for name, fn in saved.items():
+            setattr(loss, name, fn)
+
+
+MSA_KL_CASES = [
+    # index kind, layout, batch, packed documents (cu_seqlens) or None
+    ("topk", "striped", 2, None),
+    ("topk", "zigzag", 1, None),
+    ("topk", "contiguous", 2, None),
+    ("dense", "striped", 1, None),
+    ("dense", "zigzag", 2, None),
+    ("dense", "contiguous", 1, None),
+]
+MSA_KL_DOCUMENT_CASES = [
+    ("topk", "striped", 1, (0, 37, 80, 128)),
+    ("dense", "zigzag", 1, (0, 50, 51, 128)),
+]
+
+
+def check_msa_kl_ring(rank, world, seed, backend, dtype, cases, ring_lse=False):
+    """MSA's KL under context parallelism (``ring_msa_kl``) on fresh random inputs: the zero
+    scalar back-propagates and the value reaches ``on_value`` in the backward; the values
+    summed over the ranks and the gradients of q_idx / k_idx (each rank's rows and keys)
+    equal ``msa_kl_loss`` on the whole sequence. Inside the KL no collective runs and no
+    message exceeds this rank's keys (``ring_traffic_only``). ``ring_lse``: the teacher's
+    LSE from ``ring_attention`` (fp32), else the fp64/fp32 whole-sequence one, sharded."""
+    from megatron_mtraining.context_parallel.msa_kl import ring_msa_kl
+    from megatron_mtraining.sparse import msa_kl_loss
+    from megatron_mtraining.sparse.documents import packed_documents
+    from megatron_mtraining.sparse.reference import forward_partial
+
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(seed)
+    seq, hq, hkv, d, di, block = 128, 4, 2, 16, 16, 16
+    scale = 0.9 / d**0.5
+    exact = dtype == torch.float64 and not ring_lse
+    rtol = 1e-9 if exact else 2e-4
+    for kind, layout_kind, b, cu in cases:
+        where = f"cp={world} rank={rank} {backend} {kind} {layout_kind} b={b} documents={cu}"
+        layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+        q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=dtype).to(device) for h in (hq, hkv, hkv))
+        q_idx = torch.randn(b, seq, hkv, di, generator=gen, dtype=dtype).to(device)
+        k_idx = torch.randn(b, seq, 1, di, generator=gen, dtype=dtype).to(device)
+        g = float(torch.rand((), generator=gen)) + 0.5
+        cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+        if kind == "dense":
+            index = DenseIndex(b, hq, seq, device=device, documents=packed_documents(cu_seqlens, seq, device))
+        else:
+            cfg = MSAConfig(block_size=block, topk=3, index_head_dim=di)
+            index = msa_select_blocks(q_idx, k_idx, cfg, hq, cu_seqlens=cu_seqlens)
+        qr, kr = (t.clone().requires_grad_() for t in (q_idx, k_idx))
+        want = msa_kl_loss(q, k, qr, kr, index, scale)
+        (g * want).backward()
+
+        mine = [layout.shard(t, rank) for t in (q, k, v, q_idx, k_idx)]
+        lq, lk, lv, lqi, lki = mine
+        if ring_lse:
+            _, lse = ring_attention(lq, lk, lv, index, layout, None, softmax_scale=scale, kv_exchange="ring")
+        else:
+            lse = layout.shard(forward_partial(q, k, v, index, scale)[1], rank, dim=2)
+        qi, ki = lqi.clone().requires_grad_(), lki.clone().requires_grad_()
+        recorded = []
+        limit = max(lk.numel(), lki.numel())  # this rank's keys (the dk_idx accumulator is smaller)
+        with ring_traffic_only(limit) as sizes, kl_launches() as launches:
+            out = ring_msa_kl(lq, lk, qi, ki, index, lse, layout, None, scale, recorded.append, backend)
+            assert out.shape == () and out.item() == 0.0 and not recorded, where  # no KL forward
+            (g * out).backward()
+        assert sizes, where  # the ring ran
+        if backend == "triton":  # the steps that attend run on the fused kernels, the others launch nothing
+            assert 0 < launches.count("index_lse") == launches.count("kl_dq") == launches.count("kl_dk") <= world, (
+                where,
+                launches,
+            )
+        else:
+            assert not launches, (where, launches)
+        assert len(recorded) == 1 and recorded[0].shape == () and recorded[0].dtype == torch.float32, where
+        value = recorded[0].double().clone()
+        dist.all_reduce(value)
+        torch.testing.assert_close(
+            value, want.detach().double(), rtol=1e-6, atol=1e-7, msg=lambda m, w=where: f"{w} value: {m}"
+        )
+        for name, got, full in (("dq_idx", qi.grad, qr.grad), ("dk_idx", ki.grad, kr.grad)):
+            assert got.dtype == dtype, where
+            parts = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(parts, got.contiguous())
+            whole = layout.unshard(parts)
+            tol = rtol * full.abs().max().item()
+            torch.testing.assert_close(whole, full, rtol=rtol, atol=tol, msg=lambda m, w=where, n=name: f"{w} {n}: {m}")

@@ -642,6 +642,27 @@ def check_msa_fused_kl_in_layer(rank, world):
     torch.testing.assert_close(tracker.metrics["msa_kl_loss"].values, kl_recorded, rtol=1e-6, atol=1e-8)
 
 
+def check_msa_cp_parity_on_kl_kernels(rank, world, path):
+    """``check_cp_parity`` for MSA with the context-parallel KL's steps on the fused kernels
+    (the dispatch's decision forced where the layout allows them, so the attention stays on
+    the fast reference; Triton's interpreter on a CPU): the loss, the gradients and the
+    recorded KL equal the cp_size-1 reference's, and the kernels ran."""
+    from megatron_mtraining.context_parallel import msa_kl
+    from megatron_mtraining.sparse.dispatch import Decision
+    from megatron_mtraining.sparse.kernels.msa_kl import loss as fused
+
+    decide = msa_kl.kl_kernel
+
+    def forced(*args, whole_blocks=None, **kwargs):
+        return Decision("msa_kl", "forced by the test") if whole_blocks else decide(*args, **kwargs)
+
+    msa_kl.kl_kernel = forced
+    calls, launch = [], fused.kl_dk
+    fused.kl_dk = lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs)
+    check_cp_parity(rank, world, path, [("msa", "striped", False), ("msa", "zigzag", False)])
+    assert calls, "no ring step ran the fused KL kernels"
+
+
 def check_packed_documents_equal_separate_samples(rank, world):
     """A packed sample of two documents (the EOD closing the first) gives every token the loss
     it gets when each document is its own sample, and the same gradients for the summed loss:

@@ -5,9 +5,12 @@ import os
 import pytest
 import torch
 from cp_workers import (
+    MSA_KL_CASES,
+    MSA_KL_DOCUMENT_CASES,
     PATTERNS,
     check_hierarchy_errors,
     check_host_reads,
+    check_msa_kl_ring,
     check_ring_equals_single_device,
     check_ring_with_kernels,
     check_ring_with_nothing_attended,
@@ -178,3 +181,27 @@ def test_simulated_areas_sum_to_the_index_area(rng):
         areas = simulate_ring_areas(index, ContextParallelLayout(kind, 8, 4096, stripe=64), 64)
         assert areas.sum() == float(index.attended_area().sum())
         assert simulate_ring_areas(tiles, ContextParallelLayout(kind, 8, 4096, stripe=64), 64).sum() <= areas.sum()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_msa_kl_ring_on_pytorch(world, rng):
+    """MSA's KL under context parallelism on the PyTorch steps, fp64: value and gradients
+    (every rank's share summed) equal msa_kl_loss on the whole sequence, for the three
+    layouts, sparse and warmup, and packed documents; only ring messages of a rank's size."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(world, check_msa_kl_ring, seed, "reference", torch.float64, MSA_KL_CASES + MSA_KL_DOCUMENT_CASES)
+
+
+@needs_kernels
+@pytest.mark.parametrize("world", [2, 4])
+def test_msa_kl_ring_on_kernels(world, rng):
+    """The same on the fused KL kernels per ring step (fp32; interpreted without CUDA)."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(world, check_msa_kl_ring, seed, "triton", torch.float32, MSA_KL_CASES)
+
+
+def test_msa_kl_ring_with_the_rings_lse(rng):
+    """As the layer runs it: the teacher's LSE is ring_attention's (fp32)."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    cases = [MSA_KL_CASES[0], MSA_KL_CASES[4], MSA_KL_DOCUMENT_CASES[0]]
+    run_on_device(2, check_msa_kl_ring, seed, "reference", torch.float64, cases, True)

@@ -89,3 +89,34 @@ def test_a_call_logs_its_decision_at_debug(caplog, rng):
     with caplog.at_level(logging.DEBUG, logger="megatron_mtraining.dispatch"):
         sparse_attention(q, q[:, :, :1], q[:, :, :1], DenseIndex(1, 2, 32))
     assert [r.getMessage() for r in caplog.records] == ["sparse_attention -> reference: cpu tensors"]
+
+
+def test_the_kl_under_context_parallelism_needs_whole_kernel_blocks():
+    """``kl_kernel`` with ``whole_blocks`` (the ring's steps): the kernels where the layout's
+    tokens are whole kernel blocks (``StepTables.whole_blocks``), else PyTorch; forcing the
+    kernels then fails. Packed documents go to PyTorch either way."""
+    from megatron_mtraining.context_parallel import ContextParallelLayout
+    from megatron_mtraining.context_parallel.step_tables import StepTables
+    from megatron_mtraining.sparse.documents import packed_documents
+
+    q, q_idx = cuda_q(seq=256), cuda_q(seq=256, heads=2, dim=32)
+    index = topk(256, 2, 16)
+    assert dispatch.kl_kernel(q, q_idx, index, whole_blocks=True).kernel == "msa_kl"
+    split = dispatch.kl_kernel(q, q_idx, index, whole_blocks=False)
+    assert split.kernel == "reference" and "not whole kernel blocks" in split.reason
+    with pytest.raises(ValueError, match=r"backend='triton'.*layout the KL kernels serve"):
+        dispatch.kl_kernel(q, q_idx, index, "triton", whole_blocks=False)
+    docs = DenseIndex(1, 4, 256, documents=packed_documents(torch.tensor([0, 100, 256], dtype=torch.int32), 256))
+    assert dispatch.kl_kernel(q, q_idx, docs, whole_blocks=True).kernel == "reference"
+    assert dispatch.kl_kernel(cuda_q(seq=256, dtype=torch.float64), q_idx, index, whole_blocks=True).kernel == (
+        "reference"
+    )
+
+    def whole(index, kind, stripe):
+        layout = ContextParallelLayout(kind, 2, 256, stripe=stripe)
+        return StepTables(index, layout.token_positions(1, "cpu")).whole_blocks()
+
+    assert whole(index, "striped", 16) and whole(index, "zigzag", 16) and whole(index, "contiguous", 16)
+    assert not whole(index, "striped", 8)  # stripes of 8 tokens, blocks of 16
+    dense = DenseIndex(1, 4, 256)
+    assert whole(dense, "striped", 16) and not whole(dense, "striped", 8)  # the smallest dense tile is 16

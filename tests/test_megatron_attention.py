@@ -375,5 +375,12 @@ def test_cp4_equals_cp1(references):
     run(4, workers.check_cp4, references, runs)
 
 
+def test_msa_cp2_kl_kernels_equal_cp1(references, monkeypatch):
+    """MSA at CP 2 with the KL's ring steps on the fused kernels (interpreted without CUDA)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run(2, workers.check_msa_cp_parity_on_kl_kernels, references)
+
+
 def test_packed_documents_equal_separate_samples():
     run(2, workers.check_packed_documents_equal_separate_samples)

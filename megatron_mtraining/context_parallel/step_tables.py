@@ -30,6 +30,9 @@ from ..sparse.kernels.block_bar.tables import (
 )
 from .layout import TokenPositions
 
+# A dense index's tile sizes, the widest the tokens' runs allow first.
+DENSE_BLOCKS = (128, 64, 32, 16)
+
 
 def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None:
     """Global block ids (int32, on the device) of the runs of ``block`` positions, or None
@@ -83,11 +86,22 @@ class StepTables:
         self.work, self.queries = work, queries
 
     def whole_blocks(self) -> bool:
-        """Whether the rows are whole, ascending blocks of the vertical-slash index, which the
-        bars-only tables need, and so do the tiles-only tables of every ring step: each
-        rank's positions run in the same stripes (or zigzag chunks), so a chunk's keys are
-        whole blocks where the rows are. Reads nothing from the device and builds nothing."""
-        return _global_blocks(self.queries, self.work.index.block_size) is not None
+        """Whether the rows are whole, ascending blocks of the tables' block (a vertical-slash
+        part's index block; a top-k index's, capped at 128; for a dense index one of the sizes
+        :meth:`of` tries), which the bars-only tables need, and so do the tiles-only tables of
+        every ring step: each rank's positions run in the same stripes (or zigzag chunks), so
+        a chunk's keys are whole blocks where the rows are. Reads nothing from the device and
+        builds nothing."""
+        work = self.work
+        if isinstance(work, BlockTopKIndex):
+            sizes = (min(work.block_size, 128),)
+        elif isinstance(work, DenseIndex):
+            sizes = DENSE_BLOCKS
+        elif isinstance(work, VerticalSlashPart):
+            sizes = (work.index.block_size,)
+        else:
+            return False
+        return any(_global_blocks(self.queries, b) is not None for b in sizes)
 
     def of(self, keys: TokenPositions) -> TileTables | None:
         """The tile tables of the step over the chunk at ``keys``, or None when the kernels
@@ -101,7 +115,7 @@ class StepTables:
         if isinstance(work, BlockTopKIndex):
             candidates = (min(work.block_size, 128),)
         elif isinstance(work, DenseIndex):
-            candidates = (128, 64, 32, 16)
+            candidates = DENSE_BLOCKS
         else:
             return None
         aligned = ((b, _global_blocks(queries, b), _global_blocks(keys, b)) for b in candidates)

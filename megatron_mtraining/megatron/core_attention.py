@@ -249,11 +249,11 @@ class SparseCoreAttention(MegatronModule):
         out, lse = self._attend(q, k, v, index, layout, cu_seqlens)
         if self.training and torch.is_grad_enabled():
             with part_range("msa_kl"):
-                # The main pass's LSE normalises the teacher on one device (the fused kernels
-                # run no KL forward and record the value from the backward).
+                # The main pass's LSE normalises the teacher (the fused kernels and the
+                # context-parallel ring run no KL forward and record the value from the backward).
                 kl = msa_layer_kl(
                     q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group,
-                    lse=lse if layout is None else None, on_value=self._record_kl,
+                    lse=lse, on_value=self._record_kl,
                     backend=self.attention_config.backend,
                 )  # fmt: skip
             out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)

@@ -9,14 +9,17 @@
 * Under context parallelism each rank attaches its share of the KL: the sum over its
   query rows divided by the whole sequence's row count. Megatron scales auxiliary losses by
   ``cp_size`` and averages gradients over the CP ranks, so the shares add up to the
-  single-device loss and gradient (:func:`msa_layer_kl`).
+  single-device loss and gradient (:func:`msa_layer_kl`). The index keys travel the ring
+  and the KL runs where the queries live (``context_parallel/msa_kl.py``): no rank gathers
+  the whole sequence's keys.
 * Values are recorded per layer in :func:`get_attention_metrics_tracker`, a Megatron
   ``MoEMetricsTracker`` of the plugin's own (summed over the CP group, averaged over DP on
   ``report``), so MoE's tracker keeps only MoE metrics. The layer hands :func:`msa_layer_kl`
   a callback (``on_value``) that records: the fused KL kernels skip the forward and compute
   the value in the backward, which runs once per microbatch before Megatron's ``report``
-  (under activation recompute too, where the forward runs twice); the PyTorch path calls
-  it in the forward.
+  (under activation recompute too, where the forward runs twice), and so does the
+  context-parallel ring on either backend; the single-device PyTorch path calls it in the
+  forward.
 * Warmup counts training iterations: the training loop calls :func:`set_training_iteration`.
 """
 
@@ -29,9 +32,9 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
 from ..context_parallel.layout import ContextParallelLayout
-from ..context_parallel.step_index import StepIndex
+from ..context_parallel.msa_kl import ring_msa_kl
 from ..patterns.msa import KL_METRIC
-from ..sparse.msa import _MSAKLLoss, msa_kl_loss, msa_kl_objective
+from ..sparse.msa import msa_kl_loss, msa_kl_objective
 from ..sparse.validation import check_int, fail
 
 ITERATION_ATTRIBUTE = "mtraining_iteration"
@@ -79,25 +82,6 @@ class MSALossAutoScaler(torch.autograd.Function):
         MSALossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(())
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Every rank's tokens ``[B, L, ...]`` -> the whole sequence ``[B, S, ...]`` in global
-    order; the backward sums the gradient over the group and returns this rank's tokens."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: ContextParallelLayout, group):
-        ctx.layout, ctx.group = layout, group
-        x = x.contiguous()  # gloo needs contiguous buffers
-        parts = [torch.empty_like(x) for _ in range(layout.cp_size)]
-        dist.all_gather(parts, x, group=group)
-        return layout.unshard(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return ctx.layout.shard(grad, dist.get_rank(ctx.group), dim=1), None, None
-
-
 def msa_layer_kl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,32 +97,31 @@ def msa_layer_kl(
 ) -> torch.Tensor:
     """This rank's share of a layer's MSA KL loss (``msa_kl_loss`` on the whole sequence), to
     back-propagate; its value goes to ``on_value`` (a 0-dim fp32 tensor), in the forward or,
-    on the fused kernels, in the backward.
+    on the fused kernels and under context parallelism, in the backward.
 
     q ``[B, L, Hq, D]``, k ``[B, L, Hkv, D]``, q_idx ``[B, L, Hkv, d_idx]``, k_idx
     ``[B, L, 1, d_idx]`` hold this rank's tokens; ``index`` is the global selection
-    (``BlockTopKIndex``, or ``DenseIndex`` in warmup). Without a layout (one rank), given
-    ``lse`` (the main pass's ``[B, Hq, L]``), this is ``msa_kl_objective``: on CUDA the fused
-    kernels (``dispatch.kl_kernel``), whose result is a zero scalar carrying the gradient;
-    without ``lse``, ``msa_kl_loss``. With a layout, the keys and index keys of the whole
-    sequence are gathered (the index keys with autograd, so each owner gets the gradient of
-    every rank's rows) and the KL runs over this rank's query rows, divided by the whole
-    sequence's row count (the PyTorch path; ``lse`` is not read).
+    (``BlockTopKIndex``, or ``DenseIndex`` in warmup); ``lse`` the main pass's logsumexp of
+    this rank's rows ``[B, Hq, L]``, which normalises the teacher. Without a layout (one
+    rank), given ``lse``, this is ``msa_kl_objective``: on CUDA the fused kernels
+    (``dispatch.kl_kernel``), whose result is a zero scalar carrying the gradient; without
+    ``lse``, ``msa_kl_loss``. With a layout, ``lse`` is required (``ring_attention``'s) and
+    this is ``context_parallel.msa_kl.ring_msa_kl``: the index keys travel the ring (no rank
+    gathers the whole sequence's keys), the KL of this rank's query rows is computed here,
+    divided by the whole sequence's row count, and the result is a zero scalar carrying
+    the gradient (the value reaches ``on_value`` in the backward, on the kernels and on
+    PyTorch alike).
     """
     if layout is None or layout.cp_size == 1:
         if lse is not None:
             return msa_kl_objective(q, k, q_idx, k_idx, index, lse, softmax_scale, on_value, backend)
         kl = msa_kl_loss(q, k, q_idx, k_idx, index, softmax_scale)
-    else:
-        rank = dist.get_rank(cp_group)
-        k_all = _GatherSequence.apply(k.detach(), layout, cp_group)
-        k_idx_all = _GatherSequence.apply(k_idx, layout, cp_group)
-        rows = StepIndex(index, layout.positions(rank), torch.arange(layout.seq_len))
-        local_mean = _MSAKLLoss.apply(q_idx, k_idx_all, q.detach(), k_all, rows, softmax_scale)
-        kl = local_mean * (layout.local_len / layout.seq_len)
-    if on_value is not None:
-        on_value(kl.detach().float())
-    return kl
+        if on_value is not None:
+            on_value(kl.detach().float())
+        return kl
+    if lse is None:
+        fail("lse", None, "the main pass's logsumexp of this rank's rows [B, Hq, L] under context parallelism")
+    return ring_msa_kl(q, k, q_idx, k_idx, index, lse, layout, cp_group, softmax_scale, on_value, backend)
 
 
 def get_attention_metrics_tracker() -> AttentionMetricsTracker:

@@ -112,13 +112,23 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
     return Decision("block_bar", f"a {type(index).__name__} on CUDA")
 
 
-def kl_kernel(q: torch.Tensor, q_idx: torch.Tensor, index: SparseIndex, backend: str | None = None) -> Decision:
-    """Where MSA's KL loss runs when training on one device with the main pass's LSE at hand
-    (``msa.msa_kl_objective``): one of :data:`KL_KERNELS`. ``msa_kl``: the fused Triton
-    kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
-    computed in the backward) for the indexes whose tile tables they read, where the
-    kernels serve both the main and the index queries; else ``reference``, the chunked
-    PyTorch of ``msa_kl_loss``."""
+def kl_kernel(
+    q: torch.Tensor,
+    q_idx: torch.Tensor,
+    index: SparseIndex,
+    backend: str | None = None,
+    whole_blocks: bool | None = None,
+) -> Decision:
+    """Where MSA's KL loss runs when training with the main pass's LSE at hand, on one device
+    (``msa.msa_kl_objective``) or per ring step under context parallelism
+    (``context_parallel.msa_kl``, which passes ``whole_blocks``: whether its tokens are
+    whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`.
+    ``msa_kl``: the fused Triton kernels (``kernels/msa_kl``: no KL forward, the teacher
+    from that LSE, the value computed in the backward) for the indexes whose tile tables
+    they read, where the kernels serve both the main and the index queries; else
+    ``reference``, the chunked PyTorch of ``msa_kl_loss`` (per ring step under context
+    parallelism). Packed documents go to ``reference``: the kernels take no document
+    bounds; the PyTorch steps mask each row by its document start."""
     setting = _backend_setting(backend)
     if backend_choice(q, backend) == "reference":
         return Decision("reference", _reference_reason(q, setting))
@@ -138,6 +148,13 @@ def kl_kernel(q: torch.Tensor, q_idx: torch.Tensor, index: SparseIndex, backend:
                 "an index without packed documents for the KL kernels (they take no document bounds)",
             )
         return Decision("reference", "packed documents: the KL kernels take no document bounds")
+    if whole_blocks is False:
+        why = "context-parallel tokens that are not whole kernel blocks (no ring-step tile tables)"
+        if setting == "triton":
+            fail("backend", "triton", f"a layout the KL kernels serve, got {why}")
+        return Decision("reference", why)
+    if whole_blocks:
+        return Decision("msa_kl", f"a {type(index).__name__} under context parallelism: fused KL kernels per ring step")
     return Decision("msa_kl", f"a {type(index).__name__} on CUDA: fused KL kernels, the teacher from the main LSE")
 
 

@@ -209,6 +209,65 @@ def _kl_chunks(q_idx, k_idx, q, k, index, scale):
         yield terms.sum(-1), c, teacher, torch.exp(log_student), qh_idx, kk_idx
 
 
+def kl_index_lse(q_idx: torch.Tensor, k_idx: torch.Tensor, index: SparseIndex) -> torch.Tensor:
+    """``[B, Hkv, Sq]`` logsumexp of ``q_idx . k_idx / sqrt(d_idx)`` over each row's visible
+    selected keys, -inf where none (compute dtype): the PyTorch counterpart of the kernels'
+    ``index_lse`` for any index, a context-parallel ring step's ``StepIndex`` included
+    (``k_idx [B, SK, 1, d_idx]`` then the step's chunk; the steps' LSEs merge by logaddexp)."""
+    dt = compute_dtype(q_idx.dtype)
+    b, s, groups, di = q_idx.shape
+    kidx_flat = _index_keys_flat(k_idx, groups)
+    lse = torch.full((b, groups, s), float("-inf"), dtype=dt, device=q_idx.device)
+    for c in chunks(index, q_idx, k_idx.expand(-1, -1, groups, -1)):
+        z = c.scores(c.heads(q_idx).to(dt) / math.sqrt(di), c.gather(kidx_flat))
+        lse[:, :, c.q0 : c.q1] = torch.logsumexp(z, dim=-1).flatten(1, 2)
+    return lse
+
+
+def kl_backward_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    lse_idx: torch.Tensor,
+    index: SparseIndex,
+    scale: float,
+    grad: torch.Tensor,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq_idx, dk_idx, per-row KL ``[B, Hkv, Sq]``) in the compute dtype of ``grad * sum_rows
+    KL / rows`` restricted to the keys of ``index`` (for a ring step's ``StepIndex``, the chunk
+    k ``[B, SK, Hkv, D]`` / k_idx ``[B, SK, 1, d_idx]``): the PyTorch counterpart of the
+    kernels' ``kl_backward``. ``lse [B, Hq, Sq]`` (the main pass's) and ``lse_idx [B, Hkv, Sq]``
+    (:func:`kl_index_lse`, merged over the steps) are over every key of the rows, so the
+    steps' parts add up to the whole."""
+    dt = compute_dtype(q_idx.dtype)
+    groups, di = q_idx.shape[2], q_idx.shape[3]
+    inv_sqrt_d = 1.0 / math.sqrt(di)
+    k_flat, kidx_flat = flat_kv(k, dt), _index_keys_flat(k_idx, groups)
+    dq_idx = torch.zeros(q_idx.shape, dtype=dt, device=q_idx.device)
+    dk_flat = torch.zeros_like(kidx_flat)
+    kl = torch.zeros(lse_idx.shape, dtype=dt, device=q_idx.device)
+    grad_scale = grad.to(dt).reshape(()) / rows
+    lse_rows = lse.transpose(1, 2).unsqueeze(-1)
+    for c in chunks(index, q, k):
+        main = c.scores(c.heads(q).to(dt) * scale, c.gather(k_flat))
+        main_lse = finite_or_zero(c.heads(lse_rows).squeeze(-1).to(dt)).unsqueeze(-1)
+        teacher = torch.exp(main - main_lse).mean(dim=2)
+        qh_idx, kk_idx = c.heads(q_idx).to(dt), c.gather(kidx_flat)
+        z = c.scores(qh_idx * inv_sqrt_d, kk_idx).squeeze(2)
+        log_student = z - finite_or_zero(lse_idx[:, :, c.q0 : c.q1].to(dt)).unsqueeze(-1)
+        visible = c.valid.squeeze(2).expand_as(teacher)
+        terms = torch.xlogy(teacher, teacher) - teacher * torch.where(visible, log_student, 0.0)
+        kl[:, :, c.q0 : c.q1] = terms.sum(-1)
+        ds = (torch.exp(log_student) - teacher).unsqueeze(2) * grad_scale
+        dq_idx[:, c.q0 : c.q1] = to_rows(c.weighted_values(ds, kk_idx) * inv_sqrt_d)
+        c.scatter_add(dk_flat, c.key_grad(ds, qh_idx) * inv_sqrt_d)
+    dk_idx = unflat_kv(dk_flat, k_idx.expand(-1, -1, groups, -1), dt).sum(2, keepdim=True)
+    return dq_idx, dk_idx, kl
+
+
 def msa_kl_loss(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -267,8 +326,9 @@ def msa_kl_objective(
     return kl
 
 
-def _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale) -> float:
-    """Checks the KL loss's arguments; returns the softmax scale."""
+def _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale, seq_len: int | None = None) -> float:
+    """Checks the KL loss's arguments; returns the softmax scale. ``seq_len``: the index's
+    sequence (the whole sequence under context parallelism; q's length by default)."""
     check_qk(q, k)
     check_index_qk(q_idx, k_idx)
     bsz, seq, hq, d = q.shape
@@ -283,7 +343,7 @@ def _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale) -> float:
         fail("q_idx.device", str(q_idx.device), f"the device of q ({q.device})")
     if not isinstance(index, (BlockTopKIndex, DenseIndex)):
         fail("index", type(index).__name__, "a BlockTopKIndex from msa_select_blocks, or a DenseIndex (warmup)")
-    index.check_compatible(bsz, hq, seq, hkv, q.device)
+    index.check_compatible(bsz, hq, seq if seq_len is None else seq_len, hkv, q.device)
     if index.selection_heads not in (1, hkv):
         fail("index selection heads", index.selection_heads, f"{hkv} (one per GQA group), as msa_select_blocks builds")
     return check_softmax_scale(softmax_scale, d)

@@ -166,12 +166,13 @@ def kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables: TileTables, scale: fl
     return {"tensors": (q, k, lse, q_idx, k_idx, lse_idx, grad), "tables": tables, "scalars": scalars}
 
 
-def kl_dq(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dQ kernel's launch: (dq_idx, per-row KL ``[B, Hkv, S]`` fp32)."""
+def kl_dq(args: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dQ kernel's launch: (dq_idx in ``dtype``, default q_idx's, per-row KL
+    ``[B, Hkv, S]`` fp32). A ring step asks for fp32, which it adds up over the steps."""
     q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
     tables = args["tables"]
     b, s, hkv, _ = q_idx.shape
-    dq_idx = buffers.new_buffer(q_idx.shape, q_idx.dtype, q.device)
+    dq_idx = buffers.new_buffer(q_idx.shape, dtype or q_idx.dtype, q.device)
     kl = buffers.new_buffer((b, hkv, s), torch.float32, q.device)
     cfg = launch_config("dq", tables.block)
     n_qb = tables.tiles.shape[2]
@@ -183,11 +184,12 @@ def kl_dq(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return dq_idx, kl
 
 
-def kl_dk(args: dict) -> torch.Tensor:
-    """The dK kernel's launch: dk_idx."""
+def kl_dk(args: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dK kernel's launch: dk_idx in ``dtype`` (default k_idx's; fp32 for a ring step,
+    whose part travels on to the chunk's owner and is added there)."""
     q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
     tables = args["tables"]
-    dk_idx = buffers.new_buffer(k_idx.shape, k_idx.dtype, q.device)
+    dk_idx = buffers.new_buffer(k_idx.shape, dtype or k_idx.dtype, q.device)
     cfg = launch_config("dk", tables.block)
     n_kb = tables.tiles_t.shape[2]
     _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), q_idx.shape[0])](
