@@ -35,15 +35,19 @@ from ..shared.kernels import LOG2E
 from .kv_kernels import _kl_bwd_kernel, _kl_dq_kernel, _kl_lse_kernel
 
 DEFAULTS = {
-    "lse": PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, tiles_per_item=8),
+    "lse": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
     "bwd": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=1, tiles_per_item=8),
-    "dq": PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
+    "dq": PassConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, tiles_per_item=32),
 }
-"""Untuned first choices (``OVERRIDES`` replaces them per pass), ``block_m`` counting index
-rows (tokens of one group). ``lse``: the shape of ``kv_outer``'s forward. ``bwd``: 64 rows
-against a 128-key block, 8 warps, the shape of ``kv_outer``'s dK/dV kernel and of the
-union-of-tiles ``_dk_kl_kernel``; one stage, as that kernel (a pipelined stage would hold
-the G heads' queries). ``dq``: ``kv_outer``'s."""
+"""Untimed first choices (``OVERRIDES`` replaces them per pass), ``block_m`` counting index
+rows (tokens of one group), checked only by compiling ahead of time (bf16, head dims 128,
+G = 8; Triton 3.7's ptxas, registers / stack per thread, shared memory per program):
+``lse``: 64 rows against a 128-key block, 8 warps: no spill (4 warps spilled 1.3 KB on sm80).
+``bwd``: 64 rows against a 128-key block, 8 warps, the shape of ``kv_outer``'s dK/dV kernel
+and of the union-of-tiles ``_dk_kl_kernel``, whose register use it matches (sm90: 255 and
+1.5 KB, against 1.3 KB; 96 KiB); one stage, as that kernel. ``dq`` (blocks wider than 128
+keys only): 32 rows, one stage: 64 rows take 172 KiB of shared memory (the G heads' queries
+held), over an A100's 163 KiB."""
 OVERRIDES: dict[str, PassConfig] = {}
 # Query chunks: slot buffers as a share of q's bytes (the main queries, which the teacher
 # reads). The backward's slots are dq_idx partials (in ``kv_outer.attention.dq_slot_dtype``)
