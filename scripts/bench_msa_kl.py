@@ -1,6 +1,7 @@
 """MSA's fused KL kernels (``sparse/kernels/msa_kl``) timed on one GPU, with a config sweep.
 
     python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;dk:64,64,8,1" ...]
+                                   [--kl-order both|union|kv-outer] [--kv-configs "bwd:64,128,8,1,8" ...]
                                    [--runs 5] [--check-seq 4096] [--out kl.json]
 
 Qwen2.5-3B's attention shape (16 query heads, 2 KV heads, head dim 128), index head dim
@@ -16,6 +17,15 @@ index it times ``_index_lse_kernel``, ``_dq_kl_kernel`` and ``_dk_kl_kernel`` (m
 ``--check-seq`` tokens on both indices, dq_idx / dk_idx / the KL value against
 ``msa_kl_loss`` (PyTorch, fp32 of the same values): a config outside tolerance is
 reported WRONG; one that fails to compile or launch is reported with its error.
+
+``--kl-order`` picks the loop orders timed on the top-k index: the union of tiles (the
+kernels above; the dense index has no other) and KV-outer (``msa_kl.kv_loss``, what
+``dispatch.kl_kernel`` picks for a top-k index as sparse as 128K's): ``kv-lse`` (reverse
+index, work list, per-slot LSEs and their merge) and ``kv-bwd`` (reverse index, work lists,
+dk_idx, dq_idx and the KL terms, the slot sums: the whole backward, to set beside the
+union's dq + dk), each checked as above at ``--check-seq`` tokens. ``--kv-configs`` sets its
+launch parameters (``pass:block_m,block_n,num_warps,num_stages,tiles_per_item`` for the
+passes ``lse``, ``bwd``, ``dq``, ``;``-separated; '' = its defaults), one timing per string.
 """
 
 from __future__ import annotations
@@ -31,9 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_mtraining.sparse import DenseIndex, MSAConfig, msa_kl_loss, msa_select_blocks, sparse_attention
+from megatron_mtraining.sparse import (
+    BlockTopKIndex,
+    DenseIndex,
+    MSAConfig,
+    msa_kl_loss,
+    msa_select_blocks,
+    sparse_attention,
+)
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
-from megatron_mtraining.sparse.kernels.msa_kl import loss
+from megatron_mtraining.sparse.kernels.kv_outer.attention import PassConfig
+from megatron_mtraining.sparse.kernels.msa_kl import kv_loss, loss
 
 HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
 
@@ -83,7 +101,8 @@ def events_ms(fn, runs: int) -> float:
 
 
 def prepared(seq, gen):
-    """Per index: (tables, the kernels' arguments) for the KL of the mean over rows."""
+    """Per index: (index, tables, the kernels' arguments, inputs, the main LSE) for the KL of
+    the mean over rows."""
     q, k, v, q_idx, k_idx = inputs(seq, gen)
     out = {}
     for name, index in indices(q_idx, k_idx, seq).items():
@@ -92,29 +111,67 @@ def prepared(seq, gen):
         lse_idx = loss.index_lse(q_idx, k_idx, tables)
         grad = torch.ones(1, device=q.device)
         args = loss.kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, D**-0.5, grad, seq * HKV)
-        out[name] = (index, tables, args, (q, k, q_idx, k_idx))
+        out[name] = (index, tables, args, (q, k, q_idx, k_idx), lse)
     return out
 
 
-def check(small) -> tuple[bool, str]:
-    """dq_idx, dk_idx and the KL value of the current config against msa_kl_loss (fp32)."""
+def kv_outer_calls(index, tensors, lse):
+    """The KV-outer order's (index LSE, whole backward) on a top-k index, as closures."""
+    q, k, q_idx, k_idx = tensors
+    q_bytes = q.numel() * q.element_size()
+    lse_idx = kv_loss.kv_index_lse(q_idx, k_idx, index, q_bytes)
+    grad = torch.ones(1, device=q.device)
+    rows = q.shape[1] * HKV
+    return (
+        lambda: kv_loss.kv_index_lse(q_idx, k_idx, index, q_bytes),
+        lambda: kv_loss.kv_kl_backward(q, k, lse, q_idx, k_idx, lse_idx, index, D**-0.5, grad, rows),
+    )
+
+
+def _errors(name, q, k, q_idx, k_idx, index, dq, dk, kl) -> tuple[bool, list[str]]:
+    qi, ki = (t.detach().float().clone().requires_grad_() for t in (q_idx, k_idx))
+    ref = msa_kl_loss(q.float(), k.float(), qi, ki, index)
+    ref.backward()
+    value = kl.sum() / (q.shape[1] * HKV)
+    worst, ok = [], True
+    for what, got, want in (("dq_idx", dq, qi.grad), ("dk_idx", dk, ki.grad)):
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        worst.append(f"{name} {what} {err:.1e}")
+        ok &= math.isfinite(err) and err < 6e-2
+    err = abs(value.item() - ref.item()) / max(abs(ref.item()), 1e-6)
+    worst.append(f"{name} value {err:.1e}")
+    ok &= math.isfinite(err) and err < 2e-2
+    return ok, worst
+
+
+def check(small, orders) -> tuple[bool, str]:
+    """dq_idx, dk_idx and the KL value of the current config against msa_kl_loss (fp32), in
+    each of ``orders`` that serves the index."""
     worst = []
     ok = True
-    for name, (index, _, args, (q, k, q_idx, k_idx)) in small.items():
-        dq, kl = loss.kl_dq(args)
-        dk = loss.kl_dk(args)
-        qi, ki = (t.detach().float().clone().requires_grad_() for t in (q_idx, k_idx))
-        ref = msa_kl_loss(q.float(), k.float(), qi, ki, index)
-        ref.backward()
-        value = kl.sum() / (q.shape[1] * HKV)
-        for what, got, want in (("dq_idx", dq, qi.grad), ("dk_idx", dk, ki.grad)):
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            worst.append(f"{name} {what} {err:.1e}")
-            ok &= math.isfinite(err) and err < 6e-2
-        err = abs(value.item() - ref.item()) / max(abs(ref.item()), 1e-6)
-        worst.append(f"{name} value {err:.1e}")
-        ok &= math.isfinite(err) and err < 2e-2
+    for name, (index, _, args, tensors, lse) in small.items():
+        if "union" in orders:
+            dq, kl = loss.kl_dq(args)
+            good, errs = _errors(name, *tensors, index, dq, loss.kl_dk(args), kl)
+            ok &= good
+            worst += errs
+        if "kv-outer" in orders and isinstance(index, BlockTopKIndex):
+            good, errs = _errors(f"{name} kv-outer", *tensors, index, *kv_outer_calls(index, tensors, lse)[1]())
+            ok &= good
+            worst += errs
     return ok, ", ".join(worst)
+
+
+def kv_overrides(text: str) -> dict[str, PassConfig]:
+    """``"bwd:64,128,8,1,8;lse:64,128,4,2,8"`` as ``kv_loss.OVERRIDES``."""
+    out = {}
+    for part in text.replace(" ", "").split(";"):
+        if part:
+            name, _, values = part.partition(":")
+            if name not in kv_loss.DEFAULTS:
+                raise SystemExit(f"--kv-configs: {part!r}: the pass is one of {', '.join(kv_loss.DEFAULTS)}")
+            out[name] = PassConfig(*(int(v) for v in values.split(",")))
+    return out
 
 
 def cudnn_forward_ms(seq, gen, runs) -> float:
@@ -128,6 +185,8 @@ def main():
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--sweep", action="store_true", help="run --configs, or the built-in list")
     parser.add_argument("--configs", nargs="*", default=None, help="MTRAINING_KL_CONFIG strings ('' = defaults)")
+    parser.add_argument("--kl-order", choices=("both", "union", "kv-outer"), default="both")
+    parser.add_argument("--kv-configs", nargs="*", default=[""], help="KV-outer launch parameters ('' = defaults)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--check-seq", type=int, default=4096)
     parser.add_argument("--out", default=None, help="JSON results")
@@ -147,28 +206,47 @@ def main():
     print(f"seq {args.seq}: cuDNN dense causal forward {results['cudnn_dense_forward_ms']} ms (the yardstick)")
     small = prepared(args.check_seq, gen)
     big = prepared(args.seq, gen)
-    for name, (_, tables, _, _) in big.items():
+    for name, (_, tables, _, _, _) in big.items():
         print(f"  {name}: {int(tables.tile_count.sum())} query-block x tile pairs")
+    orders = ("union", "kv-outer") if args.kl_order == "both" else (args.kl_order,)
+    results["kl_orders"] = list(orders)
     rows = []
-    print(f"{'config':<34} {'index':<16} {'kernel':<6} {'ms':>9}  check")
-    for config in configs:
+    print(f"{'config':<34} {'index':<16} {'kernel':<7} {'ms':>9}  check")
+    # (union config, KV-outer config, the order timed): each order's configs in turn.
+    runs = [(c, "", "union") for c in configs] if "union" in orders else []
+    runs += [("", kc, "kv-outer") for kc in args.kv_configs] if "kv-outer" in orders else []
+    for config, kv_config, order in runs:
         os.environ[loss.CONFIG_ENV] = config
-        label = config or "(defaults)"
-        entry = {"config": config, "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in ("lse", "dq", "dk")}}
+        kv_loss.OVERRIDES.clear()
+        kv_loss.OVERRIDES.update(kv_overrides(kv_config))
+        label = (config or "(defaults)") if order == "union" else f"kv-outer {kv_config or '(defaults)'}"
+        entry = {
+            "config": config,
+            "kv_config": kv_config,
+            "order": order,
+            "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in ("lse", "dq", "dk")},
+            "kv_effective": {n: vars(kv_loss.OVERRIDES.get(n, c)) for n, c in kv_loss.DEFAULTS.items()},
+        }
         try:
-            entry["ok"], entry["check"] = check(small)
+            entry["ok"], entry["check"] = check(small, (order,))
         except Exception as e:  # noqa: BLE001
             entry.update(ok=False, check=f"FAILED: {type(e).__name__}: {e}"[:300])
             print(f"{label:<34} {entry['check']}")
             rows.append(entry)
             continue
         print(f"{label:<34} check at {args.check_seq}: {'ok' if entry['ok'] else 'WRONG'} ({entry['check']})")
-        for name, (_, tables, kargs, (_, _, q_idx, k_idx)) in big.items():
-            for kernel, fn in (
-                ("lse", lambda q_idx=q_idx, k_idx=k_idx, tables=tables: loss.index_lse(q_idx, k_idx, tables)),
-                ("dq", lambda kargs=kargs: loss.kl_dq(kargs)),
-                ("dk", lambda kargs=kargs: loss.kl_dk(kargs)),
-            ):
+        for name, (index, tables, kargs, tensors, lse) in big.items():
+            _, _, q_idx, k_idx = tensors
+            calls = []
+            if order == "union":
+                calls += [
+                    ("lse", lambda q_idx=q_idx, k_idx=k_idx, tables=tables: loss.index_lse(q_idx, k_idx, tables)),
+                    ("dq", lambda kargs=kargs: loss.kl_dq(kargs)),
+                    ("dk", lambda kargs=kargs: loss.kl_dk(kargs)),
+                ]
+            if order == "kv-outer" and isinstance(index, BlockTopKIndex):
+                calls += list(zip(("kv-lse", "kv-bwd"), kv_outer_calls(index, tensors, lse), strict=True))
+            for kernel, fn in calls:
                 try:
                     ms = events_ms(fn, args.runs)
                 except Exception as e:  # noqa: BLE001
@@ -176,12 +254,13 @@ def main():
                     entry.setdefault("errors", []).append(f"{name} {kernel}: {type(e).__name__}: {e}"[:300])
                 entry[f"{name} {kernel} ms"] = ms
                 shown = f"{ms:9.2f}" if ms is not None else "   FAILED"
-                print(f"{label:<34} {name:<16} {kernel:<6} {shown}  {'ok' if entry['ok'] else 'WRONG'}")
+                print(f"{label:<34} {name:<16} {kernel:<7} {shown}  {'ok' if entry['ok'] else 'WRONG'}")
         rows.append(entry)
         if args.out:  # after each config, so a timeout keeps what ran
             with open(args.out, "w") as f:
                 json.dump({**results, "rows": rows}, f, indent=1)
     os.environ.pop(loss.CONFIG_ENV, None)
+    kv_loss.OVERRIDES.clear()
     results["rows"] = rows
     if args.out:
         with open(args.out, "w") as f:

@@ -7,6 +7,7 @@ would call per step. Without CUDA the kernels run in Triton's interpreter (fp32,
 a GPU in bf16 too. Kernel outputs are poisoned with NaN before each run.
 """
 
+import dataclasses
 import math
 import os
 
@@ -21,6 +22,7 @@ from megatron_mtraining.sparse import (
     DenseIndex,
     MSAConfig,
     VerticalSlashIndex,
+    dispatch,
     msa_kl_loss,
     msa_kl_objective,
     msa_select_blocks,
@@ -47,6 +49,12 @@ def _loss_module():
     from megatron_mtraining.sparse.kernels.msa_kl import loss  # imports Triton
 
     return loss
+
+
+def _kv_loss():
+    from megatron_mtraining.sparse.kernels.msa_kl import kv_loss  # imports Triton
+
+    return kv_loss
 
 
 def _inputs(rng, b, s, hq, hkv, d, di, dtype, device):
@@ -148,15 +156,20 @@ def test_main_queries_and_keys_get_no_gradient(rng, kdevice):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["topk", "dense"])
-def test_recorded_value_is_the_kl(kind, rng, kdevice):
+@pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer"])
+def test_recorded_value_is_the_kl(kind, rng, kdevice, monkeypatch):
     """As the layer runs it: the main pass's own LSE (``sparse_attention``'s) normalises the
     teacher; the value reaches ``on_value`` once, in the backward, and equals the fp64 KL and
-    ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s."""
+    ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s. ``topk-kv-outer``: the density
+    rule moved so that the top-k index takes the KV-outer order (attention and KL)."""
     b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
     v = torch.randn(k.shape, generator=rng).to(kdevice)
-    index = _index(kind, q_idx, k_idx, hq, 16, 2)
+    index = _index(kind.split("-")[0], q_idx, k_idx, hq, 16, 2)
+    want = {"topk": "msa_kl", "dense": "msa_kl", "topk-kv-outer": "msa_kl_kv_outer"}[kind]
+    if kind == "topk-kv-outer":
+        monkeypatch.setattr(dispatch, "KV_OUTER_MAX_SHARE", float("inf"))
+    assert kl_kernel(q, q_idx, index, backend="triton").kernel == want
     _, lse = sparse_attention(q, k, v, index, backend="triton")
     qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
     recorded = []
@@ -212,6 +225,127 @@ def test_dispatch_decision(rng):
         topk = BlockTopKIndex(blocks=torch.zeros(1, 32, 2, 1, dtype=torch.int32), block_size=16, num_heads=4)
         decision = kl_kernel(q.cuda().half(), q_idx.cuda().half(), topk.to("cuda"))
         assert decision.kernel == "msa_kl", decision
+
+
+def _topk_of(s, block, topk, documents=None):
+    blocks = torch.zeros(1, s, 2, topk, dtype=torch.int32)
+    return BlockTopKIndex(blocks=blocks, block_size=block, num_heads=4, documents=documents)
+
+
+def test_kl_dispatch_follows_the_attention_order(rng):
+    """The KL of a top-k index takes the loop order the attention takes
+    (``kv_outer_preferred``): KV-outer where it selects a small share of the keys, the union
+    of tiles where not; packed documents stay on the reference."""
+    s = 1024
+    q = torch.randn(1, s, 4, 16, generator=rng)
+    q_idx = torch.randn(1, s, 2, 16, generator=rng)
+    sparse, wide, dense = _topk_of(s, 16, 2), _topk_of(s, 256, 2), _topk_of(s, 16, 8)  # shares 1/32, 1/2, 1/8
+    for index, kernel, why in (
+        (sparse, "msa_kl_kv_outer", "KV-outer"),
+        (wide, "msa_kl", "union of tiles"),
+        (dense, "msa_kl", "union of tiles"),
+        (DenseIndex(1, 4, s), "msa_kl", "union of tiles"),
+    ):
+        decision = kl_kernel(q, q_idx, index, backend="triton")
+        assert decision.kernel == kernel and why in decision.reason, decision
+        if isinstance(index, BlockTopKIndex):
+            attention = dispatch.attention_kernel(q, index, backend="triton")
+            assert (attention.kernel == "kv_outer") == (kernel == "msa_kl_kv_outer"), attention
+            assert f"{dispatch._share(index):.4f}" in decision.reason
+    assert kl_kernel(q, q_idx, sparse).kernel == "reference"  # CPU tensors under auto
+    packed = _topk_of(s, 16, 2, packed_documents(torch.tensor([0, 300, s], dtype=torch.int32), s))
+    with pytest.raises(ValueError, match="packed documents"):
+        kl_kernel(q, q_idx, packed, backend="triton")
+    if torch.cuda.is_available():
+        on_gpu = (q.cuda().half(), q_idx.cuda().half())
+        assert kl_kernel(*on_gpu, sparse.to("cuda")).kernel == "msa_kl_kv_outer"
+        assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "reference"
+
+
+def _fresh_topk(rng, b, s, hs, topk, block):
+    """Per-row selections drawn afresh (rows of a query block choose different blocks): the
+    row's own block and ``topk - 1`` others at random, some after the row (invisible), about
+    one slot in five left empty (-1); ascending, -1 padded."""
+    n_blocks = -(-s // block)
+    own = (torch.arange(s) // block).view(1, s, 1, 1).expand(b, s, hs, 1)
+    draw = torch.rand(b, s, hs, n_blocks, generator=rng).scatter(-1, own, -1.0)  # the own block first
+    chosen = draw.argsort(-1)[..., :topk]
+    empty = torch.rand(chosen.shape, generator=rng) < 0.2
+    empty[..., 0] = False
+    chosen = torch.where(empty, n_blocks, chosen).sort(-1).values
+    return torch.where(chosen < n_blocks, chosen, -1).int()
+
+
+@pytest.fixture
+def small_kv_work(monkeypatch):
+    """The KV-outer KL on tiny inputs in many pieces: query chunks of ``chunk`` tokens,
+    16-row tiles, ``block_n`` keys a step, one tile an item (so blocks chosen by many rows
+    split into several items, whose dK partials ``_reduce_kernel`` adds), and a dK partial
+    pool as large as the dq slots. Returns the work lists the backward builds."""
+    from megatron_mtraining.sparse.kernels.kv_outer import attention as kv
+
+    kv_loss = _kv_loss()
+    lists = []
+
+    def setup(chunk, block_n):
+        for name in kv_loss.CHUNKS:
+            monkeypatch.setitem(kv_loss.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=chunk))
+        monkeypatch.setattr(kv, "PARTIAL_SHARE", 1.0)
+        for name, cfg in kv_loss.DEFAULTS.items():
+            small = dataclasses.replace(cfg, block_m=16, block_n=block_n, num_stages=1, tiles_per_item=1)
+            monkeypatch.setitem(kv_loss.OVERRIDES, name, small)
+        real = kv_loss.work_list
+        monkeypatch.setattr(kv_loss, "work_list", lambda *a, **kw: lists.append(real(*a, **kw)) or lists[-1])
+        return lists
+
+    return setup
+
+
+KV_CASES = [
+    # batch, length, query heads, KV heads, head dim, index head dim, block, topk, key step, shared selection
+    (2, 100, 4, 4, 16, 16, 16, 3, 16, False),  # G = 1, ragged last block
+    (1, 150, 6, 2, 32, 16, 32, 3, 16, False),  # G = 3 (padded to 4), ragged, a block in two key steps
+    (1, 200, 8, 2, 16, 32, 16, 4, 16, False),  # G = 4
+    (1, 112, 4, 2, 16, 16, 16, 3, 16, True),  # one selection shared by the groups
+    (1, 96, 16, 1, 16, 16, 32, 2, 32, False),  # G = 16: a 16-head teacher loop (fp32: two key steps)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", KV_CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-shared" if c[9] else ""))
+def test_kv_outer_kl_matches_fp64(case, dtype, rng, kdevice, small_kv_work):
+    """The KV-outer order (``msa_kl.kv_loss``) on fresh random selections, streamed over
+    several query chunks with split items: index LSE, per-row KL, the KL value, dq_idx and
+    dk_idx against fp64."""
+    b, s, hq, hkv, d, di, block, topk, block_n, shared = case
+    if dtype == torch.bfloat16 and kdevice.type == "cpu":
+        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    kv_loss = _kv_loss()
+    lists = small_kv_work(chunk=48, block_n=block_n)
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
+    blocks = _fresh_topk(rng, b, s, 1 if shared else hkv, topk, block)
+    index = BlockTopKIndex(blocks=blocks, block_size=block, num_heads=hq).to(kdevice)
+    # Rows of a query block chose different blocks: the union is wider than k.
+    assert tile_tables(index, dense_block=block).tile_count.max() > topk
+    scale = 0.8 / math.sqrt(d)
+    rows, lse_idx, lse_main, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    rtol, atol = TOLERANCE[dtype]
+
+    got_lse = kv_loss.kv_index_lse(q_idx, k_idx, index)
+    torch.testing.assert_close(got_lse.cpu().double(), lse_idx, rtol=0, atol=atol)
+
+    grad = torch.full((1,), 3.0, device=kdevice)
+    dq, dk, kl = kv_loss.kv_kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, index, scale, grad, rows.numel()
+    )
+    assert dq.dtype == dtype and dk.dtype == dtype and dk.shape == k_idx.shape
+    torch.testing.assert_close(kl.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+    torch.testing.assert_close(kl.sum().cpu().double() / rows.numel(), value, rtol=10 * atol, atol=atol)
+    _close(dq, dq_want, rtol, what="dq_idx")
+    _close(dk, dk_want, rtol, what="dk_idx")
+    # The streaming ran: several query chunks, and blocks whose rows split into several items.
+    assert lists and all(len(w.chunk_items) - 1 == -(-s // 48) > 1 for w in lists)
+    assert any(w.partial is not None and bool((w.partial >= 0).any()) for w in lists)
 
 
 @pytest.mark.parametrize("kind", ["topk", "dense"])

@@ -47,8 +47,9 @@ from .validation import fail
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
-# MSA's KL loss in training (:func:`kl_kernel`): the fused kernels, or msa_kl_loss's PyTorch.
-KL_KERNELS = ("msa_kl", "reference")
+# MSA's KL loss in training (:func:`kl_kernel`): the fused kernels in the KV-outer order or
+# over the union of tiles, or msa_kl_loss's PyTorch.
+KL_KERNELS = ("msa_kl_kv_outer", "msa_kl", "reference")
 
 # The loop order of a top-k index on the kernels, by measurement (docs/benchmarks.md,
 # "KV-outer kernels for top-k indexes" and "Kernels at 256K on one H100"): KV-outer programs
@@ -122,13 +123,16 @@ def kl_kernel(
     """Where MSA's KL loss runs when training with the main pass's LSE at hand, on one device
     (``msa.msa_kl_objective``) or per ring step under context parallelism
     (``context_parallel.msa_kl``, which passes ``whole_blocks``: whether its tokens are
-    whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`.
-    ``msa_kl``: the fused Triton kernels (``kernels/msa_kl``: no KL forward, the teacher
-    from that LSE, the value computed in the backward) for the indexes whose tile tables
-    they read, where the kernels serve both the main and the index queries; else
-    ``reference``, the chunked PyTorch of ``msa_kl_loss`` (per ring step under context
-    parallelism). Packed documents go to ``reference``: the kernels take no document
-    bounds; the PyTorch steps mask each row by its document start."""
+    whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`. The fused
+    Triton kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
+    computed in the backward), where the kernels serve both the main and the index queries.
+    On one device in the loop order the main attention takes (:func:`kv_outer_preferred`,
+    the same density rule): ``msa_kl_kv_outer`` (``msa_kl.kv_loss``: per key block, the
+    rows that chose it) for a top-k index selecting a small share of the keys, ``msa_kl``
+    (the union of tiles) for the others and the warmup's ``DenseIndex``; per ring step
+    ``msa_kl`` on the step's tile tables. Else ``reference``, the chunked PyTorch of
+    ``msa_kl_loss`` (per ring step under context parallelism); packed documents too (no KL
+    kernel takes document bounds; the PyTorch steps mask each row by its document start)."""
     setting = _backend_setting(backend)
     if backend_choice(q, backend) == "reference":
         return Decision("reference", _reference_reason(q, setting))
@@ -155,7 +159,15 @@ def kl_kernel(
         return Decision("reference", why)
     if whole_blocks:
         return Decision("msa_kl", f"a {type(index).__name__} under context parallelism: fused KL kernels per ring step")
-    return Decision("msa_kl", f"a {type(index).__name__} on CUDA: fused KL kernels, the teacher from the main LSE")
+    fused = "fused KL kernels, the teacher from the main LSE"
+    if isinstance(index, BlockTopKIndex):
+        share = f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
+        if kv_outer_preferred(index):
+            return Decision("msa_kl_kv_outer", f"{share}: {fused}, KV-outer (per key block, the rows that chose it)")
+        return Decision(
+            "msa_kl", f"{share}: {fused}, over the union of tiles (too dense or wide for KV-outer, as the attention)"
+        )
+    return Decision("msa_kl", f"a {type(index).__name__} on CUDA: {fused}, over the union of tiles")
 
 
 def log_decision(decision: Decision, where: str) -> None:

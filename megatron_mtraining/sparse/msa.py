@@ -302,7 +302,8 @@ def msa_kl_objective(
     returned (``sparse_attention``'s second output): back-propagate the result, read the
     KL through ``on_value`` (called once with a 0-dim fp32 tensor on q's device).
 
-    ``dispatch.kl_kernel`` decides where it runs. On the fused kernels (``kernels/msa_kl``)
+    ``dispatch.kl_kernel`` decides where it runs. On the fused kernels (``kernels/msa_kl``,
+    KV-outer for a sparse top-k index as the attention, else over the union of tiles)
     the KL forward is skipped: the result is a zero scalar that carries the KL's gradient,
     and ``on_value`` receives the KL in the backward, which computes it for free. Otherwise
     this is :func:`msa_kl_loss` (the result is the KL) and ``on_value`` receives its value
@@ -320,6 +321,12 @@ def msa_kl_objective(
         from .kernels.msa_kl.loss import fused_kl  # imports Triton
 
         return fused_kl(q.detach(), k.detach(), lse.detach(), q_idx, k_idx, tile_tables(index), scale, on_value)
+    if decision.kernel == "msa_kl_kv_outer":
+        from .kernels.msa_kl.kv_loss import KVOuterKL
+        from .kernels.msa_kl.loss import fused_kl  # imports Triton
+
+        order = KVOuterKL(index, q.numel() * q.element_size())
+        return fused_kl(q.detach(), k.detach(), lse.detach(), q_idx, k_idx, order, scale, on_value)
     kl = _MSAKLLoss.apply(q_idx, k_idx, q.detach(), k.detach(), index, scale)
     if on_value is not None:
         on_value(kl.detach().float())

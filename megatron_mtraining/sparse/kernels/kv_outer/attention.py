@@ -89,10 +89,15 @@ def _config(name: str, p: _Problem) -> tuple[PassConfig, int, int]:
     doubling, and fp32 once more, whose products take more shared memory, so that every
     shape fits an A100's 163 KiB."""
     cfg = OVERRIDES.get(name, DEFAULTS[name])
-    q = p.q
-    shrink = max(1, p.dims()["D_PAD"] * q.element_size() // 256) * (2 if q.dtype == torch.float32 else 1)
-    block_m = max(16, cfg.block_m // shrink, triton.next_power_of_2(p.group))
-    return cfg, block_m, min(max(16, cfg.block_n // shrink), p.block)
+    block_m, block_n = tile_shape(cfg, p.dims()["D_PAD"], p.q.dtype, p.block, triton.next_power_of_2(p.group))
+    return cfg, block_m, block_n
+
+
+def tile_shape(cfg: PassConfig, d_pad: int, dtype: torch.dtype, block: int, min_rows: int = 16) -> tuple[int, int]:
+    """(tile rows, key step) of ``cfg`` for rows of ``d_pad`` elements of ``dtype`` and key
+    blocks of ``block``, shrunk as ``_config`` says; at least ``min_rows`` rows."""
+    shrink = max(1, d_pad * dtype.itemsize // 256) * (2 if dtype == torch.float32 else 1)
+    return max(16, cfg.block_m // shrink, min_rows), min(max(16, cfg.block_n // shrink), block)
 
 
 def dq_slot_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,12 +109,22 @@ def dq_slot_dtype(dtype: torch.dtype) -> torch.dtype:
 def query_chunk(name: str, q: torch.Tensor, topk: int) -> int:
     """Query tokens per chunk of pass ``name``: slot buffers of ``buffer_share`` times q's
     bytes (forward: partials in q's dtype; backward: dQ partials in ``dq_slot_dtype``)."""
-    stream = CHUNKS[name]
     b, s, hq, d = q.shape
     slot_bytes = q.element_size() if name == "fwd" else dq_slot_dtype(q.dtype).itemsize
-    tokens = max(stream.min_chunk, int(stream.buffer_share * s * q.element_size() / (topk * slot_bytes)))
+    return chunk_tokens(CHUNKS[name], q.numel() * q.element_size(), q.shape[:3], topk, d, d * slot_bytes)
+
+
+def chunk_tokens(
+    stream: Streaming, budget: int, rows: tuple[int, int, int], topk: int, width: int, row_bytes: int
+) -> int:
+    """Query tokens per chunk of slot buffers of ``stream.buffer_share`` times ``budget``
+    bytes (at least ``stream.min_chunk`` tokens, at most the sequence), for ``rows`` =
+    (B, S, heads) rows of ``topk`` slots of ``row_bytes`` each, addressed with int32
+    offsets in rows of ``width`` elements."""
+    b, s, heads = rows
+    tokens = max(stream.min_chunk, int(stream.buffer_share * budget / (b * heads * topk * row_bytes)))
     # The kernels address the buffers with int32 offsets.
-    return min(s, tokens, (2**31 - 1) // (b * hq * topk * triton.next_power_of_2(d)))
+    return min(s, tokens, (2**31 - 1) // (b * heads * topk * triton.next_power_of_2(width)))
 
 
 @dataclass

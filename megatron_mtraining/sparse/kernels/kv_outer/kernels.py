@@ -52,18 +52,22 @@ def _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB):
 
 
 @triton.jit
+def _key_rows(K, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """Step ``j`` of key block ``kb`` of KV head ``kvh`` of ``K [B, S, HKV, HEAD_DIM]``: (its
+    rows, key positions, in-sequence mask)."""
+    cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < S
+    return _load_rows(K + b * S * HKV * HEAD_DIM + kvh * HEAD_DIM, cols, ok, HKV * HEAD_DIM, d, d_ok), cols, ok
+
+
+@triton.jit
 def _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     """Step ``j`` of key block ``kb``: (k, v, key positions, in-sequence mask)."""
-    cols = kb * BLOCK + j * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < S
-    off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
-    return (
-        _load_rows(K + off, cols, ok, HKV * HEAD_DIM, d, d_ok),
-        _load_rows(V + off, cols, ok, HKV * HEAD_DIM, d, d_ok),
-        cols,
-        ok,
-    )
+    k, cols, ok = _key_rows(K, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+    v, _, _ = _key_rows(V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+    return k, v, cols, ok
 
 
 @triton.jit
@@ -145,9 +149,11 @@ def _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["chunk"])
 def _merge_kernel(O_BUF, LSE_BUF, BLOCKS, OUT, LSE, chunk, CHUNK, N, S, HQ, HS, KSEL,
-                  HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
+                  HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+                  HAS_OUT: tl.constexpr = True):  # fmt: skip
     """Each row's output and LSE from its selected slots, merged in slot order; a row with no
-    visible key gets zeros and -inf."""
+    visible key gets zeros and -inf. Without ``HAS_OUT``, the LSE alone (``O_BUF`` and
+    ``OUT`` are not read: MSA's index LSE, ``msa_kl.kv_kernels``)."""
     r, ok, out_row, stat, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
     out = tl.zeros([ROWS, D_PAD], tl.float32)
     lse = tl.full([ROWS], float("-inf"), tl.float32)
@@ -155,9 +161,11 @@ def _merge_kernel(O_BUF, LSE_BUF, BLOCKS, OUT, LSE, chunk, CHUNK, N, S, HQ, HS, 
         chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
         part_lse = tl.load(LSE_BUF + r * KSEL + slot, mask=chosen, other=float("-inf"))
         w_out, w_part, lse = merge_weights(lse, part_lse)
-        part = _load_rows(O_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
-        out = out * w_out[:, None] + part * w_part[:, None]
-    _store_rows(OUT, out_row, ok, HEAD_DIM, d, d_ok, out)
+        if HAS_OUT:
+            part = _load_rows(O_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
+            out = out * w_out[:, None] + part * w_part[:, None]
+    if HAS_OUT:
+        _store_rows(OUT, out_row, ok, HEAD_DIM, d, d_ok, out)
     tl.store(LSE + stat, lse, mask=ok)
 
 
@@ -206,18 +214,28 @@ def _bwd_kernel(
                 dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
                 _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq)
             q_row, ok, row_pos, stat, slot_row = n_row, n_ok, n_pos, n_stat, n_slot
-        dk *= sm_scale
         partial = tl.load(PARTIAL + item)
-        if partial < 0:  # the group's only item in this chunk: no other program adds to these rows
-            off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
-            dk += _load_rows(DK_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
-            _store_rows(DK_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok, dk)
-            dv += _load_rows(DV_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
-            _store_rows(DV_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok, dv)
-        else:
-            keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            _store_rows(DK_PART + partial * BLOCK * HEAD_DIM, keys, col_ok, HEAD_DIM, d, d_ok, dk)
-            _store_rows(DV_PART + partial * BLOCK * HEAD_DIM, keys, col_ok, HEAD_DIM, d, d_ok, dv)
+        _add_block_grad(dk * sm_scale, DK_SUM, DK_PART, partial, b, kvh, j, cols, col_ok, S, HKV, d, d_ok, HEAD_DIM,
+                        BLOCK, BLOCK_N)  # fmt: skip
+        _add_block_grad(
+            dv, DV_SUM, DV_PART, partial, b, kvh, j, cols, col_ok, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
+        )
+
+
+@triton.jit
+def _add_block_grad(x, X_SUM, X_PART, partial, b, kvh, j, cols, col_ok, S, HKV, d, d_ok, HEAD_DIM: tl.constexpr,
+                    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A work item's gradient ``x`` of step ``j`` of its key block (KV head ``kvh``): added to
+    the running fp32 sums ``X_SUM [B, S, HKV, HEAD_DIM]`` where the item is its group's only
+    one in the chunk (``partial`` < 0: no other program adds to these rows), else stored in
+    its partial buffer ``partial`` of ``X_PART`` for ``_reduce_kernel``."""
+    if partial < 0:
+        off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
+        x += _load_rows(X_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
+        _store_rows(X_SUM + off, cols, col_ok, HKV * HEAD_DIM, d, d_ok, x)
+    else:
+        keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        _store_rows(X_PART + partial * BLOCK * HEAD_DIM, keys, col_ok, HEAD_DIM, d, d_ok, x)
 
 
 @triton.jit(do_not_specialize=["chunk"])
@@ -251,12 +269,14 @@ def _dq_kernel(
 
 @triton.jit(do_not_specialize=["chunk"])
 def _reduce_kernel(SPLITS, CHUNK_SPLITS, DK_PART, DV_PART, DK_SUM, DV_SUM, chunk, S, HKV, N_KB,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                   HAS_DV: tl.constexpr = True):  # fmt: skip
     """Adds each of the chunk's split groups' dK/dV partials, in item order, to the running
     sums. A unit of work is ``ROWS`` keys of a group's block; the programs take the chunk's
     units with a stride of the grid, which is sized to the GPU rather than to the bound on a
     chunk's splits, whose surplus programs would mostly exit at once. One program adds each
-    unit, so the sums do not depend on the grid."""
+    unit, so the sums do not depend on the grid. Without ``HAS_DV``, dK alone (``DV_PART``
+    and ``DV_SUM`` are not read: MSA's KL, ``msa_kl.kv_kernels``)."""
     first_split = tl.load(CHUNK_SPLITS + chunk)
     units = (tl.load(CHUNK_SPLITS + chunk + 1) - first_split) * (BLOCK // ROWS)
     d = tl.arange(0, D_PAD)
@@ -272,21 +292,32 @@ def _reduce_kernel(SPLITS, CHUNK_SPLITS, DK_PART, DV_PART, DK_SUM, DV_SUM, chunk
         ok = cols < S
         off = b * S * HKV * HEAD_DIM + kvh * HEAD_DIM
         dk = _load_rows(DK_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
-        dv = _load_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
+        if HAS_DV:
+            dv = _load_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok)
         for p in range(first, first + tl.load(SPLITS + 3 * split + 2)):
             dk += _load_rows(DK_PART + p * BLOCK * HEAD_DIM, keys, ok, HEAD_DIM, d, d_ok)
-            dv += _load_rows(DV_PART + p * BLOCK * HEAD_DIM, keys, ok, HEAD_DIM, d, d_ok)
+            if HAS_DV:
+                dv += _load_rows(DV_PART + p * BLOCK * HEAD_DIM, keys, ok, HEAD_DIM, d, d_ok)
         _store_rows(DK_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok, dk)
-        _store_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok, dv)
+        if HAS_DV:
+            _store_rows(DV_SUM + off, cols, ok, HKV * HEAD_DIM, d, d_ok, dv)
 
 
 @triton.jit(do_not_specialize=["chunk"])
 def _sum_slots_kernel(DQ_BUF, BLOCKS, DQ, chunk, CHUNK, N, S, HQ, HS, KSEL,
-                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
-    """Each row's dQ: its selected slots' partials added in fp32 in slot order."""
-    r, ok, out_row, _, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
+                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
+                      STAT_BUF=None, STAT=None, HAS_STAT: tl.constexpr = False):  # fmt: skip
+    """Each row's dQ: its selected slots' partials added in fp32 in slot order. With
+    ``HAS_STAT``, likewise a per-slot scalar ``STAT_BUF`` (fp32, one per slot row) into
+    ``STAT [B, HQ, S]`` (MSA's KL terms, ``msa_kl.kv_kernels``)."""
+    r, ok, out_row, stat, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
     dq = tl.zeros([ROWS, D_PAD], tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
     for slot in range(KSEL):
         chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
         dq += _load_rows(DQ_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
+        if HAS_STAT:
+            total += tl.load(STAT_BUF + r * KSEL + slot, mask=chosen, other=0.0)
     _store_rows(DQ, out_row, ok, HEAD_DIM, d, d_ok, dq)
+    if HAS_STAT:
+        tl.store(STAT + stat, total, mask=ok)

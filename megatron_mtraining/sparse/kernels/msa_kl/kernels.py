@@ -72,28 +72,29 @@ def _row_stats(LSE, off, ok):
 
 
 @triton.jit
-def _teacher(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
+def _teacher(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """``[BLOCK_M, BLOCK_N]`` sum over the group's ``G`` heads of ``exp2(scale * q_h . k - lse_h)``
     for the rows against keys ``k`` (not masked: the caller selects the visible pairs once).
-    Heads of the group are ``q_base + h * HEAD_DIM`` (rows ``q_stride`` apart) and LSEs
-    ``lse_base + h * S``. The sum is in registers, in the product's own layout."""
+    Head ``h`` of the group is ``q_base + h * HEAD_DIM`` at rows ``q_rows`` (``q_stride``
+    apart) and its LSEs ``lse_base + h * S`` at ``lse_rows``. The sum is in registers, in
+    the product's own layout."""
     p = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for h in tl.static_range(G):
-        q = _load_rows(q_base + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
-        lse = _row_stats(lse_base + h * S, rows, row_ok)
+        q = _load_rows(q_base + h * HEAD_DIM, q_rows, row_ok, q_stride, d, d_ok)
+        lse = _row_stats(lse_base + h * S, lse_rows, row_ok)
         p += tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
     return p
 
 
 @triton.jit
-def _teacher_t(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
+def _teacher_t(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """``_teacher`` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x rows), keys the A operand."""
     p = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for h in tl.static_range(G):
-        q = _load_rows(q_base + h * HEAD_DIM, rows, row_ok, q_stride, d, d_ok)
-        lse = _row_stats(lse_base + h * S, rows, row_ok)
+        q = _load_rows(q_base + h * HEAD_DIM, q_rows, row_ok, q_stride, d, d_ok)
+        lse = _row_stats(lse_base + h * S, lse_rows, row_ok)
         p += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
     return p
 
@@ -159,7 +160,7 @@ def _dq_kl_kernel(
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
         visible = row_ok[:, None] & col_ok[None, :] & (col_pos[None, :] <= seen[:, None])
-        p = _teacher(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
+        p = _teacher(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                      BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
         p = tl.where(visible, p, 0.0) * inv_g
         z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
@@ -204,7 +205,7 @@ def _dk_kl_kernel(
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
             visible = col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= seen[None, :])
-            p = _teacher_t(q_base, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
+            p = _teacher_t(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                            BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
             qi = _load_rows(QI + b * S * HKV * DI + r * DI, rows, row_ok, HKV * DI, di, di_ok)

@@ -3,7 +3,9 @@
 :class:`FusedMSAKL` computes only ``LSE_idx`` in its forward and returns a zero scalar
 that carries the graph: the loss is there to be differentiated, and its value, which the
 dQ kernel computes for free from the same probabilities, is handed to ``on_value`` in
-the backward (a 0-dim fp32 tensor on the device, never read by the host here).
+the backward (a 0-dim fp32 tensor on the device, never read by the host here). It runs a
+:class:`KLOrder`: :class:`UnionOfTiles` (this module's launches) or the KV-outer order of a
+sparse top-k index (``kv_loss.KVOuterKL``); ``dispatch.kl_kernel`` picks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -200,22 +203,47 @@ def kl_dk(args: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
     return dk_idx
 
 
+class KLOrder(Protocol):
+    """A loop order of the KL kernels: the union of tiles (:class:`UnionOfTiles`) or KV-outer
+    (``kv_loss.KVOuterKL``); ``kl_backward`` as the module's, without the tables."""
+
+    def index_lse(self, q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor: ...
+
+    def kl_backward(
+        self, q, k, lse, q_idx, k_idx, lse_idx, scale: float, grad, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class UnionOfTiles:
+    """The union-of-tiles order: this module's kernels over ``tables``."""
+
+    tables: TileTables
+
+    def index_lse(self, q_idx, k_idx):
+        return index_lse(q_idx, k_idx, self.tables)
+
+    def kl_backward(self, q, k, lse, q_idx, k_idx, lse_idx, scale, grad, rows):
+        return kl_backward(q, k, lse, q_idx, k_idx, lse_idx, self.tables, scale, grad, rows)
+
+
 class FusedMSAKL(torch.autograd.Function):
     """``KL(teacher || student)`` averaged over ``rows`` (B * S * Hkv on one device) with the
     forward skipped: returns a zero fp32 scalar whose gradient is the KL's. Gradients reach
-    ``q_idx`` and ``k_idx`` only; ``on_value(kl)`` receives the KL in the backward."""
+    ``q_idx`` and ``k_idx`` only; ``on_value(kl)`` receives the KL in the backward. ``order``
+    (a :class:`KLOrder`) runs the kernels."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, q, k, lse, tables: TileTables, scale: float, rows: int, on_value):
-        lse_idx = index_lse(q_idx, k_idx, tables)
+    def forward(ctx, q_idx, k_idx, q, k, lse, order: KLOrder, scale: float, rows: int, on_value):
+        lse_idx = order.index_lse(q_idx, k_idx)
         ctx.save_for_backward(q_idx, k_idx, q.detach(), k.detach(), lse.detach(), lse_idx)
-        ctx.tables, ctx.scale, ctx.rows, ctx.on_value = tables, scale, rows, on_value
+        ctx.order, ctx.scale, ctx.rows, ctx.on_value = order, scale, rows, on_value
         return torch.zeros((), dtype=torch.float32, device=q_idx.device)
 
     @staticmethod
     def backward(ctx, grad):
         q_idx, k_idx, q, k, lse, lse_idx = ctx.saved_tensors
-        dq_idx, dk_idx, kl = kl_backward(q, k, lse, q_idx, k_idx, lse_idx, ctx.tables, ctx.scale, grad, ctx.rows)
+        dq_idx, dk_idx, kl = ctx.order.kl_backward(q, k, lse, q_idx, k_idx, lse_idx, ctx.scale, grad, ctx.rows)
         if ctx.on_value is not None:
             ctx.on_value(kl.sum() / ctx.rows)
         return dq_idx, dk_idx, None, None, None, None, None, None, None
@@ -227,10 +255,13 @@ def fused_kl(
     lse: torch.Tensor,
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
-    tables: TileTables,
+    order: TileTables | KLOrder,
     scale: float,
     on_value: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """:class:`FusedMSAKL` on one device: the mean over ``B * S * Hkv`` rows."""
+    """:class:`FusedMSAKL` on one device: the mean over ``B * S * Hkv`` rows; ``order`` a
+    :class:`KLOrder`, or tile tables for the union of tiles."""
     b, s, hkv, _ = q_idx.shape
-    return FusedMSAKL.apply(q_idx, k_idx, q, k, lse, tables, scale, b * s * hkv, on_value)
+    if isinstance(order, TileTables):
+        order = UnionOfTiles(order)
+    return FusedMSAKL.apply(q_idx, k_idx, q, k, lse, order, scale, b * s * hkv, on_value)
