@@ -227,8 +227,21 @@ def test_core_attention_contract_errors():
     assert module(q, kv, kv, None).shape == (64, 1, 64)
     with pytest.raises(ValueError, match="attention_bias"):
         module(q, kv, kv, None, attention_bias=torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="packed_seq_params"):
-        module(q, kv, kv, None, packed_seq_params=object())
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=44, max_seqlen_kv=44)
+    assert module(q[:, 0], kv[:, 0], kv[:, 0], None, packed_seq_params=thd).shape == (64, 1, 64)
+    with pytest.raises(ValueError, match=r"packed_seq_params\.qkv_format='bshd'"):
+        module(q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="bshd", cu_seqlens_q=cu))
+    other = torch.tensor([0, 32, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"packed_seq_params\.cu_seqlens_kv="):
+        module(
+            q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=other)
+        )
+    with pytest.raises(ValueError, match=r"micro-batch size=2"):
+        module(q.expand(-1, 2, -1, -1), kv.expand(-1, 2, -1, -1), kv.expand(-1, 2, -1, -1), None,
+               packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu))  # fmt: skip
     with pytest.raises(ValueError, match=r"attn_mask_type=.*no_mask"):
         module(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask)
 
