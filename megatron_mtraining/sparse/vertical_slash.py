@@ -222,6 +222,14 @@ def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Te
     first ``forced`` ones. The width is the bound ``min(forced, n) + min(cap, n)`` rather
     than the longest row, which would read the counts from the device; the kernels read
     each row's own prefix, not the padding."""
+    values = _candidates(scores, p, cap, forced)
+    return sort_kept(values, values.shape[-1])
+
+
+def _candidates(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Tensor:
+    """Unsorted candidates of :func:`_selected` (``INT32_MAX``: none), ``[..., min(forced, n)
+    + min(cap, n)]``: the first ``forced`` indices, then the top entries until the mass
+    reaches ``p``."""
     # The best fp32 scores are the best of their fp64 copies (the conversion is exact and
     # monotonic); sums are fp64.
     top, order = scores.topk(min(cap, scores.shape[-1]), dim=-1)
@@ -230,10 +238,8 @@ def _selected(scores: torch.Tensor, p: float, cap: int, forced: int) -> torch.Te
     if index_kernels(scores):
         from .kernels.index_build.top_p import take_top_p  # imports Triton
 
-        values = take_top_p(top, order, limit, forced, n_first)
-    else:
-        values = _taken(top, order, limit, forced, n_first)
-    return sort_kept(values, values.shape[-1])
+        return take_top_p(top, order, limit, forced, n_first)
+    return _taken(top, order, limit, forced, n_first)
 
 
 def _taken(top, order, limit, forced: int, n_first: int) -> torch.Tensor:
@@ -406,15 +412,8 @@ def _selected_per_document(scores: torch.Tensor, n_valid: torch.Tensor, p: float
     candidates are those ``_selected`` finds on its scores alone: the best ``min(cap, n)``
     of its scores are its best ``min(cap, longest)`` but zeros, and the mass to reach is
     the same sum (zeros added)."""
-    top, order = scores.topk(min(cap, scores.shape[-1]), dim=-1)
-    limit = scores.sum(-1, keepdim=True, dtype=torch.float64) * p
+    values = _candidates(scores, p, cap, forced)
     n_first = min(forced, scores.shape[-1])
-    if index_kernels(scores):
-        from .kernels.index_build.top_p import take_top_p  # imports Triton
-
-        values = take_top_p(top, order, limit, forced, n_first)
-    else:
-        values = _taken(top, order, limit, forced, n_first)
     slot = torch.arange(values.shape[-1], device=values.device)
     past_end = (slot < n_first) & (slot >= n_valid.view(-1, 1))
     return torch.where(past_end, INT32_MAX, values.to(torch.int32) if values.dtype != torch.int32 else values)

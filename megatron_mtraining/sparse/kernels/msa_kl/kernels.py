@@ -72,6 +72,22 @@ def _row_stats(LSE, off, ok):
 
 
 @triton.jit
+def _lse_step(m_i, l_i, z):
+    """One step of an online log2-domain logsumexp over the rows of ``z`` (-inf: masked):
+    the running maximum and the sum of ``exp2(z - max)``."""
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(z - m_safe[:, None]), 1)
+
+
+@triton.jit
+def _lse_final(m_i, l_i):
+    """The natural-log LSE of :func:`_lse_step`'s state; -inf for a row that saw nothing."""
+    empty = l_i == 0.0
+    return tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+
+
+@triton.jit
 def _teacher(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """``[BLOCK_M, BLOCK_N]`` sum over the group's ``G`` heads of ``exp2(scale * q_h . k - lse_h)``
@@ -121,13 +137,8 @@ def _index_lse_kernel(
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
         z = _scores(qi, ki, col_pos, col_ok, seen, seen, idx_scale, True, False, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(z - m_safe[:, None]), 1)
-        m_i = m_new
-    empty = l_i == 0.0
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    tl.store(LSE_IDX + (b * HKV + r) * S + rows, lse, mask=row_ok)
+        m_i, l_i = _lse_step(m_i, l_i, z)
+    tl.store(LSE_IDX + (b * HKV + r) * S + rows, _lse_final(m_i, l_i), mask=row_ok)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..kv_outer.kernels import _add_block_grad, _key_rows, _tile, _work_item
 from ..shared.kernels import _load_rows, _scores, _store_rows
-from .kernels import LN2, _row_stats, _teacher, _teacher_t
+from .kernels import LN2, _lse_final, _lse_step, _row_stats, _teacher, _teacher_t
 
 
 @triton.jit
@@ -86,13 +86,8 @@ def _kl_lse_kernel(
                 if BLOCK != BLOCK_N:
                     ki, cols, col_ok = _key_rows(KI, b, 0, kb, j, S, 1, di, di_ok, DI, BLOCK, BLOCK_N)
                 z = _scores(qi, ki, cols, col_ok, row_pos, row_pos, idx_scale, True, False, PRECISION)
-                m_new = tl.maximum(m_i, tl.max(z, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(z - m_safe[:, None]), 1)
-                m_i = m_new
-            empty = l_i == 0.0
-            lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-            tl.store(LSE_BUF + slot_row, lse, mask=ok)
+                m_i, l_i = _lse_step(m_i, l_i, z)
+            tl.store(LSE_BUF + slot_row, _lse_final(m_i, l_i), mask=ok)
             q_row, ok, row_pos, slot_row = n_row, n_ok, n_pos, n_slot
 
 
