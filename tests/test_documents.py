@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from cp_workers import check_ring_with_documents
-from dense_reference import dense_attention, finite
+from dense_reference import check_index_attention
 from documents_reference import block_diagonal, random_boundaries
 from gloo import run, run_on_device
 
@@ -32,7 +32,6 @@ from megatron_mtraining.sparse import (
     build_vertical_slash_index,
     dispatch,
     packed_documents,
-    sparse_attention,
 )
 from megatron_mtraining.sparse.index import VerticalSlashPart, compact
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables, transpose_sorted, transpose_tiles
@@ -75,30 +74,9 @@ def index_of(kind: str, q, k, cu, block: int = BLOCK):
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2}
 
 
-def assert_close_rel(got, want, tol, what):
-    err = (got.double() - want.double()).abs().max().item()
-    scale = max(1.0, want.double().abs().max().item())
-    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
-
-
 def check_attention(q, k, v, index, backend, rng):
     """``sparse_attention`` under ``index`` against fp64 dense attention under its mask."""
-    out, lse = sparse_attention(q, k, v, index, backend=backend)
-    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]).to(q.device))
-    tol = TOLERANCE[q.dtype]
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    assert_close_rel(out, ref_out, tol, "out")
-    assert_close_rel(finite(lse), finite(ref_lse), max(tol, 1e-5), "lse")
-    g_out = torch.randn(out.shape, generator=rng).to(q.device)
-    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
-    got = torch.autograd.grad((out.float() * g_out).sum() + (finite(lse) * g_lse).sum(), (q, k, v))
-    want = torch.autograd.grad(
-        (ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), (q, k, v), allow_unused=True
-    )
-    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
-        assert not a.isnan().any(), f"{name} has NaN (unwritten?)"
-        assert_close_rel(a, e, 2 * tol, name)
+    check_index_attention(q, k, v, index, rng, TOLERANCE[q.dtype], backend)
 
 
 KINDS = ["dense", "mtraining", "msa", "moba"]

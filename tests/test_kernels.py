@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from dense_reference import dense_attention, finite
+from dense_reference import assert_close_rel, check_index_attention, dense_attention, finite
 
 from megatron_mtraining.sparse import (
     DenseIndex,
@@ -58,31 +58,8 @@ def make_index(kind, q, k, block):
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
-def assert_close_rel(got, want, tol, what):
-    """max |got - want| <= tol * max(1, max |want|)."""
-    err = (got.double() - want.double()).abs().max().item()
-    scale = max(1.0, want.double().abs().max().item())
-    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
-
-
 def check(q, k, v, index, rng):
-    out, lse = sparse_attention(q, k, v, index, backend="triton")
-    ref_out, ref_lse = dense_attention(q, k, v, index.to_dense_mask(q.shape[1]))
-    tol = TOLERANCE[q.dtype]
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    assert_close_rel(out, ref_out, tol, "out")
-    assert_close_rel(finite(lse), finite(ref_lse), max(tol, 1e-5), "lse")
-    g_out = torch.randn(out.shape, generator=rng).to(q.device)
-    g_lse = torch.randn(lse.shape, generator=rng).to(q.device)
-    got = torch.autograd.grad((out.float() * g_out).sum() + (finite(lse) * g_lse).sum(), (q, k, v))
-    want = torch.autograd.grad(
-        (ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), (q, k, v), allow_unused=True
-    )
-    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
-        assert not a.isnan().any(), f"{name} has NaN (unwritten?)"
-        assert_close_rel(a, e, 2 * tol, name)
-    return out, lse, got
+    return check_index_attention(q, k, v, index, rng, TOLERANCE[q.dtype], backend="triton")
 
 
 @pytest.mark.parametrize("kind", ["dense", "vertical_slash", "msa", "moba"])
