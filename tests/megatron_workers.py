@@ -417,6 +417,16 @@ class _Writer:
         self.scalars[name, iteration] = float(value)
 
 
+def _check_sparse_kl(model, seen, grads, kl_recorded) -> None:
+    """The index projections' gradients and each layer's recorded KL equal the independent
+    sparse-phase KL of the captured inputs."""
+    for number, (kl, dwq, dwk) in _independent_kl(model, seen, dense=False).items():
+        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
+        torch.testing.assert_close(grads[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(grads[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(kl_recorded[number - 1], kl, rtol=1e-5, atol=1e-7)
+
+
 def _check_dist_checkpoint(model) -> None:
     """An MSA model round-trips through dist_checkpointing; a dense checkpoint loads into it,
     leaving the index projections at their initialisation."""
@@ -483,11 +493,7 @@ def check_msa_kl_and_checkpoint(rank, world):
             assert not g0[n].any(), n
         else:  # the index branch reads the layer input detached: the backbone never sees the KL
             assert torch.equal(g1[n], g0[n]) and torch.equal(g3[n], g0[n]), n
-    for number, (kl, dwq, dwk) in _independent_kl(model, seen, dense=False).items():
-        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
-        torch.testing.assert_close(g1[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(g1[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(kl_recorded[number - 1], kl, rtol=1e-5, atol=1e-7)
+    _check_sparse_kl(model, seen, g1, kl_recorded)
 
     # Selective recompute of the core attention gives the same gradients.
     recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -629,11 +635,7 @@ def check_msa_fused_kl_in_layer(rank, world):
     g1 = _scaled_backward(model, 1.0)
     kl_recorded = tracker.metrics["msa_kl_loss"].values.clone()
     assert len(calls) == 2, calls  # one per layer
-    for number, (kl, dwq, dwk) in _independent_kl(model, seen, dense=False).items():
-        prefix = f"decoder.layers.{number - 1}.self_attention.core_attention.index_branch"
-        torch.testing.assert_close(g1[f"{prefix}.linear_q.weight"], dwq, rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(g1[f"{prefix}.linear_k.weight"], dwk, rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(kl_recorded[number - 1], kl, rtol=1e-5, atol=1e-7)
+    _check_sparse_kl(model, seen, g1, kl_recorded)
     recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
     recomputed.load_state_dict(model.state_dict())
     tracker.clear()
