@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_mtraining.context_parallel.layout import document_offsets
+from megatron_mtraining.sparse.documents import packed_documents
 
 from ._guard import FunctionPatch
 
@@ -69,17 +69,15 @@ def _build_thd(choice):
         from megatron.core.models.common.embeddings import rope_utils
 
         cp_size, rank = (cp_group.size(), cp_group.rank()) if cp_group is not None else (1, 0)
-        total = int(cu_seqlens[-1])
-        if t.shape[0] * cp_size != total:
+        # Validates the boundaries against the whole sample (this rank's tokens x CP) and
+        # gives each position's document start; the lengths come from the host copy.
+        documents = packed_documents(cu_seqlens, t.shape[0] * cp_size, t.device)
+        positions = choice.positions(cp_size, documents.seq_len, rank, t.device, "cu_seqlens[-1]")
+        offsets = positions - documents.starts[positions].long()
+        longest = max(documents.lengths())
+        if freqs.shape[0] < longest:
             raise ValueError(
-                f"packed sequence of {t.shape[0]} tokens per rank over {cp_size} context-parallel ranks, "
-                f"but cu_seqlens[-1]={total}: the packed sample must be split as one sequence"
-            )
-        positions = choice.positions(cp_size, total, rank, t.device, "cu_seqlens[-1]")
-        offsets = document_offsets(positions, cu_seqlens)
-        if freqs.shape[0] <= int(offsets.max()):
-            raise ValueError(
-                f"RoPE table of {freqs.shape[0]} positions for a document of {int(offsets.max()) + 1} "
+                f"RoPE table of {freqs.shape[0]} positions for a document of {longest} "
                 "tokens: set PackedSeqParams.max_seqlen_q to the longest document"
             )
         interleaved = mla_rotary_interleaved or bool(multi_latent_attention)

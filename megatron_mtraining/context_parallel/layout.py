@@ -154,11 +154,3 @@ class TokenPositions:
 @functools.lru_cache(maxsize=1024)
 def _token_positions(layout: ContextParallelLayout, rank: int, device: torch.device) -> TokenPositions:
     return TokenPositions(layout.positions(rank), device)
-
-
-def document_offsets(positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Each global position's offset inside its document (documents start at ``cu_seqlens``,
-    the flash-attn varlen convention): the RoPE position of a packed (THD) token."""
-    starts = cu_seqlens.to(positions.device, torch.int64)
-    doc = torch.searchsorted(starts, positions, right=True) - 1
-    return positions - starts[doc]
