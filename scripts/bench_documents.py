@@ -4,7 +4,7 @@ unmasked and against a library's varlen kernel.
     python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--out DIR]
 
 One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``examples.synthetic
-.document_bounds``) with mean length ``--mean``; Qwen2.5-3B's attention shape (16 query heads,
+.sampled_document_bounds``) with mean length ``--mean``; Qwen2.5-3B's attention shape (16 query heads,
 2 KV heads, head dim 128, bf16). Forward and backward medians (``triton.testing.do_bench``) of:
 
 * cuDNN dense causal attention with no document mask (the unpacked yardstick);
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, document_bounds, rope
+from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds
 from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention
 from megatron_mtraining.sparse.documents import packed_documents
 from megatron_mtraining.sparse.index import VerticalSlashIndex
@@ -110,7 +110,7 @@ def main() -> None:
     args = p.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     seq = args.seq_len
-    cu = document_bounds(args.mix, seq, args.mean, gen).cuda()
+    cu = sampled_document_bounds(args.mix, seq, args.mean, gen).cuda()
     lengths = (cu[1:] - cu[:-1]).tolist()
     docs = packed_documents(cu, seq)
     q, k, v = inputs(seq, gen)

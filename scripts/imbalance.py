@@ -8,7 +8,7 @@ The vertical-slash index is slash-dominated, as in the MTraining paper: per head
 local block diagonals, 1/16 of the other diagonals at random, 16 sink and 64
 scattered vertical columns. Vertical columns run in the local pass (every rank,
 balanced), so the ring's work is the tiles (``ring_work``). With packed documents
-(``--documents``, drawn by ``examples.synthetic.document_bounds`` with mean length
+(``--documents``, drawn by ``examples.synthetic.sampled_document_bounds`` with mean length
 ``--mean-doc``) the same index is masked to each row's document, and dense attention
 becomes block-diagonal causal: both rows are printed per document mix. Prints the
 worker-level and step-level imbalance degrees (max/mean across ranks in a step, across
@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, ring_work, simulate_ring_areas
-from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, document_bounds, slash_heavy_index
+from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_document_bounds, slash_heavy_index
 from megatron_mtraining.sparse import DenseIndex
 from megatron_mtraining.sparse.documents import packed_documents
 
@@ -35,7 +35,7 @@ def _works(args, mix: str, gen: torch.Generator) -> dict:
     index = slash_heavy_index(args.seq_len, args.block, args.heads, gen)
     if mix == "none":
         return {"vertical-slash": ring_work(index)}
-    docs = packed_documents(document_bounds(mix, args.seq_len, args.mean_doc, gen), args.seq_len)
+    docs = packed_documents(sampled_document_bounds(mix, args.seq_len, args.mean_doc, gen), args.seq_len)
     return {
         "dense": DenseIndex(1, args.heads, args.seq_len, documents=docs),
         # Every document keeps the synthetic diagonals (its own local lines and far ones).

@@ -38,7 +38,7 @@ def slash_heavy_index(seq: int, block: int, heads: int, gen: torch.Generator) ->
 DOCUMENT_MIXES = ("uniform", "lognormal", "one_long")
 
 
-def document_bounds(mix: str, seq: int, mean: int, gen: torch.Generator) -> torch.Tensor:
+def sampled_document_bounds(mix: str, seq: int, mean: int, gen: torch.Generator) -> torch.Tensor:
     """``cu_seqlens`` (int32) of one packed sample of ``seq`` tokens whose documents follow
     ``mix``, with mean length about ``mean``:
 

@@ -194,7 +194,7 @@ class SparseCoreAttention(MegatronModule):
         self._check_mask_type(attn_mask_type or self.attn_mask_type)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
-        cu_seqlens = _document_bounds(packed_seq_params, query.shape[1])
+        cu_seqlens = _packed_bounds(packed_seq_params, query.shape[1])
         q, k, v = (t.transpose(0, 1).contiguous() for t in (query, key, value))
         cp_size = _group_size(self.cp_group)
         layout = None
@@ -267,7 +267,7 @@ class SparseCoreAttention(MegatronModule):
         record_kl(value, self.layer_number, self.config.num_layers, self.cp_group)
 
 
-def _document_bounds(packed_seq_params, batch: int) -> torch.Tensor | None:
+def _packed_bounds(packed_seq_params, batch: int) -> torch.Tensor | None:
     """The global document boundaries of a packed sample, or None (unpacked); fails naming
     what the plugin's packed path does not take."""
     if packed_seq_params is None:
