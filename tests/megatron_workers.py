@@ -43,6 +43,7 @@ from megatron_mtraining.megatron import (
     set_training_iteration,
 )
 from megatron_mtraining.megatron.layer_specs import get_gpt_decoder_block_spec
+from megatron_mtraining.patterns import msa as msa_pattern
 from megatron_mtraining.patterns.msa import BLOCK_RECALL_METRIC, KL_METRIC, SCORE_RECALL_METRIC, MSAPattern
 from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_recall, msa_select_blocks
 from megatron_mtraining.training.attention_metrics import collect_attention_metrics, measured
@@ -495,12 +496,20 @@ def check_msa_kl_and_checkpoint(rank, world):
             assert torch.equal(g1[n], g0[n]) and torch.equal(g3[n], g0[n]), n
     _check_sparse_kl(model, seen, g1, kl_recorded)
 
-    # Selective recompute of the core attention gives the same gradients.
+    # Selective recompute of the core attention gives the same gradients, and the recompute
+    # takes the first run's selection instead of selecting again.
     recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
     recomputed.load_state_dict(model.state_dict())
     assert recomputed.decoder.layers[0].self_attention.checkpoint_core_attention
-    for n, g in _scaled_backward(recomputed, 1.0).items():
-        torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+    selections, select = [], msa_pattern.msa_select_blocks
+    msa_pattern.msa_select_blocks = lambda *args, **kwargs: selections.append(1) or select(*args, **kwargs)
+    try:
+        for n, g in _scaled_backward(recomputed, 1.0).items():
+            torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+    finally:
+        msa_pattern.msa_select_blocks = select
+    assert len(selections) == 2, selections  # once per layer
+    assert not any(len(layer.self_attention.core_attention._kept_indexes) for layer in recomputed.decoder.layers)
 
     # Warmup: dense main branch, the KL over every visible token trains the indexer.
     warm = build_model(_msa_config(warmup_steps=5))

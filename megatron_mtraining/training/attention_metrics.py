@@ -101,7 +101,8 @@ class MeasuredCoreAttention(SparseCoreAttention):
         causal = q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
         if layout is None:
             with part_range("index"):
-                pattern = build_index(pattern, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
+                source = self._source(pattern, q, k, None, cu_seqlens)
+                pattern = build_index(source, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
             with part_range("metrics"):
                 self._record(FRACTION_METRIC, pattern.attended_area().sum().double() * (weight / causal), None)
                 recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
@@ -109,7 +110,8 @@ class MeasuredCoreAttention(SparseCoreAttention):
             return super()._attend(q, k, v, pattern, layout)
         # Built here rather than inside the ring so that the recall scores the index the ring runs.
         with part_range("index"):
-            pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
+            source = self._source(pattern, q, k, layout, cu_seqlens)
+            pattern = build_index(source, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         stats = RingStats()
         out, lse = ring_attention(
             q,
