@@ -143,11 +143,9 @@ class _Classifier:
         return part, layer, phase
 
 
-def _busy_ms(kineto_events) -> float:
-    """Milliseconds during which at least one device kernel, copy or fill ran."""
-    spans = sorted(
-        (e.start_ns(), e.end_ns()) for e in kineto_events if e.device_type() != torch.autograd.DeviceType.CPU
-    )
+def _busy_ms(device_events) -> float:
+    """Milliseconds during which at least one of the device's kernels, copies or fills ran."""
+    spans = sorted((e.start_ns(), e.end_ns()) for e in device_events)
     busy, end = 0, None
     for start, stop in spans:
         if end is None or start > end:
@@ -197,8 +195,12 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        busy = _busy_ms(prof.profiler.kineto_results.events())
-        report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy))
+        device = [e for e in prof.profiler.kineto_results.events() if e.device_type() != torch.autograd.DeviceType.CPU]
+        busy = _busy_ms(device)
+        # Each device event once: ``summed_ms`` above it means the attribution counted a
+        # kernel under two host events.
+        kernels = sum(e.end_ns() - e.start_ns() for e in device) / 1e6
+        report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy), kernels_ms=kernels)
     return report
 
 
