@@ -195,7 +195,12 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        device = [e for e in prof.profiler.kineto_results.events() if e.device_type() != torch.autograd.DeviceType.CPU]
+        # The device-side copies of annotated ranges span gaps: kernels, copies and fills only.
+        device = [
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation()
+        ]
         busy = _busy_ms(device)
         # Each device event once: ``summed_ms`` above it means the attribution counted a
         # kernel under two host events.
