@@ -143,6 +143,29 @@ class _Classifier:
         return part, layer, phase
 
 
+def _launched_here(prof, events):
+    """A test of whether a host event launched the kernels the profiler lists under it.
+
+    The profiler hands a kernel to every host operation whose id is the kernel's link, and
+    operations of the autograd thread (a recomputation) can share an id with one of the main
+    thread: the kernel would count twice. Of several operations with one id, the launcher is
+    the one whose time holds the launch calls (the runtime events linked to that id)."""
+    by_id = collections.Counter(e.id for e in events if e.kernels)
+    start = prof.profiler.kineto_results.trace_start_ns()
+    launches = collections.defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CPU and e.linked_correlation_id() > 0:
+            launches[e.linked_correlation_id()].append((e.start_ns() - start) / 1e3)
+
+    def launched(event) -> bool:
+        if by_id[event.id] < 2:
+            return True
+        span = event.time_range
+        return any(span.start <= t <= span.end for t in launches.get(event.id, ()))
+
+    return launched
+
+
 def _busy_ms(device_events) -> float:
     """Milliseconds during which at least one of the device's kernels, copies or fills ran."""
     spans = sorted((e.start_ns(), e.end_ns()) for e in device_events)
@@ -163,12 +186,13 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
     ``on_device``: kernel time; else (a CPU run) the host self time of ATen operations."""
     events = prof.events()
     classify = _Classifier(events)
+    launched = _launched_here(prof, events) if on_device else None
     parts = collections.defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     layers = collections.defaultdict(float)
     kernels_by_part = collections.defaultdict(lambda: collections.defaultdict(float))
     for event in events:
         if on_device:
-            kernels = [(k.name, k.duration) for k in event.kernels]
+            kernels = [(k.name, k.duration) for k in event.kernels] if launched(event) else []
         elif event.name.startswith("aten::") and not event.cpu_children:
             kernels = [(event.name, event.self_cpu_time_total)]
         else:
