@@ -107,6 +107,8 @@ def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
     from .training.yaml_config import ConfigError
 
     seq_length, cp = run_config.value("seq_length"), run_config.value("context_parallel_size")
+    if seq_length is None:
+        raise ConfigError(f"{run_config.path}: no 'megatron.seq_length' (accepted: the length the model trained at)")
     lengths = cli.lengths or default_lengths(seq_length)
     for n in lengths:
         if n > seq_length:
