@@ -84,12 +84,17 @@ def plan_launch(gpus: int) -> Launch:
     return Launch(2, "cuda" if gpus >= 2 else "cpu")
 
 
-def pretrain_command(processes: int, config: Path | str, overrides: list[str]) -> list[str]:
-    """The training entry point on ``processes`` local processes (through torchrun for more than one)."""
+def module_command(processes: int, module: str, args: list[str]) -> list[str]:
+    """``python -m module args`` on ``processes`` local processes (through torchrun for more than one)."""
     launcher = [sys.executable, "-m"]
     if processes > 1:
         launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m"]
-    return [*launcher, "megatron_mtraining.pretrain", "--config", str(config), *overrides]
+    return [*launcher, module, *args]
+
+
+def pretrain_command(processes: int, config: Path | str, overrides: list[str]) -> list[str]:
+    """The training entry point on ``processes`` local processes."""
+    return module_command(processes, "megatron_mtraining.pretrain", ["--config", str(config), *overrides])
 
 
 class QuickstartError(RuntimeError):

@@ -234,6 +234,10 @@ class RunConfig:
             )
         return missing
 
+    def value(self, key: str):
+        """The ``megatron:`` argument ``key`` as Megatron parses it, or Megatron's default."""
+        return _megatron_value(self.megatron, key)
+
     def _source(self, key: str) -> str:
         return self.sources.get(f"megatron.{key}", str(self.path))
 
