@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from ..sparse.documents import packed_documents
 from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
 from .layout import ContextParallelLayout
@@ -79,8 +80,9 @@ def _check_index_documents(index: SparseIndex, cu_seqlens) -> None:
     """A prebuilt index given with ``cu_seqlens`` must carry those documents (its lists were
     chosen for them; attaching other boundaries would not make them per-document)."""
     docs = index.documents
-    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    if docs is None or list(docs.bounds) != list(bounds):
+    given = packed_documents(cu_seqlens, index.seq_len).bounds if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    bounds = list(given)
+    if docs is None or list(docs.bounds) != bounds:
         fail(
             "cu_seqlens",
             bounds,

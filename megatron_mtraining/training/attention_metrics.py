@@ -45,6 +45,7 @@ from ..megatron.profiler_ranges import part_range
 from ..patterns.base import FRACTION_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
 from ..patterns.msa import BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC
 from ..sparse import attention_recall, msa_recall
+from ..sparse.documents import packed_documents
 
 RECALL_ROWS = 64
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
@@ -97,7 +98,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
         self._measured_micro_batch = micro_batch
         seq = q.shape[1] if layout is None else layout.seq_len
         # Attendable pairs: the causal triangle, or each packed document's.
-        lengths = [seq] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        lengths = [seq] if cu_seqlens is None else packed_documents(cu_seqlens, seq).lengths()
         causal = q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
         if layout is None:
             with part_range("index"):
