@@ -68,13 +68,17 @@ def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
     lines = metrics(output)
     assert 0.3 < float(lines[6]["attended_fraction"]) < 1.0, lines[6]  # mtraining attends a part
     assert 0.0 < float(lines[6]["index_recall"]) <= 1.0, lines[6]
+    # The out-of-sample recall (rows that did not build the index) prints beside the in-sample one.
+    assert 0.0 < float(lines[6]["index_recall_heldout"]) < 1.0, lines[6]
+    assert list(lines[6]).index("index_recall_heldout") == list(lines[6]).index("index_recall") + 1, lines[6]
     assert float(lines[6]["tokens/s"]) > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction"} <= tags, tags
+    want = {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction", "index_recall_heldout"}
+    assert want | {"moe/index_recall_heldout_layer_1"} <= tags, tags
     assert [e.value for e in events.Scalars("mtraining/lm_loss")] == pytest.approx([loss[i] for i in range(1, 7)])
     if HAS_WANDB:
         assert list((tmp / "wandb" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
@@ -171,6 +175,9 @@ def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, cp2_striped, 
     assert float(first["lm_loss"]) == pytest.approx(float(one["lm_loss"]), rel=1e-6), (first, one)
     assert float(first["index_recall"]) == pytest.approx(float(one["index_recall"]), abs=1e-4), (first, one)
     assert 0.0 < float(last["index_recall"]) < 1.0, last
+    # The held-out rows are drawn from the iteration, the same under CP as on one process.
+    for line in (first, want):
+        assert float(line["index_recall_heldout"]) == pytest.approx(float(one["index_recall_heldout"]), abs=1e-4)
 
 
 def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
@@ -292,8 +299,8 @@ def test_dense_checkpoint_resumes_as_msa(tmp_path):
     # MSA warmup (2 steps in the config) counts from the switch: dense, dense, then sparse.
     assert [float(lines[i]["attended_fraction"]) for i in (4, 5)] == [1.0, 1.0]
     # Warmup attends densely: nothing is lost. After it, the index keeps part of the mass.
-    assert [float(lines[i]["index_recall"]) for i in (4, 5)] == pytest.approx([1.0, 1.0])
-    assert 0.0 < float(lines[6]["index_recall"]) < 1.0
+    assert [float(lines[i][name]) for i in (4, 5) for name in ("index_recall", "index_recall_heldout")] == [1.0] * 4
+    assert 0.0 < float(lines[6]["index_recall"]) < 1.0 and 0.0 < float(lines[6]["index_recall_heldout"]) < 1.0
     assert float(lines[6]["attended_fraction"]) < 0.9
     # MSA's indexer figures print beside the KL in warmup and after.
     for name in ("msa_block_recall", "msa_score_recall"):

@@ -29,14 +29,12 @@ class StepMetrics:
         self.iteration = None
         self.start = None
         self.steps = 0
-        self.micro_batches = 0
         self.weight = 0
         self.loss = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
 
     def begin_step(self, config, args) -> None:
         """Called with each training micro-batch: the micro-batches of the last step of each
         interval record the attention metrics; the first of a step hooks the step's end."""
-        self.micro_batches += 1
         if args.curr_iteration != self.iteration:
             if STATE.step_report is not None:
                 STATE.step_report.begin_iteration(args.curr_iteration, args.train_iters)
@@ -45,7 +43,7 @@ class StepMetrics:
                 self.start = time.perf_counter()
             self.weight = args.log_interval if (self.iteration + 1) % args.log_interval == 0 else 0
             self._hook_step_end(config)
-        collect_attention_metrics(config, self.weight, self.micro_batches)
+        collect_attention_metrics(config, self.weight, seed=self.iteration)
 
     def _hook_step_end(self, config) -> None:
         finalize = config.finalize_model_grads_func
