@@ -81,6 +81,12 @@ def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
     want = {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction", "index_recall_heldout"}
     assert want | {"moe/index_recall_heldout_layer_1"} <= tags, tags
     assert [e.value for e in events.Scalars("mtraining/lm_loss")] == pytest.approx([loss[i] for i in range(1, 7)])
+    # Each evaluation (at 3 and 6, then Megatron's final validation and test) under validation/.
+    evaluations = parse_validation(output)
+    assert [it for it, _ in evaluations] == [3, 6, 6, 6], evaluations
+    logged = [(e.step, e.value) for e in events.Scalars("validation/lm_loss")]
+    assert logged == [(it, pytest.approx(float(m["lm_loss"]))) for it, m in evaluations], logged
+    assert {"validation/attended_fraction", "validation/moe/attended_fraction_layer_1"} <= tags, tags
     if HAS_WANDB:
         assert list((tmp / "wandb" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
 
