@@ -1,6 +1,7 @@
-"""Index recall (``attention_recall``) against fp64 dense attention under the index's own
-mask, MSA's block and score recall (``msa_recall``) against an fp64 brute force, and their
-context-parallel forms against the single-device ones on gloo processes."""
+"""Index recall (``attention_recall``, and ``heldout_recall`` of sampled rows that did not
+build the index) against fp64 dense attention under the index's own mask, MSA's block and
+score recall (``msa_recall``) against an fp64 brute force, and their context-parallel forms
+against the same references (the MSA figures: the single-device ones) on gloo processes."""
 
 import pytest
 import torch
@@ -8,7 +9,11 @@ import torch.distributed as dist
 from gloo import run
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
-from megatron_mtraining.context_parallel.recall import distributed_attention_recall, distributed_msa_recall
+from megatron_mtraining.context_parallel.recall import (
+    distributed_attention_recall,
+    distributed_heldout_recall,
+    distributed_msa_recall,
+)
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.moba import MoBAPattern
 from megatron_mtraining.patterns.msa import MSAPattern
@@ -22,6 +27,7 @@ from megatron_mtraining.sparse import (
     msa_recall,
     msa_select_blocks,
 )
+from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows
 
 B, HQ, HKV, D = 2, 4, 2, 8
 ROWS = 24
@@ -45,6 +51,28 @@ def _inputs(gen, seq):
     return (torch.randn(B, seq, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV))
 
 
+def _dense_recall(q, k, index, rows):
+    """fp64: the share of each row's dense causal softmax (within its document) that falls
+    under the index's dense mask, averaged over ``rows``, ``[B, Hq]``."""
+    seq = q.shape[1]
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if index.documents is not None:
+        starts = index.documents.starts.long()
+        allowed &= torch.arange(seq).view(1, -1) >= starts.view(-1, 1)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[:, :, rows]
+    return (probs * index.to_dense_mask(seq)[:, :, rows]).sum(-1).mean(-1)
+
+
+def _draw(pattern, index, seq, gen):
+    """Held-out rows as the training loop draws them, with a fresh seed; none of them built
+    the index."""
+    building = pattern.building_rows(seq, index.documents)
+    rows = heldout_rows(seq, building, 4, 8, int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    assert len(rows) == 32 and not any(a <= r < b for r in rows.tolist() for a, b in building), (rows, building)
+    return rows
+
+
 @pytest.mark.parametrize("kind", ["dense", "vertical_slash", "moba", "msa"])
 def test_recall_equals_dense_mass_under_the_mask(kind, rng):
     seq = 200  # not a multiple of the blocks
@@ -65,11 +93,55 @@ def test_recall_equals_dense_mass_under_the_mask(kind, rng):
         assert (recall < 1).any()  # the patterns drop mass at this sparsity
 
 
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash", "moba", "msa", "vertical_slash_documents"])
+def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
+    seq = 200
+    q, k = _inputs(rng, seq)
+    cu, pattern = None, _patterns(q, rng).get(kind)
+    if kind == "vertical_slash_documents":  # the middle document, under dense_below, attends densely
+        cu = torch.tensor([0, 70, 90, seq], dtype=torch.int32)
+        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
+        pattern = VerticalSlashPattern(cfg)
+    index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
+    rows = _draw(pattern, index, seq, rng)
+    recall = heldout_recall(q, k, index, rows)
+    torch.testing.assert_close(recall, _dense_recall(q, k, index, rows).float(), rtol=1e-6, atol=1e-6)
+    if kind != "dense":
+        assert (recall < 1).any()
+
+
+def test_heldout_rows_are_seeded_runs_outside_the_excluded_rows():
+    excluded = [(0, 5), (100, 130)]
+    rows = heldout_rows(256, excluded, 3, 16, seed=7)
+    torch.testing.assert_close(rows, heldout_rows(256, excluded, 3, 16, seed=7))
+    starts = rows[::16]
+    assert rows.dtype == torch.int64 and len(rows) == 48 and (starts % 16 == 0).all()
+    assert torch.equal(rows, (starts.view(-1, 1) + torch.arange(16)).flatten()) and (starts[1:] > starts[:-1]).all()
+    # Runs 0, 6, 7 and 8 hold excluded rows; the other 12 are drawn alike over the seeds.
+    drawn = torch.cat([heldout_rows(256, excluded, 3, 16, seed)[::16] // 16 for seed in range(400)])
+    assert set(drawn.tolist()) == set(range(16)) - {0, 6, 7, 8}
+    counts = torch.bincount(drawn, minlength=16)[[1, 2, 3, 4, 5, 9, 10, 11, 12, 13, 14, 15]].double()
+    assert counts.min() > 0.6 * counts.mean(), counts
+    assert len(heldout_rows(52, [(0, 20)], 3, 16, 0)) == 16  # only run 2 qualifies (the rest is partial)
+    assert len(heldout_rows(52, [(0, 40)], 3, 16, 0)) == 0
+
+
+def test_heldout_recall_rejects_bad_rows(rng):
+    q, k = _inputs(rng, 64)
+    index = DensePattern().local_index(q, k, D**-0.5)
+    for rows in (torch.tensor([3, 2]), torch.tensor([0, 64]), torch.tensor([1, 2], dtype=torch.int32), [1, 2]):
+        with pytest.raises(ValueError, match="rows=.*ascending positions in \\[0, 64\\)"):
+            heldout_recall(q, k, index, rows)
+
+
 def _check_distributed_recall(rank, world, seed, seq):
     gen = torch.Generator().manual_seed(seed)
     q, k = _inputs(gen, seq)
     for name, pattern in _patterns(q, gen).items():
-        expected = attention_recall(q, k, pattern.local_index(q, k, D**-0.5), num_rows=ROWS)
+        index = pattern.local_index(q, k, D**-0.5)
+        expected = attention_recall(q, k, index, num_rows=ROWS)
+        rows = _draw(pattern, index, seq, gen)  # the same on every rank: one seed
+        expected_heldout = _dense_recall(q, k, index, rows).float()
         for kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(kind, world, seq, stripe=16)
             lq, lk = layout.shard(q, rank), layout.shard(k, rank)
@@ -81,6 +153,8 @@ def _check_distributed_recall(rank, world, seed, seq):
             index = local_pattern.distributed_index(lq, lk, layout, dist.group.WORLD, D**-0.5)
             recall = distributed_attention_recall(lq, lk, index, layout, num_rows=ROWS)
             torch.testing.assert_close(recall, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name} {kind}")
+            heldout = distributed_heldout_recall(lq, lk, index, layout, rows)
+            torch.testing.assert_close(heldout, expected_heldout, rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {kind}")
 
 
 # ---------------------------------------------------------------- MSA block and score recall
@@ -229,6 +303,7 @@ def _check_distributed_recalls(rank, world, seed, seq):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_recall_and_msa_recall_equal_single_device(world, rng):
-    """Index recall and MSA's block / score recall (warmup and sparse selections) from CP
-    shards in every layout equal the single-device figures."""
+    """Index recall (of the window and of held-out rows) and MSA's block / score recall
+    (warmup and sparse selections) from CP shards in every layout equal the single-device
+    figures (the held-out recall: fp64 dense attention's)."""
     run(world, _check_distributed_recalls, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256)

@@ -108,12 +108,22 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
     tokens at global ``positions``) on every rank, detached (``seq``: the end of the rows,
-    the sequence's or a packed document's). Each row has one holder and zeros elsewhere,
-    so the sum is exact."""
-    rows = torch.where((positions >= first) & (positions < seq), positions - first, -1)
-    window = scatter_rows(x.detach(), rows, seq - first).contiguous()  # collectives take whole buffers
-    dist.all_reduce(window, group=group)
-    return window
+    the sequence's or a packed document's)."""
+    return gather_rows(x, positions, torch.arange(first, seq, device=positions.device), group)
+
+
+def gather_rows(x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """The rows at the ascending global positions ``rows`` (on ``x``'s device) of the whole
+    sequence of ``x`` ``[B, L, ...]`` (this rank's tokens at global ``positions``) on every
+    rank, detached, ``[B, len(rows), ...]``. Each row has one holder and zeros elsewhere, so
+    the sum is exact; nothing is read on the host."""
+    slot = torch.searchsorted(rows, positions.to(rows.dtype)).clamp(max=len(rows) - 1)
+    held = rows[slot] == positions
+    gathered = scatter_rows(
+        x.detach(), torch.where(held, slot, -1), len(rows)
+    ).contiguous()  # collectives take whole buffers
+    dist.all_reduce(gathered, group=group)
+    return gathered
 
 
 def all_reduce_fn(op, group):

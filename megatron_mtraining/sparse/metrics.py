@@ -3,6 +3,8 @@ pattern, and MSA's block and score recall."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, single_device
@@ -32,51 +34,124 @@ def attention_recall(
     return recall_from_parts(q[:, seq - num_rows :], k, torch.arange(seq, device=q.device), index, scale)
 
 
+@torch.no_grad()
+def heldout_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """``attention_recall`` of the queries at positions ``rows`` (ascending int64 on the
+    host, as :func:`heldout_rows` draws them) rather than of the last ones, ``[B, Hq]``
+    float32: drawn from rows that did not build the index, it is the out-of-sample recall."""
+    check_qk(q, k)
+    bsz, seq, hq, d = q.shape
+    index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
+    check_rows(rows, seq)
+    scale = check_softmax_scale(softmax_scale, d)
+    if index.complete:
+        return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
+    return recall_from_parts(
+        q[:, rows.to(q.device, non_blocking=True)], k, torch.arange(seq, device=q.device), index, scale, rows
+    )
+
+
+def heldout_rows(
+    seq: int, excluded: Sequence[tuple[int, int]], blocks: int, block_rows: int, seed: int
+) -> torch.Tensor:
+    """Query positions for :func:`heldout_recall`: ``blocks`` runs of ``block_rows``
+    consecutive rows (aligned to ``block_rows``), drawn uniformly without replacement by a
+    generator seeded with ``seed`` from the runs of the sequence holding no row of
+    ``excluded`` (``[start, end)`` ranges: the rows whose attention built the index);
+    fewer where fewer runs qualify. Ascending int64 on the host; the same on every rank
+    for the same arguments."""
+    check_int("blocks", blocks, minimum=1)
+    check_int("block_rows", block_rows, minimum=1)
+    free = torch.ones(seq // block_rows, dtype=torch.bool)
+    for start, end in excluded:
+        free[start // block_rows : -(-end // block_rows)] = False
+    candidates = free.nonzero().flatten()
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
+    first = candidates[order[:blocks]].sort().values * block_rows
+    return (first.view(-1, 1) + torch.arange(block_rows)).flatten()
+
+
 def check_recall_rows(num_rows: int, seq: int) -> None:
     check_int("num_rows", num_rows, minimum=1)
     if num_rows > seq:
         fail("num_rows", num_rows, f"at most the sequence length {seq}")
 
 
+def check_rows(rows, seq: int) -> None:
+    """Query positions for the recall: 1-D int64 on the host, ascending, in the sequence."""
+    accepted = f"a 1-D int64 tensor on the host of ascending positions in [0, {seq}), at least one"
+    if not isinstance(rows, torch.Tensor):
+        fail("rows", type(rows).__name__, accepted)
+    if rows.dim() != 1 or rows.dtype != torch.int64 or rows.device.type != "cpu" or len(rows) == 0:
+        fail("rows", f"{rows.dtype} {tuple(rows.shape)} on {rows.device}", accepted)
+    if rows[0] < 0 or rows[-1] >= seq or bool((rows[1:] <= rows[:-1]).any()):
+        fail("rows", rows.tolist(), accepted)
+
+
 def recall_from_parts(
-    q_window: torch.Tensor,
+    q_rows: torch.Tensor,
     k: torch.Tensor,
     key_positions: torch.Tensor,
     index: SparseIndex,
     scale: float,
+    rows: torch.Tensor | None = None,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
 ) -> torch.Tensor:
-    """``attention_recall`` from the window queries (the last ``R`` of ``index.seq_len``)
-    and *some* of the keys, given with their global positions; ``all_reduce_*`` combine
-    the partial softmax statistics across the holders of the other keys (identity on one
-    device). ``index`` must hold the window rows (a context-parallel builder's top-k
-    index holds only its own rows)."""
-    bsz, rows, hq, _ = q_window.shape
+    """``attention_recall`` from the queries at positions ``rows`` (ascending int64 on the
+    host; None: the last ``R`` of ``index.seq_len``, the window) and *some* of the keys,
+    given with their global positions; ``all_reduce_*`` combine the partial softmax
+    statistics across the holders of the other keys (identity on one device). ``index``
+    must hold those rows (a context-parallel builder's top-k index holds only its own)."""
+    bsz, n_rows, hq, _ = q_rows.shape
     hkv, n_keys, seq = k.shape[2], k.shape[1], index.seq_len
-    first = seq - rows
-    qr = q_window.float().unflatten(2, (hkv, hq // hkv))
+    if rows is None:
+        row_pos = torch.arange(seq - n_rows, seq, device=k.device)  # made on the device: no copy
+        rows = range(seq - n_rows, seq)
+    else:
+        row_pos, rows = rows.to(k.device, non_blocking=True), rows.tolist()
+    qr = q_rows.float().unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.float()).flatten(1, 2) * scale
-    hidden = key_positions.view(1, -1) > torch.arange(first, seq, device=k.device).view(-1, 1)
+    hidden = key_positions.view(1, -1) > row_pos.view(-1, 1)
     if index.documents is not None:  # dense attention within each row's document
-        hidden |= key_positions.view(1, -1) < index.documents.starts[first:seq].view(-1, 1)
+        hidden |= key_positions.view(1, -1) < index.documents.starts[row_pos].view(-1, 1)
     logits.masked_fill_(hidden, float("-inf"))
     row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees its document's start: finite
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
 
     # Global key position -> its column here (n_keys where it is elsewhere or padding).
     column = position_lookup(key_positions, seq, missing=n_keys)
-    attended = torch.zeros(bsz, hq, rows, n_keys + 1, dtype=torch.bool, device=k.device)
-    chunk = index.query_chunk
-    for q0 in range(first // chunk * chunk, seq, chunk):
-        q1 = min(q0 + chunk, seq)
-        keys = index.key_lists(q0, q1)
-        keys = keys.expand(bsz, -1, q1 - q0, -1).repeat_interleave(hq // keys.shape[1], dim=1)
-        lo = max(q0, first)
-        keys = column[torch.where(keys >= 0, keys, seq).long()][:, :, lo - q0 :]
-        attended[:, :, lo - first : q1 - first].scatter_(-1, keys, True)
+    attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=k.device)
+    chunk, lists = index.query_chunk, {}
+    for slot, first, end in _runs(rows, chunk):
+        q0 = first // chunk * chunk
+        if q0 not in lists:  # runs come in order: one chunk's key lists at a time
+            lists = {q0: index.key_lists(q0, min(q0 + chunk, seq))}
+        keys = lists[q0]
+        keys = keys.expand(bsz, -1, min(q0 + chunk, seq) - q0, -1)[:, :, first - q0 : end - q0]
+        keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)
+        keys = column[torch.where(keys >= 0, keys, seq).long()]
+        attended[:, :, slot : slot + end - first].scatter_(-1, keys, True)
     kept = all_reduce_sum(torch.stack([(weights * attended[..., :n_keys]).sum(-1), weights.sum(-1)]))
     return (kept[0] / kept[1]).mean(-1)
+
+
+def _runs(rows, chunk: int) -> list[list[int]]:
+    """``[slot, first, end)``: the maximal runs of consecutive ``rows`` inside one key-list
+    chunk each, with the slot of their first row."""
+    runs = []
+    for slot, row in enumerate(rows):
+        if runs and row == runs[-1][2] and row % chunk:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, row, row + 1])
+    return runs
 
 
 @torch.no_grad()
