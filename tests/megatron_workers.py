@@ -203,8 +203,9 @@ def recorded_msa_selections():
 
     def recording(build):
         @functools.wraps(build)
-        def build_and_record(pattern, *args, **kwargs):
-            index = build(pattern, *args, **kwargs)
+        def build_and_record(source, *args, **kwargs):
+            index = build(source, *args, **kwargs)
+            pattern = getattr(source, "pattern", source)  # the layer wraps it (KeptIndexes)
             if isinstance(pattern, MSAPattern):
                 built.append((pattern, index))
             return index
