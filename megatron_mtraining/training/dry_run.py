@@ -14,11 +14,8 @@ import os
 import re
 from unittest import mock
 
+from ..planning.hardware import gpu
 from .yaml_config import ConfigError, RunConfig, culprits, explain_rejection, load_config
-
-# Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS rule
-# for TP / CP > 1); a dry run answers for the recipe's GPU.
-_ARCH = {"A100-40GB": 8, "A100-80GB": 8, "H100-80GB": 9}
 
 
 def world_size_of(run_config: RunConfig) -> int:
@@ -58,7 +55,10 @@ def resolve(run_config: RunConfig, world_size: int | None = None):
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size {world_size}: not a number of ranks (accepted: a positive integer)")
     world_size = world_size or world_size_of(run_config)
-    arch = _ARCH.get(run_config.cluster.get("gpu"), 8)
+    # Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS
+    # rule for TP / CP > 1); a dry run answers for the recipe's GPU (an sm80 one without).
+    name = run_config.cluster.get("gpu")
+    arch = gpu(name).compute_capability // 10 if name else 8
     with (
         mock.patch.object(arguments, "get_device_arch_version", lambda: arch),
         mock.patch.dict(os.environ, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),

@@ -55,13 +55,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..planning.hardware import gpu, gpu_names
 from .chunked_loss import fused_loss_bytes, fused_loss_settings, logits_elements
 
 GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
 # turns on: 12.6 GiB without) plus the CUDA context, NCCL buffers and kernel workspaces.
 OVERHEAD_GIB = 4.0
-GPU_MEMORY_GIB = {"A100-40GB": 40 * 1e9 / GIB, "A100-80GB": 80 * 1e9 / GIB, "H100-80GB": 80 * 1e9 / GIB}
+# The GPUs a recipe's ``cluster.gpu`` may name (planning/calibration/hardware.json).
+GPU_MEMORY_GIB = {name: gpu(name).memory_gb * 1e9 / GIB for name in gpu_names()}
 
 
 def padded_vocab_size(args) -> int:
