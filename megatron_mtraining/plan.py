@@ -10,6 +10,7 @@ measurement of the calibration tables against its prediction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -70,7 +71,13 @@ def _cluster_overrides(cli) -> list[str]:
     return out
 
 
-def _search_report(ranked, too_big: int, run) -> str:
+def _search_report(ranked, too_big: int, run, own) -> str:
+    from .planning.search import configured
+
+    mine = configured(run)
+    place = next(
+        (i for i, r in enumerate(ranked, 1) if dataclasses.replace(r.candidate, stripe=mine.stripe) == mine), None
+    )
     lines = [
         f"[plan] --search: {run.nodes} node(s) x {run.gpus_per_node} {run.gpu.name}, {run.network}; "
         f"{run.attention.type}; best first ({too_big} layouts left out: over the GPU's memory by the estimate)",
@@ -82,6 +89,8 @@ def _search_report(ranked, too_big: int, run) -> str:
             f"  {i:>3} {r.candidate.label():<66} {s.step_s:8.2f} {s.tokens_per_s:10,.0f} {s.mfu:6.1%} {r.memory_gib:6.1f}"
             + (f"  refused by a real run: {r.valid}" if r.valid else "")
         )
+    where = f"#{place} above" if place else f"not in the first {len(ranked)}"
+    lines.append(f"  the config's own layout ({mine.label()}): {own.step_s:.2f} s/step, {where}")
     if ranked:
         lines.append("  overrides of the best: " + " ".join(ranked[0].candidate.overrides(run.layers)))
     return "\n".join(lines)
@@ -115,10 +124,12 @@ def main(argv=None) -> None:
         if cli.search:
             from .planning.search import search
 
-            ranked, too_big = search(
-                config, overrides, plan.args, plan.type_plan(plan.run.attention.type).step.run, cli.top
-            )
-            print(_search_report(ranked, too_big, plan.run))
+            own = plan.type_plan(plan.run.attention.type)
+            if own.step is None:
+                sys.exit(f"plan error: --search: the config's attention cannot run here: {own.reason}")
+            own = own.step
+            ranked, too_big = search(config, overrides, plan.args, own.run, cli.top)
+            print(_search_report(ranked, too_big, own.run, own))
     except (ConfigError, FileNotFoundError, ValueError) as err:
         sys.exit(f"plan error: {err}")
 

@@ -126,7 +126,7 @@ def test_hierarchical_ring_hides_the_outer_transfer_behind_the_inner_ring():
     call = model.attention_call(c, run, "mtraining", work)
     assert call.exchange == "hierarchical"
     assert call.kernels["fwd"] == pytest.approx(5 + 4 * 0.5)
-    assert call.steps_fwd == pytest.approx([1.5, 2.5, 1.5, 1.5])
+    assert call.steps["fwd"] == pytest.approx([1.5, 2.5, 1.5, 1.5])
     # A 64K-token chunk of K and V (2 heads of 128, bf16) takes 5.97 ms over the network:
     # 1.97 ms more than the first inner ring (1.5 + 2.5 ms); the last outer step sends nothing.
     kv_bytes = 65536 * 2 * run.kv_heads * run.head_dim * 2
@@ -135,7 +135,10 @@ def test_hierarchical_ring_hides_the_outer_transfer_behind_the_inner_ring():
     assert call.comm_exposed["fwd"]["network"] == pytest.approx(outer - 4.0)
     assert call.comm_exposed["fwd"]["nvlink"] == 0.0
     assert call.comm_total["bwd"]["network"] == pytest.approx(3 * outer)
-    assert "is NOT hidden behind the inner ring (2 steps, 4.00 ms)" in call.critical_path
+    assert (
+        "fwd: the outer transfer (network, 5.97 ms a chunk) is NOT hidden behind the inner ring (2 steps, 4.00 ms)"
+        in (call.critical_path)
+    )
 
 
 def test_gradient_exchange_and_optimizer_by_hand():
@@ -201,3 +204,14 @@ def test_plan_errors_name_the_field(argv, message, capsys):
     with pytest.raises(SystemExit) as err:
         plan.main(argv)
     assert message in str(err.value)
+
+
+def test_dense_block_areas_without_documents_equal_the_mask():
+    """The closed form the ring simulation of dense attention takes (a partial last block)."""
+    index, block, seq = DenseIndex(2, 3, 1000), 64, 1000
+    n = -(-seq // block)
+    mask = index.to_dense_mask(seq).double().sum((0, 1))
+    pooled = (
+        torch.nn.functional.pad(mask, (0, n * block - seq, 0, n * block - seq)).view(n, block, n, block).sum((1, 3))
+    )
+    assert torch.equal(index.block_areas(block), pooled)

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..sparse.dispatch import KV_OUTER_MAX_BLOCK, KV_OUTER_MAX_SHARE, KV_OUTER_MAX_SHARE_WIDE
+from ..training.memory import kv_exchange
 from .flops import attention_flops, layer_matmul_flops_per_token, mlp_share, model_flops
 from .hardware import GPU, network_gb_s
 from .workload import PATTERN_SOURCES, AttentionWork, WorkSpec, attention_work
@@ -163,7 +164,7 @@ class AttentionCall:
 
     exchange: str  # single | ring | hierarchical | allgather
     kernels: dict[str, float]  # fwd, bwd
-    steps_fwd: list[float]  # the slowest rank's kernels per ring step, forward
+    steps: dict[str, list[float]]  # fwd/bwd -> each ring step's time (its slowest rank's)
     comm_exposed: dict[str, dict[str, float]]  # fwd/bwd -> link -> ms
     comm_total: dict[str, dict[str, float]]
     critical_path: str = ""
@@ -257,18 +258,8 @@ def work_spec(run: Run, pattern: str) -> WorkSpec:
 
 
 def exchange_of(run: Run) -> str:
-    """How K/V reach the queries (``ring_attention``'s ``kv_exchange``): ``auto`` takes the
-    all-gather on a flat group whose ranks share a host, the ring otherwise."""
-    att = run.attention
-    if run.cp == 1:
-        return "single"
-    if att.hierarchy and att.hierarchy < run.cp:
-        return "hierarchical"
-    if att.kv_exchange == "allgather":
-        return "allgather"
-    if att.kv_exchange == "ring":
-        return "ring"
-    return "allgather" if run.cp * run.tp <= run.gpus_per_node else "ring"
+    """How K/V reach the queries (``training.memory.kv_exchange``)."""
+    return kv_exchange(run.attention, run.cp, run.tp, run.gpus_per_node)
 
 
 def _link_gb_s(run: Run, crosses_nodes: bool) -> tuple[str, float]:
@@ -286,7 +277,7 @@ def attention_call(c: Constants, run: Run, pattern: str, work: AttentionWork, in
     if exchange == "single":
         kernel = single_gpu_kernel(run, pattern)
         times = {d: b * kernel_ms(c, work, d, kernel, gpu) for d in DIRECTIONS}
-        return AttentionCall(exchange, times, [times["fwd"]], empty, empty)
+        return AttentionCall(exchange, times, {d: [t] for d, t in times.items()}, empty, empty)
     w = run.cp
     kv_bytes = run.local_seq * run.micro_batch * 2 * run.kv_heads * run.head_dim * 2
     if exchange == "allgather":
@@ -302,17 +293,15 @@ def attention_call(c: Constants, run: Run, pattern: str, work: AttentionWork, in
         gather = moved / (bw * 1e9) * 1e3
         scatter = 2 * moved / (bw * 1e9) * 1e3
         exposed = {"fwd": {link: max(0.0, gather - index_ms)}, "bwd": {link: scatter}}
-        return AttentionCall(
-            exchange, kernels, [kernels["fwd"]], exposed, {"fwd": {link: gather}, "bwd": {link: scatter}}
-        )
+        moved_ms = {"fwd": {link: gather}, "bwd": {link: scatter}}
+        return AttentionCall(exchange, kernels, {d: [t] for d, t in kernels.items()}, exposed, moved_ms)
     inner = run.attention.hierarchy if exchange == "hierarchical" else w
-    # Whether the inner ring's neighbours share a node: TP ranks are consecutive, then CP.
-    inner_crosses = inner * run.tp > run.gpus_per_node
-    outer_crosses = w * run.tp > run.gpus_per_node
-    kernels, steps_fwd, exposed, total = {}, [], {}, {}
-    for d in DIRECTIONS:
-        i = DIRECTIONS.index(d)
-        # Each rank's steps, then the slowest rank; a step's kernel on the slowest rank of it.
+    # Whether a ring's neighbours share a node: TP ranks are consecutive, then CP.
+    in_link, in_bw = _link_gb_s(run, inner * run.tp > run.gpus_per_node)
+    out_link, out_bw = _link_gb_s(run, w * run.tp > run.gpus_per_node)
+    kernels, steps, exposed, total, path = {}, {}, {}, {}, []
+    for i, d in enumerate(DIRECTIONS):
+        # Each rank's steps, then the slowest rank; a step's time is its slowest rank's.
         per_step = [
             [
                 b * block_bar_ms(c, work, float(work.ring[r, s]), 0.0, run.local_seq, 1, d) * (1 + c.ring_positions[i])
@@ -321,46 +310,39 @@ def attention_call(c: Constants, run: Run, pattern: str, work: AttentionWork, in
             for r in range(w)
         ]
         columns = [b * block_bar_ms(c, work, 0.0, float(work.columns[r]), 0.0, 0, d) for r in range(w)]
-        rank_ms = [
+        kernels[d] = max(
             (sum(per_step[r]) + columns[r] * (1 + c.ring_positions[i])) * gpu.attention_time_factor
             + w * c.ring_step_ms[i]
             for r in range(w)
-        ]
-        slowest = max(range(w), key=lambda r: rank_ms[r])
-        kernels[d] = rank_ms[slowest]
+        )
         step_ms = [
             max(per_step[r][s] for r in range(w)) * gpu.attention_time_factor + c.ring_step_ms[i] for s in range(w)
         ]
         step_ms[-1] += max(columns) * gpu.attention_time_factor
-        if d == "fwd":
-            steps_fwd = step_ms
-        # Forward: K/V per step; backward: K/V and the fp32 dK/dV accumulators.
+        steps[d] = step_ms
+        # Forward: a chunk's K/V; backward: K/V and the fp32 dK/dV accumulators. Each inner
+        # transfer overlaps one step (the next chunk is posted before the step's kernel); an
+        # outer transfer overlaps a whole inner ring.
         moved = kv_bytes * (1 if d == "fwd" else 3)
-        in_link, in_bw = _link_gb_s(run, inner_crosses)
-        inner_ms = moved / (in_bw * 1e9) * 1e3
-        exposed[d], total[d] = {}, {}
-        hidden_inner = sum(max(0.0, inner_ms - t) for t in step_ms)
-        exposed[d][in_link] = hidden_inner
-        total[d][in_link] = inner_ms * (w - w // inner)
+        inner_ms, outer_ms = moved / (in_bw * 1e9) * 1e3, moved / (out_bw * 1e9) * 1e3
+        rings = [step_ms[o * inner : (o + 1) * inner] for o in range(w // inner)]
+        exposed[d] = {in_link: sum(max(0.0, inner_ms - t) for ring in rings for t in ring[:-1])}
+        total[d] = {in_link: inner_ms * (w - w // inner)}
         if exchange == "hierarchical":
-            out_link, out_bw = _link_gb_s(run, outer_crosses)
-            outer_ms = moved / (out_bw * 1e9) * 1e3
-            rings = [sum(step_ms[o * inner : (o + 1) * inner]) for o in range(w // inner)]
-            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + sum(max(0.0, outer_ms - t) for t in rings[:-1])
+            ring_ms = [sum(ring) for ring in rings[:-1]]
+            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + sum(max(0.0, outer_ms - t) for t in ring_ms)
             total[d][out_link] = total[d].get(out_link, 0.0) + outer_ms * (w // inner - 1)
-    path = ""
-    if exchange == "hierarchical":
-        out_link, out_bw = _link_gb_s(run, outer_crosses)
-        outer_ms = kv_bytes / (out_bw * 1e9) * 1e3
-        ring_ms = sum(steps_fwd[:inner])
-        path = (
-            f"forward: the outer transfer ({out_link}, {outer_ms:.2f} ms a chunk) "
-            + ("is hidden behind" if outer_ms <= ring_ms else "is NOT hidden behind")
-            + f" the inner ring ({inner} steps, {ring_ms:.2f} ms)"
-        )
-    elif outer_crosses:
-        path = "flat ring across nodes: every step waits for its inter-node transfer"
-    return AttentionCall(exchange, kernels, steps_fwd, exposed, total, path)
+            hidden = "is hidden behind" if outer_ms <= min(ring_ms) else "is NOT hidden behind"
+            path.append(
+                f"{d}: the outer transfer ({out_link}, {outer_ms:.2f} ms a chunk) {hidden} the inner ring "
+                f"({inner} steps, {min(ring_ms):.2f} ms)"
+            )
+        elif in_link == "network":
+            hidden = "hidden behind" if inner_ms <= min(step_ms[:-1]) else "NOT hidden behind"
+            path.append(
+                f"{d}: a flat ring across nodes: each step's transfer ({inner_ms:.2f} ms) is {hidden} its kernels"
+            )
+    return AttentionCall(exchange, kernels, steps, exposed, total, "; ".join(path))
 
 
 def index_build_ms(c: Constants, run: Run, pattern: str) -> tuple[float, dict[str, float]]:

@@ -58,7 +58,7 @@ def plan_run(run_config: RunConfig, args, gpu_name=None, network=None, sources=(
             plans.append(TypePlan(name, None, None, str(err)))
             continue
         typed = run.replace(attention=attention)
-        memory = estimate_memory(args, attention, memory_gib)
+        memory = estimate_memory(args, attention, memory_gib, run.gpus_per_node)
         plans.append(TypePlan(name, model.predict_step(c, typed, name), memory))
         if name == "msa" and attention.msa.warmup_steps:
             plans.append(TypePlan("msa (warmup)", model.predict_step(c, typed, name, warmup=True), memory))

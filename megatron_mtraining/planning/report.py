@@ -90,8 +90,11 @@ def attention_detail(plan: Plan) -> str:
         call, work = t.step.layer.attention, t.step.layer.work
         line = f"  {t.name:<14} forward {call.kernels['fwd']:8.2f}  backward {call.kernels['bwd']:8.2f}"
         if call.exchange in ("ring", "hierarchical"):
-            steps = call.steps_fwd
-            line += f"  ({len(steps)} ring steps, forward {min(steps):.2f}-{max(steps):.2f} each)"
+            fwd, bwd = call.steps["fwd"], call.steps["bwd"]
+            line += (
+                f"  ({len(fwd)} ring steps of {min(fwd):.2f}-{max(fwd):.2f} forward, "
+                f"{min(bwd):.2f}-{max(bwd):.2f} backward)"
+            )
         worker, step = work.degrees
         if plan.run.cp > 1:
             line += f"  area imbalance worker {worker:.3f} / step {step:.3f}"

@@ -155,13 +155,22 @@ def search(config, overrides, args, run: model.Run, top: int = 10, validate: int
     world = run.nodes * run.gpus_per_node
     for cand in candidates(run, world, pattern):
         cand_args = _candidate_args(args, cand)
-        estimate = estimate_memory(cand_args, run.attention, memory_gib)
+        attention = _candidate_run(run, cand, 0).attention
+        estimate = estimate_memory(cand_args, attention, memory_gib, run.gpus_per_node)
         if not estimate.fits():
             too_big += 1
             continue
         cand_run = _candidate_run(run, cand, estimate.params.per_rank)
         ranked.append(Ranked(cand, model.predict_step(c, cand_run, pattern), estimate.total_gib))
     ranked.sort(key=lambda r: r.step.step_s)
+    # The stripe rarely matters at these sizes: one row per layout, its best stripe.
+    seen, best = set(), []
+    for r in ranked:
+        key = dataclasses.replace(r.candidate, stripe=0)
+        if key not in seen:
+            seen.add(key)
+            best.append(r)
+    ranked = best
     for r in ranked[:validate]:
         try:
             checked = load_config(config, [*overrides, *r.candidate.overrides(run.layers)])
@@ -169,3 +178,13 @@ def search(config, overrides, args, run: model.Run, top: int = 10, validate: int
         except (ConfigError, ValueError, AssertionError) as err:
             r.valid = str(err).splitlines()[0]
     return ranked[:top], too_big
+
+
+def configured(run: model.Run) -> Candidate:
+    """The candidate the config itself runs."""
+    exchange = model.exchange_of(run)
+    policy = run.recompute
+    if run.recompute == "full" and run.recomputed_layers is not None:
+        policy = "half" if run.recomputed_layers == run.layers // 2 else f"block {run.recomputed_layers}"
+    inner = run.attention.hierarchy if exchange == "hierarchical" else None
+    return Candidate(run.tp, run.cp, run.dp, exchange, inner, run.attention.stripe, policy, run.micro_batch)

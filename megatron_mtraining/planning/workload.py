@@ -32,6 +32,8 @@ measurement needs no index.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -213,6 +215,10 @@ class WorkSpec:
                 f"pattern source {self.source!r} is not one of {self.pattern}'s (accepted: {', '.join(map(str, sources))})"
             )
 
+    def replace_layout(self) -> WorkSpec:
+        """The same index with no layout (what per-block tables depend on)."""
+        return dataclasses.replace(self, layout="striped", stripe=128, cp=1, inner=None)
+
     @property
     def key(self) -> str:
         """The key of a calibration row's work in ``workloads.json``."""
@@ -262,9 +268,11 @@ def _block(spec: WorkSpec) -> int:
     return 128
 
 
+@functools.lru_cache(maxsize=256)
 def compute_work(spec: WorkSpec) -> AttentionWork:
+    """``spec``'s work, computed (kept for the process: a plan and a search ask for the same
+    ones many times)."""
     seq, cp, block = spec.seq, spec.cp, _block(spec)
-    layout = ContextParallelLayout(spec.layout, cp, seq, stripe=spec.stripe)
     head = (spec.pattern, spec.source, seq, spec.heads, spec.head_dim, block)
     if spec.pattern == "mtraining":
         index = vertical_slash_index(seq, spec.settings, spec.heads, spec.kv_heads, spec.head_dim, spec.source)
@@ -273,14 +281,16 @@ def compute_work(spec: WorkSpec) -> AttentionWork:
             tiles, bar = float(tiles_index.attended_area().sum()), float(bars.attended_area().sum())
             t = torch.tensor([[tiles]], dtype=torch.float64)
             return AttentionWork(*head, t, torch.tensor([bar], dtype=torch.float64), t.sum(1) + bar, tiles, bar)
-        ring = simulate_ring_areas(tiles_index, layout, block, inner=spec.inner)
-        columns = torch.tensor(
-            [float(bars.area_between(layout.positions(r), None).sum()) for r in range(cp)], dtype=torch.float64
-        )
+        tiles, bar = _block_areas(spec.replace_layout())
+        layout = ContextParallelLayout(spec.layout, cp, seq, stripe=spec.stripe)
+        ring = simulate_ring_areas(tiles_index, layout, block, tiles, spec.inner)
+        # A rank's bars are its rows' (the ring simulation's rows, summed over steps).
+        columns = simulate_ring_areas(bars, layout, block, bar).sum(1)
         return AttentionWork(*head, ring, columns, ring.sum(1) + columns, float(ring.sum()), float(columns.sum()))
     if cp == 1:
         ring = torch.tensor([[spec.heads * seq * (seq + 1) / 2]], dtype=torch.float64)
     else:
+        layout = ContextParallelLayout(spec.layout, cp, seq, stripe=spec.stripe)
         ring = simulate_ring_areas(DenseIndex(1, spec.heads, seq), layout, block, inner=spec.inner)
     total, none = float(ring.sum()), torch.zeros(cp, dtype=torch.float64)
     if spec.pattern == "dense":
@@ -289,3 +299,12 @@ def compute_work(spec: WorkSpec) -> AttentionWork:
     useful = topk_useful_pairs(seq, topk_block, topk, spec.heads) / total
     computed = ring * (useful / union_share(spec.pattern, spec.source, seq))
     return AttentionWork(*head, computed, none, ring.sum(1) * useful, float(computed.sum()), 0.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _block_areas(spec: WorkSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vertical-slash index's tile and bar areas per (query block, key block), once per
+    index whatever the layout."""
+    index = vertical_slash_index(spec.seq, spec.settings, spec.heads, spec.kv_heads, spec.head_dim, spec.source)
+    block = spec.settings.block_size
+    return ring_work(index).block_areas(block), VerticalSlashPart(index, "bars").block_areas(block)

@@ -118,7 +118,12 @@ def dry_run(config_path, overrides=(), world_size: int | None = None) -> tuple[s
     run_config = load_config(config_path, overrides)
     args = resolve(run_config, world_size)
     try:
-        estimate = estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(run_config.cluster.get("gpu")))
+        estimate = estimate_memory(
+            args,
+            run_config.attention,
+            GPU_MEMORY_GIB.get(run_config.cluster.get("gpu")),
+            run_config.cluster.get("gpus_per_node"),
+        )
     except ValueError as err:
         raise ConfigError(f"{run_config.path}: {err}") from None
     # A recipe names the paths of the machines it is written for; a real run here stops on them.
