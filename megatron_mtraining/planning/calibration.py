@@ -31,7 +31,7 @@ from .flops import attention_flops
 from .hardware import gpu, gpu_of_device
 from .model import DIRECTIONS, FAMILIES, PF, Constants
 from .tables import source, table
-from .workload import AttentionWork, WorkSpec, attention_work
+from .workload import AttentionWork, WorkSpec, attention_work, topk_useful_pairs
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 128  # Qwen2.5-3B attention, every table's shape
 TOPK_SETTINGS = {"msa": (128, 16), "moba": (4096, 12)}
@@ -256,8 +256,6 @@ def _fit_msa(c: Constants) -> Constants:
     seq = rows["h200-128k-msa-b"]["seq"]
     scored = seq * seq * KV_HEADS * 128 / PF
     block, topk = TOPK_SETTINGS["msa"]
-    from .workload import topk_useful_pairs
-
     useful = attention_flops(topk_useful_pairs(seq, block, topk, HEADS), HEAD_DIM) / PF
     kl = table("kernels")["msa_kl"]
     union = attention_flops(kl["union_share_of_causal"] * HEADS * kl["seq"] * (kl["seq"] + 1) / 2, HEAD_DIM) / PF

@@ -75,7 +75,7 @@ class Constants:
     # The vertical-slash index build in a step, ms per million tokens; the metric step per
     # layer, ms per million tokens (dense records nothing; MSA adds its block recalls).
     index_ms_per_mtoken: float = 0.0
-    index_key_share: float = 0.79
+    index_key_share: float = 0.0  # the share of the build in the passes over the keys
     metrics_ms_per_mtoken: dict[str, float] = field(default_factory=dict)
     # Fixed part: output-layer GEMMs over their floor; passes over the logits over their
     # bytes at HBM bandwidth; the optimizer's time per parameter over HBM bandwidth (ms per

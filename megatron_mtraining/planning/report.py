@@ -123,7 +123,11 @@ def basis(plan: Plan) -> str:
     lines = [
         "  basis: kernels, ring and step constants fitted to the measured tables of planning/calibration "
         "(python -m megatron_mtraining.plan --validate lists every figure predicted against measured)",
-        f"  {gpu.name}: not measured on this GPU: {published}" if published else f"  {gpu.name}: measured",
+        f"  {gpu.name}: published or assumed, not measured on this GPU: {published}"
+        if published
+        else f"  {gpu.name}: measured",
+        "  patterns: "
+        + ", ".join(f"{t.name} {t.step.layer.work.source}" for t in plan.types if t.step and t.step.layer.work.source),
         f"  network {plan.run.network}: published line rate ({table('hardware')['networks'][plan.run.network]['gb_s_per_gpu']['value']} GB/s per GPU assumed reachable)",
     ]
     if plan.run.cp > 1:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 
 from ..training.dry_run import resolve
@@ -77,10 +76,3 @@ def run_from_args(
         gpus_per_node=cluster.get("gpus_per_node", 8),
         network=network or cluster.get("network") or default_network(name),
     )
-
-
-def with_layers(args, layers: int):
-    """A copy of Megatron's ``args`` with another layer count (for the parameter count)."""
-    changed = copy.copy(args)
-    changed.num_layers = layers
-    return changed
