@@ -166,7 +166,7 @@ def test_step_adds_up_its_parts():
 
 def test_gpu_names_and_errors():
     assert gpu("H200").name == "H200-141GB" and gpu_of_device("NVIDIA H100 80GB HBM3").name == "H100-80GB"
-    with pytest.raises(ValueError, match=r"gpu='B200'.*accepted: H100-80GB"):
+    with pytest.raises(ValueError, match=r"gpu='B200'.*accepted: A100-40GB, A100-80GB, H100-80GB, H200-141GB"):
         gpu("B200")
     with pytest.raises(ValueError, match=r"network='IB'.*accepted: HDR-200"):
         network_gb_s("IB")
