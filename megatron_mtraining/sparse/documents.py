@@ -79,18 +79,18 @@ class Documents:
         return keys.view(1, -1) >= self.starts.view(-1, 1)
 
 
-def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
-    """The ``Documents`` of ``cu_seqlens`` over ``seq_len`` tokens (None: None, one document),
-    on ``device`` (``cu_seqlens``'s by default). Raises ``ValueError`` naming the entry, the
-    value and what is accepted unless ``cu_seqlens`` is a 1-d int32 (or int64) tensor that
-    starts at 0, strictly increases and ends at ``seq_len``. Reads the boundaries on the
-    host once (one small copy from a GPU)."""
+def document_bounds(cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
+    """``cu_seqlens`` on the host, validated, as a tuple (None: None, one document); a
+    ``Documents`` gives its own. Raises ``ValueError`` naming the entry, the value and what is
+    accepted unless ``cu_seqlens`` is a 1-d int32 (or int64) tensor that starts at 0, strictly
+    increases and ends at ``seq_len``. Reads the boundaries on the host once (one small copy
+    from a GPU) and builds nothing on the device."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, Documents):
         if cu_seqlens.seq_len != seq_len:
             fail("cu_seqlens", list(cu_seqlens.bounds), f"documents of the sequence length {seq_len}")
-        return cu_seqlens if device is None else cu_seqlens.to(device)
+        return cu_seqlens.bounds
     if not isinstance(cu_seqlens, torch.Tensor):
         fail("cu_seqlens", type(cu_seqlens).__name__, f"a torch.Tensor of {ACCEPTED}")
     if cu_seqlens.dim() != 1:
@@ -115,11 +115,23 @@ def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
             bounds[-1],
             f"the sequence length {seq_len}: the last document ends the sequence (batch 1 packed)",
         )
+    return tuple(int(b) for b in bounds)
+
+
+def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
+    """The ``Documents`` of ``cu_seqlens`` over ``seq_len`` tokens (None: None, one document),
+    on ``device`` (``cu_seqlens``'s by default), validated by :func:`document_bounds`."""
+    if isinstance(cu_seqlens, Documents):
+        document_bounds(cu_seqlens, seq_len)
+        return cu_seqlens if device is None else cu_seqlens.to(device)
+    bounds = document_bounds(cu_seqlens, seq_len)
+    if bounds is None:
+        return None
     device = cu_seqlens.device if device is None else torch.device(device)
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     positions = torch.arange(seq_len, device=device, dtype=torch.int32)
     ids = torch.searchsorted(cu[1:-1].contiguous(), positions, right=True).to(torch.int32)
-    return Documents(cu, cu[ids.long()], ids, tuple(int(b) for b in bounds))
+    return Documents(cu, cu[ids.long()], ids, bounds)
 
 
 def check_documents(name: str, documents: Documents | None, seq_len: int) -> None:
