@@ -54,7 +54,9 @@ def test_balanced_layout_is_a_permutation_of_whole_stripes_in_equal_shares(cp_si
         assert again == layout and all(torch.equal(again.positions(r), parts[r]) for r in range(cp_size))
         ranks = balanced_stripe_ranks(tuple(cu.tolist()), seq, stripe, cp_size)
         assert torch.equal(ranks, balanced_stripe_ranks(tuple(cu.tolist()), seq, stripe, cp_size))
-        assert all(torch.equal(torch.nonzero(ranks == r).flatten() * stripe, parts[r][::stripe]) for r in range(cp_size))
+        assert all(
+            torch.equal(torch.nonzero(ranks == r).flatten() * stripe, parts[r][::stripe]) for r in range(cp_size)
+        )
 
 
 def test_without_documents_or_with_one_it_is_striped(rng):
@@ -75,23 +77,27 @@ def test_a_stripe_belongs_to_the_document_holding_most_of_it(rng):
         bounds = cu.tolist()
         owner = stripe_documents(tuple(bounds), seq, stripe).tolist()
         for s, got in enumerate(owner):
-            tokens = [max(0, min(b, (s + 1) * stripe) - max(a, s * stripe)) for a, b in zip(bounds, bounds[1:])]
+            tokens = [
+                max(0, min(b, (s + 1) * stripe) - max(a, s * stripe)) for a, b in zip(bounds, bounds[1:], strict=False)
+            ]
             # The first document with the most tokens: Python's max keeps the first of equals.
             assert got == max(range(len(tokens)), key=lambda d: (tokens[d], -d)), (s, tokens)
 
 
 def test_assignment_rule_on_whole_stripe_documents():
-    """Documents of whole stripes, lengths chosen so that no stripe moves: rotation by rank in
-    length order, long documents striped from it, short ones at triangular steps."""
+    """Documents of whole stripes, lengths chosen so that no stripe moves: long documents
+    striped one after the other, short ones rotated by their rank in length order and
+    placed at triangular steps."""
     stripe, w = 4, 4
-    # Lengths in stripes: 8 (long: 2 W), then 4, 3, 1 (short), repeated in another order.
-    lengths = [4, 8, 1, 3, 8, 4, 3, 1]
+    # Lengths in stripes: 8 and 9 (long: at least 2 W), 4, 3 and 1 (short).
+    lengths = [4, 8, 1, 3, 9, 4, 3, 1, 7]
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n * stripe)
     seq = bounds[-1]
-    # Length order, ties by position: 8 (doc 1), 8 (doc 4), 4 (doc 0), 4 (doc 5), 3 (3), 3 (6), 1 (2), 1 (7).
-    rotation = {1: 0, 4: 1, 0: 2, 5: 3, 3: 0, 6: 1, 2: 2, 7: 3}
+    # Long: document 1 from rank 0, document 4 after its 8 stripes (rank 0 again).
+    # Short, by length then position: 7 (doc 8), 4 (doc 0), 4 (doc 5), 3 (doc 3), 3 (doc 6), 1 (doc 2), 1 (doc 7).
+    rotation = {1: 0, 4: 8 % w, 8: 0, 0: 1, 5: 2, 3: 3, 6: 0, 2: 1, 7: 2}
     want = []
     for d, n in enumerate(lengths):
         want += [(rotation[d] + (i if n >= 2 * w else i * (i + 1) // 2)) % w for i in range(n)]
@@ -109,11 +115,11 @@ def test_surplus_stripes_move_from_the_shortest_documents():
         bounds.append(bounds[-1] + n * stripe)
     ranks = balanced_stripe_ranks(tuple(bounds), bounds[-1], stripe, w)
     assert torch.bincount(ranks, minlength=w).tolist() == [4] * w
-    # Before moving: the long document on 0,1,2,3,0,1,2,3,0,1; the two-stripe one (rotation 1)
-    # on 1, 2; the one-stripe ones (rotations 2, 3, 0, 1) on 2, 3, 0, 1. Rank 1 then holds five,
-    # rank 3 three: in order of document length, then position, the first stripe on a full
-    # rank is the last one-stripe document's, which moves to rank 3.
-    assert ranks.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 1, 2, 2, 3, 0, 3]
+    # Before moving: the long document on 0,1,2,3,0,1,2,3,0,1; the two-stripe one (rotation 0)
+    # on 0, 1; the one-stripe ones (rotations 1, 2, 3, 0) on 1, 2, 3, 0. Ranks 0 and 1 hold
+    # five, 2 and 3 three. In order of document length, then position: the first one-stripe
+    # document's (rank 1) goes to rank 2, the last one's (rank 0) to rank 3.
+    assert ranks.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1, 2, 2, 3, 3]
 
 
 def test_balanced_layout_errors_name_the_field():
