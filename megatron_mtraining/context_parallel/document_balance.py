@@ -13,14 +13,15 @@ index exists):
 
 * each stripe belongs to the document holding most of its tokens (the earliest of equals),
   so documents become runs of whole stripes;
-* documents are ordered by length (longest first, then by position) and the ``j``-th
-  gets the rotation ``j mod W``: documents of similar length form orbits of ``W``
-  rotations, and a pattern rotated over every rank sums to the same work on each;
-* a document of at least ``2 W`` stripes is striped from its rotation (stripe ``i`` on
-  rank ``rotation + i``): long documents are balanced by striping, as one sequence is;
-* a shorter document puts its stripe ``i`` on rank ``rotation + i (i + 1) / 2``: its
-  neighbouring stripes sit at every distance around the ring, so its near diagonals (most of
-  a slash pattern's work) spread over all ring steps instead of filling the first few;
+* documents of at least ``2 W`` stripes are striped one after the other, as striping
+  places them with the shorter ones left out: each starts on the rank after the previous
+  one's last stripe, so together they hold the same count on every rank;
+* the shorter documents, ordered by length (longest first, then by position), get the
+  rotations ``j mod W``: documents of similar length form orbits of ``W`` rotations, and a
+  pattern rotated over every rank sums to the same work on each. Document ``j`` puts its
+  stripe ``i`` on rank ``j + i (i + 1) / 2``: its neighbouring stripes sit at every
+  distance around the ring, so its near diagonals (most of a slash pattern's work) spread
+  over all ring steps instead of filling the first few;
 * ranks then holding more than ``n / W`` stripes hand stripes to the emptiest rank,
   those of the shortest documents first (a one-stripe document's work stays on its rank).
 
@@ -66,10 +67,15 @@ def balanced_stripe_ranks(bounds: tuple[int, ...], seq_len: int, stripe: int, cp
     lengths = torch.diff(starts, append=torch.tensor([n]))
     run = torch.repeat_interleave(torch.arange(len(starts)), lengths)
     offset = torch.arange(n) - starts[run]
+    long = lengths >= LONG_PERIODS * w
     rotation = torch.empty_like(lengths)
-    rotation[torch.sort(-lengths, stable=True).indices] = torch.arange(len(lengths)) % w
+    striped = torch.nonzero(long).flatten()
+    rotation[striped] = (torch.cumsum(lengths[striped], 0) - lengths[striped]) % w
+    short = torch.nonzero(~long).flatten()
+    short = short[torch.sort(-lengths[short], stable=True).indices]
+    rotation[short] = torch.arange(len(short)) % w
     span = lengths[run]
-    step = torch.where(span >= LONG_PERIODS * w, offset, offset * (offset + 1) // 2)
+    step = torch.where(long[run], offset, offset * (offset + 1) // 2)
     ranks = (rotation[run] + step) % w
     return _equal_counts(ranks, span, w)
 
