@@ -44,8 +44,9 @@ def apply_patches(layout_kind: str, stripe: int = 128) -> LayoutChoice:
     ``ContextParallelLayout(layout_kind, cp_size, seq_len, stripe=stripe)``.
 
     ``zigzag`` reproduces Megatron's own split. ``balanced`` places each micro-batch by its
-    documents, which the split reads from ``batch["cu_seqlens"]`` (absent: striped). Applying again with the same arguments does
-    nothing; with different ones it is a ``ValueError`` (call :func:`remove_patches` first).
+    documents, which the split reads from ``batch["cu_seqlens"]`` (absent: striped).
+    Applying again with the same arguments does nothing; with different ones it is a
+    ``ValueError`` (call :func:`remove_patches` first).
     Raises :class:`UpstreamChangedError` if an upstream function is not the one a patch was
     written for; then nothing is changed.
     """
