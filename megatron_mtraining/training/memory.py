@@ -61,7 +61,12 @@ GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
 # turns on: 12.6 GiB without) plus the CUDA context, NCCL buffers and kernel workspaces.
 OVERHEAD_GIB = 4.0
-GPU_MEMORY_GIB = {"A100-40GB": 40 * 1e9 / GIB, "A100-80GB": 80 * 1e9 / GIB, "H100-80GB": 80 * 1e9 / GIB}
+GPU_MEMORY_GIB = {
+    "A100-40GB": 40 * 1e9 / GIB,
+    "A100-80GB": 80 * 1e9 / GIB,
+    "H100-80GB": 80 * 1e9 / GIB,
+    "H200-141GB": 141 * 1e9 / GIB,
+}
 
 
 def padded_vocab_size(args) -> int:
