@@ -198,8 +198,9 @@ def test_a_deadline_sends_sigterm_and_a_short_limit_is_refused(tmp_path):
     output = run_logged([sys.executable, "-c", program], tmp_path, tmp_path / "log", 1, 1, "x", start + 1.5)
     assert "exiting program after receiving SIGTERM." in output and time.monotonic() - start < 15
     assert Deadline(0).training_end(5, "x") is None
-    with pytest.raises(StageError, match=r"--time-limit=1: 1.0 minutes are left, and evaluation keeps 0.5 back"):
-        Deadline(1).training_end(0.5, "evaluation")
+    with pytest.raises(StageError, match=r"--time-limit=2.4: 2.4 minutes are left, and evaluation keeps 0.5 back"):
+        Deadline(2.4).training_end(0.5, "evaluation")
+    assert Deadline(3).training_end(0.5, "evaluation") - time.monotonic() == pytest.approx(150, abs=1)
 
 
 def test_the_study_sets_its_own_arguments(tmp_path):
@@ -504,3 +505,18 @@ def test_three_types_one_seed_evaluated_and_reported(pretrained, tiny, capsys):
         ("mtraining", "dense"),
         ("msa", "dense"),
     }
+
+
+@pytest.mark.slow
+def test_the_time_limit_stops_training_with_a_checkpoint(pretrained, tiny, monkeypatch):
+    """Megatron's own SIGTERM path: the run saves where it is, exits cleanly, and says so."""
+    from megatron_mtraining.examples.study import runs
+
+    root, _, _ = tiny
+    monkeypatch.setattr(runs, "MIN_TRAINING_MINUTES", 0.1)
+    configs = {stage: root / "configs" / f"{stage}.yaml" for stage in ("pretrain", "continue")}
+    deadline = Deadline(0.5)
+    record = Study(root / "w", configs, []).train("pretrain", Path("stopped"), [], 100000, deadline, 0.0)
+    assert record["stopped_by_time_limit"] and 0 < record["iterations"] < 100000
+    assert record["saved_iterations"] == [record["iterations"]]
+    assert (root / "w" / record["checkpoint"]).is_dir()

@@ -179,14 +179,20 @@ def _export(workdir: Path, out: str, name: str, paths, exclude=()) -> None:
 
 
 def _train_stage(
-    cli, study: Study, stage: str, run: Path, overrides: list[str], cross: tuple[str, ...], deadline: Deadline
+    cli, study: Study, stage: str, run: Path, overrides: list[str], cross: tuple[str, ...], deadline: Deadline, export
 ) -> None:
-    """Trains ``run``; with ``--eval`` evaluates it with its attention and ``cross``."""
+    """Trains ``run``; with ``--eval`` evaluates it with its attention and ``cross``; with
+    ``--export`` calls ``export`` after training (so that a command stopped during the
+    evaluation still leaves the run) and again after the evaluation."""
     passes = 1 + len(cross) if cli.eval else 0
     reserve = passes * cli.eval_minutes + (EXPORT_MINUTES if cli.export else 0)
     record = study.train(stage, run, overrides, cli.steps, deadline, reserve)
+    if cli.export:
+        export()
     if cli.eval:
-        study.evaluate(run, (record["attention"], *cross), _eval_settings(cli))
+        study.evaluate(run, (record["attention"], *cross), _eval_settings(cli), deadline.before(EXPORT_MINUTES))
+        if cli.export:
+            export()
 
 
 def run(cli) -> None:
@@ -216,14 +222,17 @@ def run(cli) -> None:
     if cli.stage == "pretrain":
         study.plan("pretrain", PRETRAIN, [], cli.steps)
         _data(cli, workdir, ("pretrain", "heldout"))
-        _train_stage(cli, study, "pretrain", PRETRAIN, [], (), deadline)
-        if cli.export:
-            _export(
-                workdir,
-                cli.export,
-                "study-pretrain",
-                ["data/tokenizer", "data/data.json", "data/heldout.bin", "data/heldout.idx", PRETRAIN],
-            )
+        outputs = ["data/tokenizer", "data/data.json", "data/heldout.bin", "data/heldout.idx", PRETRAIN]
+        _train_stage(
+            cli,
+            study,
+            "pretrain",
+            PRETRAIN,
+            [],
+            (),
+            deadline,
+            lambda: _export(workdir, cli.export, "study-pretrain", outputs),
+        )
     elif cli.stage == "continue":
         if not (workdir / PRETRAIN / STAGE_FILE).is_file():
             raise StageError(
@@ -234,10 +243,18 @@ def run(cli) -> None:
         overrides = [f"attention.type={cli.attention}", f"megatron.seed={cli.seed}"]
         study.plan("continue", run_dir, overrides, cli.steps)
         _data(cli, workdir, ("continue", "heldout"))
-        _train_stage(cli, study, "continue", run_dir, overrides, CROSS[cli.attention], deadline)
-        if cli.export:
-            exclude = [] if cli.export_checkpoint else [run_dir / "checkpoints"]
-            _export(workdir, cli.export, f"study-continue-{cli.attention}-seed{cli.seed}", [run_dir], exclude)
+        exclude = [] if cli.export_checkpoint else [run_dir / "checkpoints"]
+        name = f"study-continue-{cli.attention}-seed{cli.seed}"
+        _train_stage(
+            cli,
+            study,
+            "continue",
+            run_dir,
+            overrides,
+            CROSS[cli.attention],
+            deadline,
+            lambda: _export(workdir, cli.export, name, [run_dir], exclude),
+        )
     elif cli.stage == "eval":
         for name in cli.runs:
             run_dir = Path(name)

@@ -43,6 +43,8 @@ TRAIN_LOG = "train.log"
 CHECKPOINTS = "checkpoints"
 EVAL = "eval"
 SIGTERM_EXIT = "exiting program after receiving SIGTERM"
+# Below this, a run under a time limit would be stopped before its first steps.
+MIN_TRAINING_MINUTES = 2
 SWITCH = re.compile(r"\[mtraining\] attention switch on load from (\S+) \(iteration (\d+)\).*")
 # Megatron arguments a stage sets itself.
 RESERVED = ("train_iters", "save", "load", "save_interval", "seed", "tensorboard_dir", "exit_signal_handler")
@@ -76,17 +78,19 @@ class Deadline:
         self.minutes = minutes
         self.end = None if not minutes else time.monotonic() + 60 * minutes
 
+    def before(self, reserve_minutes: float) -> float | None:
+        """``reserve_minutes`` before the end."""
+        return None if self.end is None else self.end - 60 * reserve_minutes
+
     def training_end(self, reserve_minutes: float, what: str) -> float | None:
         """When training must stop to leave ``reserve_minutes``; raises when that leaves
-        less than a minute from now."""
-        if self.end is None:
-            return None
-        end = self.end - 60 * reserve_minutes
-        if end - time.monotonic() < 60:
+        less than :data:`MIN_TRAINING_MINUTES` from now (the start-up alone takes most of it)."""
+        end = self.before(reserve_minutes)
+        if end is not None and end - time.monotonic() < 60 * MIN_TRAINING_MINUTES:
             raise StageError(
                 f"--time-limit={self.minutes}: {(self.end - time.monotonic()) / 60:.1f} minutes are left, and "
-                f"{what} keeps {reserve_minutes:.1f} back: less than a minute to train (accepted: a longer "
-                "--time-limit, or 0 for none)"
+                f"{what} keeps {reserve_minutes:.1f} back: less than {MIN_TRAINING_MINUTES} minutes to start and train "
+                "(accepted: a longer --time-limit, or 0 for none)"
             )
         return end
 
@@ -271,9 +275,12 @@ class Study:
         return record
 
     # ---- evaluation ------------------------------------------------------------------------
-    def evaluate(self, run: Path, attention_types: tuple[str, ...], settings: EvalSettings) -> list[Path]:
+    def evaluate(
+        self, run: Path, attention_types: tuple[str, ...], settings: EvalSettings, deadline: float | None = None
+    ) -> list[Path]:
         """Evaluates the latest checkpoint of ``run`` with each attention type, with the
-        config and overrides it trained with; returns the results files."""
+        config and overrides it trained with; returns the results files. An evaluation
+        still running at ``deadline`` (a ``time.monotonic()`` value) is stopped, and fails."""
         record_path = self.path(run / STAGE_FILE)
         if not record_path.is_file():
             raise StageError(f"no finished run at {self.path(run)} (no {STAGE_FILE}): train it first")
@@ -297,9 +304,8 @@ class Study:
             self.log(f"  evaluating {run} ({record['attention']}) with {attention} attention -> {self.path(out)}")
             start = time.monotonic()
             command = module_command(1, "megatron_mtraining.evaluate", args)
-            run_logged(
-                command, self.workdir, self.path(out / "evaluate.log"), 0, 1, f"evaluation of {run} with {attention}"
-            )
+            log = self.path(out / "evaluate.log")
+            run_logged(command, self.workdir, log, 0, 1, f"evaluation of {run} with {attention}", deadline)
             summary = json.loads(self.path(out / "results.json").read_text())
             longest = str(max(summary["plan"]["lengths"]))
             self.log(
