@@ -169,7 +169,7 @@ def summarize(workdir: Path) -> dict:
                 "length": longest(results),
             }
         )
-    types = [t for t in dict.fromkeys(r["attention"] for r in per_run)]
+    types = list(dict.fromkeys(r["attention"] for r in per_run))
     per_type = {}
     for attention in types:
         rows = [r for r in per_run if r["attention"] == attention]
@@ -466,7 +466,7 @@ def write_report(workdir: Path, out_dir: Path | None = None, log=print) -> tuple
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "study.md", out_dir / "study.json"]
     written[0].write_text(text)
-    written[1].write_text(json.dumps(summary, indent=1, default=list) + "\n")
+    written[1].write_text(json.dumps(summary, indent=1) + "\n")
     if has_matplotlib():
         from matplotlib import pyplot as plt
 
