@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     cont.add_argument("--attention", required=True, choices=ATTENTION_TYPES)
     cont.add_argument("--seed", type=int, required=True, help="seed of the run (data order, new parameters)")
     cont.add_argument("--export-checkpoint", action="store_true", help="with --export: the checkpoint too")
+    cont.add_argument(
+        "--cross",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --eval: also evaluate with the other attention types where cheap (the dense model with "
+        "mtraining, a sparse model dense; default: %(default)s)",
+    )
     ev = stages.add_parser("eval", parents=[common, evaluation], help="evaluate runs of the workdir")
     ev.add_argument(
         "runs", nargs="+", metavar="RUN", help="run folders of the workdir: pretrain, continue/<type>-seed<N>"
@@ -183,16 +190,18 @@ def _train_stage(
 ) -> None:
     """Trains ``run``; with ``--eval`` evaluates it with its attention and ``cross``; with
     ``--export`` calls ``export`` after training (so that a command stopped during the
-    evaluation still leaves the run) and again after the evaluation."""
+    evaluation still leaves the run) and again after the evaluations, finished or failed."""
     passes = 1 + len(cross) if cli.eval else 0
     reserve = passes * cli.eval_minutes + (EXPORT_MINUTES if cli.export else 0)
     record = study.train(stage, run, overrides, cli.steps, deadline, reserve)
     if cli.export:
         export()
     if cli.eval:
-        study.evaluate(run, (record["attention"], *cross), _eval_settings(cli), deadline.before(EXPORT_MINUTES))
-        if cli.export:
-            export()
+        try:
+            study.evaluate(run, (record["attention"], *cross), _eval_settings(cli), deadline.before(EXPORT_MINUTES))
+        finally:
+            if cli.export:
+                export()
 
 
 def run(cli) -> None:
@@ -251,7 +260,7 @@ def run(cli) -> None:
             "continue",
             run_dir,
             overrides,
-            CROSS[cli.attention],
+            CROSS[cli.attention] if cli.cross else (),
             deadline,
             lambda: _export(workdir, cli.export, name, [run_dir], exclude),
         )
