@@ -76,9 +76,7 @@ class _KeptSource:
         self._kept, self._key, self._recomputed = kept, key, recomputed
 
     def local_index(self, q, k, scale, **documents) -> SparseIndex:
-        return self._kept.build(
-            lambda: self.pattern.local_index(q, k, scale, **documents), self._key, self._recomputed
-        )
+        return self._kept.build(lambda: self.pattern.local_index(q, k, scale, **documents), self._key, self._recomputed)
 
     def distributed_index(self, q, k, layout, group, scale, **documents) -> SparseIndex:
         make = lambda: self.pattern.distributed_index(q, k, layout, group, scale, **documents)  # noqa: E731

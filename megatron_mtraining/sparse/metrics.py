@@ -198,14 +198,21 @@ def msa_recall(
     check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     positions = torch.arange(seq, device=q.device)
+    starts = document_starts(index)
     if isinstance(index, BlockTopKIndex):
         index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
         selected = index_window_selection(index, num_rows)
     elif index is None or isinstance(index, DenseIndex):
-        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config)
+        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config, doc_starts=starts)
     else:
         fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
-    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale)
+    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale, doc_starts=starts)
+
+
+def document_starts(index: SparseIndex | None) -> torch.Tensor | None:
+    """``[S]`` the document start of each position of a packed index, or None (one document,
+    or no index)."""
+    return None if index is None or index.documents is None else index.documents.starts
 
 
 def msa_window_selection(
@@ -215,16 +222,18 @@ def msa_window_selection(
     seq: int,
     config: MSAConfig,
     all_reduce_max=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks MSA's index selects for the window (the last ``R`` of ``seq`` queries),
     bool ``[B, Hkv, R, n_blocks]``: own block plus the top ``topk - 1`` visible others by
     block score, ties to the lower block id. ``k_idx`` holds *some* of the index keys, at
     the given global positions; ``all_reduce_max`` combines the block maxima across the
-    holders of the others (identity on one device)."""
+    holders of the others (identity on one device). ``doc_starts``: packed documents'
+    starts by global position (a key before its row's document start is not visible)."""
     rows = q_idx_window.shape[1]
     window = torch.arange(seq - rows, seq, device=k_idx.device)
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
-    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs)
+    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs, doc_starts)
     scores = all_reduce_max(scores)
     own = (window // bs).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
     return _top_blocks(scores.scatter(-1, own, float("inf")), config.topk)
@@ -251,12 +260,14 @@ def msa_recall_from_parts(
     scale: float,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``msa_recall`` from the window queries (the last ``R`` of ``seq``), *some* of the
     keys at their global positions, and the index's selection ``selected`` (bool ``[B, Hs,
     R, n_blocks]``, ``Hs`` dividing Hq). ``all_reduce_max`` combines the rows' logit maxima
     and ``all_reduce_sum`` the block sums ``[B, Hq, R, n_blocks]`` across the holders of the
-    other keys (identity on one device)."""
+    other keys (identity on one device). ``doc_starts``: packed documents' starts by global
+    position; a row's softmax and its visible blocks stay inside its document."""
     bsz, rows, hq, _ = q_window.shape
     hkv = k.shape[2]
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
@@ -264,14 +275,20 @@ def msa_recall_from_parts(
     window = torch.arange(seq - rows, seq, device=k.device)
     qr = q_window.to(dt).unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.to(dt)).flatten(1, 2) * scale
-    logits.masked_fill_(key_positions.view(1, -1) > window.view(-1, 1), float("-inf"))
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees key 0: finite
+    hidden = key_positions.view(1, -1) > window.view(-1, 1)
+    first = torch.zeros_like(window) if doc_starts is None else doc_starts[window].long()
+    if doc_starts is not None:
+        hidden |= key_positions.view(1, -1) < first.view(-1, 1)
+    logits.masked_fill_(hidden, float("-inf"))
+    # Every row sees itself on one of the holders: the reduced maximum is finite.
+    row_max = all_reduce_max(logits.amax(-1, keepdim=True))
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
     sums = weights.new_zeros(bsz, hq, rows, n_blocks).index_add_(3, key_positions // bs, weights)
     mass = all_reduce_sum(sums)
     mass = mass / mass.sum(-1, keepdim=True)  # P_b
     # Invisible blocks rank last; a visible block of mass 0 (underflow) still counts.
-    visible = torch.arange(n_blocks, device=k.device).view(1, -1) <= (window // bs).view(-1, 1)
+    block_ids = torch.arange(n_blocks, device=k.device).view(1, -1)
+    visible = (block_ids <= (window // bs).view(-1, 1)) & (block_ids >= (first // bs).view(-1, 1))
     best = _top_blocks(torch.where(visible, mass, float("-inf")), config.topk)
     hit = best & selected.repeat_interleave(hq // selected.shape[1], dim=1)
     block = hit.sum(-1).to(dt) / best.sum(-1)
