@@ -295,17 +295,25 @@ def test_msa_recall_is_one_for_the_main_branch_top_k(rng):
     """An index of each head's top-k blocks by the main branch's block masses (one selection
     head per query head) recalls everything; taking one block away recalls less."""
     seq = 200
-    q, k, q_idx, k_idx = _msa_inputs(rng, seq)
     bs, topk, n_blocks = MSA_CFG.block_size, MSA_CFG.topk, -(-seq // MSA_CFG.block_size)
-    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
-    probs = torch.softmax(logits.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")), dim=-1)
-    blocks = torch.full((B, seq, HQ, topk), -1, dtype=torch.int32)
-    for b in range(B):
-        for h in range(HQ):
-            for i in range(seq - ROWS, seq):
-                mass = [probs[b, h, i, c * bs : (c + 1) * bs].sum().item() for c in range(n_blocks)]
-                best = sorted(_ranked(mass, range(i // bs + 1))[0][:topk])
-                blocks[b, i, h, : len(best)] = torch.tensor(best)
+    for _ in range(5):  # redraw the rare input whose top-k boundary sits within rounding of a tie
+        q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+        logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        blocks = torch.full((B, seq, HQ, topk), -1, dtype=torch.int32)
+        margin = float("inf")
+        for b in range(B):
+            for h in range(HQ):
+                for i in range(seq - ROWS, seq):
+                    mass = [probs[b, h, i, c * bs : (c + 1) * bs].sum().item() for c in range(n_blocks)]
+                    order, gaps = _ranked(mass, range(i // bs + 1))
+                    margin = min([margin, *gaps[topk - 1 : topk]])
+                    blocks[b, i, h, : min(topk, len(order))] = torch.tensor(sorted(order[:topk]))
+        if margin > MIN_MARGIN:
+            break
+    else:
+        pytest.fail(f"five draws within {MIN_MARGIN} of a tie")
     index = BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=HQ)
     for got in msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS):
         torch.testing.assert_close(got, torch.ones(B, HQ))

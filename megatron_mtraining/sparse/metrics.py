@@ -24,14 +24,8 @@ def attention_recall(
     """Share of the dense causal attention mass of the last ``num_rows`` queries that
     falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost); with the
     index's packed documents, the dense mass within each row's document."""
-    check_qk(q, k)
-    bsz, seq, hq, d = q.shape
-    index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
-    check_recall_rows(num_rows, seq)
-    scale = check_softmax_scale(softmax_scale, d)
-    if index.complete:
-        return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
-    return recall_from_parts(q[:, seq - num_rows :], k, torch.arange(seq, device=q.device), index, scale)
+    check_recall_rows(num_rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, num_rows=num_rows)
 
 
 @torch.no_grad()
@@ -45,16 +39,20 @@ def heldout_recall(
     """``attention_recall`` of the queries at positions ``rows`` (ascending int64 on the
     host, as :func:`heldout_rows` draws them) rather than of the last ones, ``[B, Hq]``
     float32: drawn from rows that did not build the index, it is the out-of-sample recall."""
+    check_rows(rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, rows=rows)
+
+
+def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 0) -> torch.Tensor:
+    """The recall of the rows at ``rows`` (host positions), else of the last ``num_rows``."""
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
-    check_rows(rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     if index.complete:
         return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
-    return recall_from_parts(
-        q[:, rows.to(q.device, non_blocking=True)], k, torch.arange(seq, device=q.device), index, scale, rows
-    )
+    q_rows = q[:, seq - num_rows :] if rows is None else q[:, rows.to(q.device, non_blocking=True)]
+    return recall_from_parts(q_rows, k, torch.arange(seq, device=q.device), index, scale, rows)
 
 
 def heldout_rows(
