@@ -4,19 +4,22 @@ A tiny continued-pretraining run with sparse attention, end to end, in six stage
 
 1. synthetic long documents (passkey / copy) and short ones (filler / passkey), as jsonl;
 2. a tiny byte-level BPE tokenizer trained on them;
-3. the Megatron indexed dataset of ``configs/data/synthetic_mix.yaml`` (long and short buckets);
+3. the Megatron indexed dataset of ``configs/data/synthetic_mix.yaml`` (long and short buckets),
+   and the documents it holds out for validation;
 4. training phase 1 on ``configs/quickstart.yaml`` (a tiny Qwen2-architecture model, random
    init, ``mtraining`` attention): the first half of the steps, then a checkpoint;
-5. phase 2: resumed from that checkpoint to the last step, checked to have resumed there;
-6. a summary: the loss at the start and the end, and where the logs, checkpoints, TensorBoard
-   events and offline W&B runs are, with the commands to rerun, resume and view.
+5. phase 2: resumed from that checkpoint to the last step, checked to have resumed there,
+   with the held-out loss every ``eval_interval`` steps and at the end;
+6. a summary: the loss at the start and the end, the last held-out loss, and where the logs,
+   checkpoints, TensorBoard events and offline W&B runs are, with the commands to rerun,
+   resume and view.
 
 Everything lives under the workdir, which is the training processes' working directory, so
 the config's relative paths (data, tokenizer, checkpoints, TensorBoard, W&B) point there.
 Training runs as two gloo processes on the CPU with context parallelism 2 (striped ring), as
 two NCCL processes where there are two or more GPUs, and as one process with CP 1 on a single
 GPU. Each phase's output goes to ``logs/phase<N>.log``; the console shows one line per
-iteration. Finished stages (recorded in ``quickstart.json``) are reused unless ``--fresh``;
+iteration and per evaluation. Finished stages (recorded in ``quickstart.json``) are reused unless ``--fresh``;
 the training stages only while the steps, config, overrides and launch are the recorded ones.
 """
 
@@ -195,7 +198,7 @@ class Quickstart:
         stages = [
             ("docs", "Synthetic long documents", [DOCS / f"{name}.jsonl" for name in DOCUMENT_SETS], self.make_documents),
             ("tokenizer", "Tiny byte-level BPE tokenizer", [TOKENIZER / "tokenizer.json"], self.make_tokenizer),
-            ("mix", "Megatron indexed dataset", [DOCS / "mix.idx"], self.make_mix),
+            ("mix", "Megatron indexed dataset", [DOCS / "mix.idx", DOCS / "mix_valid.idx"], self.make_mix),
             ("phase1", f"Training phase 1: iterations 1-{self.half} of {self.steps}, then a checkpoint",
              [self.checkpoint(self.half), LOGS / "phase1.log"], self.phase1),
             ("phase2", f"Training phase 2: resume from the checkpoint of iteration {self.half}, train to {self.steps}",
@@ -309,11 +312,13 @@ class Quickstart:
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
-        from ..training.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics, parse_validation
 
         first = parse_metrics(self.path(LOGS / "phase1.log").read_text())
-        last = parse_metrics(self.path(LOGS / "phase2.log").read_text())
+        phase2 = self.path(LOGS / "phase2.log").read_text()
+        last = parse_metrics(phase2)
         start, end = first[min(first)], last[max(last)]
+        validated = parse_validation(phase2)
         events = sorted(self.path(TENSORBOARD).glob("events.out.tfevents.*"))
         runs = sorted(self.path(WANDB).glob("wandb/offline-run-*"))
         rerun = [
@@ -325,6 +330,7 @@ class Quickstart:
         resume = f"cd {shlex.quote(str(self.workdir.resolve()))} && WANDB_MODE=offline "
         rows = [
             ("loss", f"{float(start['lm_loss']):.4f} at iteration {min(first)} -> {float(end['lm_loss']):.4f} at iteration {max(last)}"),
+            ("validation", f"{float(validated[-1][1]['lm_loss']):.4f} held-out loss at iteration {validated[-1][0]}" if validated else "not run (megatron.eval_iters=0)"),
             ("attended", f"{end.get('attended_fraction', 'not logged')} of the causal area at iteration {max(last)} ({self.attention.type})"),
             ("speed", f"{sum(float(m['tokens/s']) for m in last.values()) / len(last):.0f} tokens/s (phase 2 mean)"),
             ("logs", f"{self.path(LOGS / 'phase1.log')}, {self.path(LOGS / 'phase2.log')}"),
@@ -358,10 +364,14 @@ class _Progress:
         self.start = time.monotonic()
 
     def show(self, line: str) -> None:
-        from ..training.metrics_line import parse_metrics_line
+        from ..training.metrics_line import VALIDATION_LINE, parse_metrics_line
 
         parsed = parse_metrics_line(line)
-        if parsed is not None:
+        validation = parse_metrics_line(line, VALIDATION_LINE)
+        if validation is not None:
+            iteration, values = validation
+            print(f"  validation at iteration {iteration} | held-out lm_loss {float(values['lm_loss']):.4f}")
+        elif parsed is not None:
             iteration, values = parsed
             text = f"  iteration {iteration:>{len(str(self.total))}}/{self.total}"
             if "lm_loss" in values:

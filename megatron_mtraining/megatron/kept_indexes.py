@@ -69,14 +69,15 @@ class KeptIndexes:
 
 
 class _KeptSource:
+    """An index source building through ``KeptIndexes``; ``pattern`` is the one it wraps."""
+
     def __init__(self, kept: KeptIndexes, pattern: IndexSource, key: Hashable, recomputed: bool):
-        self._kept, self._pattern, self._key, self._recomputed = kept, pattern, key, recomputed
+        self.pattern = pattern
+        self._kept, self._key, self._recomputed = kept, key, recomputed
 
     def local_index(self, q, k, scale, **documents) -> SparseIndex:
-        return self._kept.build(
-            lambda: self._pattern.local_index(q, k, scale, **documents), self._key, self._recomputed
-        )
+        return self._kept.build(lambda: self.pattern.local_index(q, k, scale, **documents), self._key, self._recomputed)
 
     def distributed_index(self, q, k, layout, group, scale, **documents) -> SparseIndex:
-        make = lambda: self._pattern.distributed_index(q, k, layout, group, scale, **documents)  # noqa: E731
+        make = lambda: self.pattern.distributed_index(q, k, layout, group, scale, **documents)  # noqa: E731
         return self._kept.build(make, self._key, self._recomputed)

@@ -17,6 +17,8 @@ the same for every sample of the batch; flash-attn's convention packs into batch
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -79,12 +81,19 @@ class Documents:
         return keys.view(1, -1) >= self.starts.view(-1, 1)
 
 
+# The last few boundary tensors' Documents, by tensor identity: every layer of a micro-batch
+# receives the same ``cu_seqlens`` (Megatron's one PackedSeqParams), so the host reads it once.
+_RECENT: OrderedDict[tuple, tuple[weakref.ref, Documents]] = OrderedDict()
+RECENT_SIZE = 8
+
+
 def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
     """The ``Documents`` of ``cu_seqlens`` over ``seq_len`` tokens (None: None, one document),
     on ``device`` (``cu_seqlens``'s by default). Raises ``ValueError`` naming the entry, the
     value and what is accepted unless ``cu_seqlens`` is a 1-d int32 (or int64) tensor that
     starts at 0, strictly increases and ends at ``seq_len``. Reads the boundaries on the
-    host once (one small copy from a GPU)."""
+    host once per tensor (one small copy from a GPU): a later call with the same tensor,
+    unmodified, returns the same ``Documents``."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, Documents):
@@ -93,6 +102,21 @@ def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
         return cu_seqlens if device is None else cu_seqlens.to(device)
     if not isinstance(cu_seqlens, torch.Tensor):
         fail("cu_seqlens", type(cu_seqlens).__name__, f"a torch.Tensor of {ACCEPTED}")
+    target = cu_seqlens.device if device is None else torch.device(device)
+    key = (id(cu_seqlens), cu_seqlens._version, seq_len, target)
+    kept = _RECENT.get(key)
+    if kept is not None and kept[0]() is cu_seqlens:
+        _RECENT.move_to_end(key)
+        return kept[1]
+    documents = _read_documents(cu_seqlens, seq_len, target)
+    _RECENT[key] = (weakref.ref(cu_seqlens), documents)
+    while len(_RECENT) > RECENT_SIZE:
+        _RECENT.popitem(last=False)
+    return documents
+
+
+def _read_documents(cu_seqlens: torch.Tensor, seq_len: int, device: torch.device) -> Documents:
+    """``packed_documents`` of a tensor, validated and read on the host."""
     if cu_seqlens.dim() != 1:
         fail("cu_seqlens.shape", tuple(cu_seqlens.shape), f"a 1-d tensor [n_documents + 1] of {ACCEPTED}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -115,7 +139,6 @@ def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
             bounds[-1],
             f"the sequence length {seq_len}: the last document ends the sequence (batch 1 packed)",
         )
-    device = cu_seqlens.device if device is None else torch.device(device)
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     positions = torch.arange(seq_len, device=device, dtype=torch.int32)
     ids = torch.searchsorted(cu[1:-1].contiguous(), positions, right=True).to(torch.int32)

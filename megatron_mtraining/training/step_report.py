@@ -5,8 +5,9 @@ runs) writes a JSON report when the run ends:
 
 * ``iteration_s``: each iteration's wall time, from the start of its first micro-batch to the
   start of the next iteration's (the device synchronised at both ends; the last iteration is
-  not timed), and ``steady_s_per_iteration``, their median after the first two, the profiled
+  not timed), less the evaluations run in between (``eval_interval``), and ``steady_s_per_iteration``, their median after the first two, the profiled
   one left out;
+* ``evaluation_s``: the evaluations' wall times;
 * peak allocated and reserved device memory;
 * ``profile``: one step (``--profile-step``, default the second to last) under the PyTorch
   profiler, its device time summed by part and phase. Parts come from annotations: forward
@@ -240,6 +241,8 @@ class StepReport:
         self.path = Path(path)
         self.profile_step = profile_step
         self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
+        self.evaluations: list[tuple[int, float]] = []  # (mark it follows, seconds)
+        self.evaluation_start = None
         self.profiler = None
         self.profile = None
         self.metrics: dict[str, float] = {}
@@ -264,6 +267,16 @@ class StepReport:
             self.profiler.__enter__()
             self.profile_start = self._sync()
 
+    def begin_evaluation(self) -> None:
+        """Called as an evaluation starts: its time is no iteration's, nor in the profile."""
+        self.evaluation_start = self._sync()
+        if self.profiler is not None:
+            self._stop_profile(self.evaluation_start)
+
+    def end_evaluation(self) -> None:
+        """Called as the evaluation that :meth:`begin_evaluation` started ends."""
+        self.evaluations.append((len(self.marks) - 1, self._sync() - self.evaluation_start))
+
     def _stop_profile(self, now: float) -> None:
         self.profiler.__exit__(None, None, None)
         self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
@@ -276,6 +289,9 @@ class StepReport:
             self._stop_profile(now)
         # The last iteration's end is not marked (Megatron's shutdown follows it): untimed.
         times = [b - a for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        for mark, seconds in self.evaluations:
+            if 0 <= mark < len(times):
+                times[mark] -= seconds
         profiled = self.profile["iteration"] - 1 if self.profile else None
         steady = [
             t for (it, _), t in zip(self.marks, times, strict=False) if it >= WARMUP_ITERATIONS and it != profiled
@@ -287,6 +303,7 @@ class StepReport:
             "steady_s_per_iteration": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
             "tokens_per_iteration": tokens,
+            "evaluation_s": [round(t, 4) for _, t in self.evaluations],
             "metrics": self.metrics,
             "profile": self.profile,
         }
