@@ -257,6 +257,7 @@ def stage_record(run: str, attention: str, seed: int, sha: str = "aaaa", seq: in
         "lm_loss": {"first": 4.0, "last": 2.5},
         "attended_fraction": {"dense": 1.0, "mtraining": 0.2, "msa": 0.1}[attention],
         "msa_block_recall": 0.8 if attention == "msa" else None,
+        "validation": {"iteration": 500, "lm_loss": 2.1},
         "data": {"split": "continue", "sha256": sha, "tokenizer": "tttt", "python": "3.12.3"},
         "device": "NVIDIA H200",
         "date": "2026-11-26T10:00:00+00:00",
@@ -323,6 +324,10 @@ def test_report_tables_from_fixture_results(fixture_workdir):
     # The dense model evaluated with MTraining at inference only.
     assert "| dense | mtraining | 1 | 85.0 | -5.0 | 8.166 | +10.52% |" in text
     assert "seed 1: the same data and iterations" in text and "seed 2: different data" in text
+    assert (
+        "| continue/msa-seed1 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | 0.500 | 4.000 -> 2.500 | 2.100 | 0.800 |"
+        in text
+    )
     assert "### The pretrained model (dense, 2048 tokens)" in text and "| 100.0 | 80.0 | 90.0 | 7.389 |" in text
 
 
@@ -414,6 +419,8 @@ def test_data_and_pretraining(pretrained):
     assert not record["stopped_by_time_limit"] and (work / record["checkpoint"]).is_dir()
     assert record["data"]["sha256"] == manifest["splits"]["pretrain"]["sha256"]
     assert math.isfinite(record["lm_loss"]["last"])
+    # Megatron validates on the held-out text at the end.
+    assert record["validation"]["iteration"] == 2 and math.isfinite(record["validation"]["lm_loss"])
     assert [p.name for p in (root / "out").iterdir()] == ["study-pretrain.tar.000"]
 
 
@@ -451,6 +458,7 @@ def test_continued_msa_from_the_pretrained_model_elsewhere(pretrained, tiny, cap
     record = json.loads((work / "continue/msa-seed3/stage.json").read_text())
     assert record["started_from"] == {"checkpoint": "pretrain/checkpoints", "iteration": 2}
     assert (record["loaded_iteration"], record["iterations"], record["seed"]) == (0, 3, 3)
+    assert record["validation"]["iteration"] == 3 and record["data"]["split"] == "continue"
     for attention in ("msa", "dense"):
         results = json.loads((work / f"continue/msa-seed3/eval/{attention}/results.json").read_text())
         assert results["meta"]["attention"]["type"] == attention and results["meta"]["iteration"] == 3

@@ -399,12 +399,14 @@ def markdown(summary: dict) -> str:
             f"{r['iterations']} of {r['train_iters']}",
             _num(r["s_per_iteration"]),
             f"{_num(r['lm_loss']['first'])} -> {_num(r['lm_loss']['last'])}",
+            _num((r.get("validation") or {}).get("lm_loss")),
             _num(r.get("msa_block_recall")),
         ]
         for name, r in summary["records"].items()
     ]
+    header = ["run", "device", "date", "commit", "iterations", "s / iteration", "lm_loss", "validation loss"]
     lines += [
-        _table(["run", "device", "date", "commit", "iterations", "s / iteration", "lm_loss", "MSA block recall"], rows),
+        _table([*header, "MSA block recall"], rows),
         "",
     ]
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...training.metrics_line import parse_metrics
+from ...training.metrics_line import parse_metrics, parse_validation
 from ..quickstart import LOADED, SAVED, StageError, module_command, pretrain_command, run_logged
 from .data import DATA, HELDOUT, MANIFEST
 
@@ -115,6 +115,7 @@ def training_summary(output: str, run_config, warmup: int) -> dict:
     """What a training log says: iterations, loss, speed, the attention's figures (after
     ``warmup`` iterations for MSA's), the checkpoint loaded and saved, and how it stopped."""
     metrics = parse_metrics(output)
+    validation = parse_validation(output)
     iterations = sorted(metrics)
     gbs, seq = run_config.value("global_batch_size"), run_config.value("seq_length")
     # The first interval holds the warm-up (compilation, allocator growth): not the speed.
@@ -140,6 +141,10 @@ def training_summary(output: str, run_config, warmup: int) -> dict:
             "first": float(metrics[iterations[0]]["lm_loss"]) if iterations else None,
             "last": float(metrics[iterations[-1]]["lm_loss"]) if iterations else None,
         },
+        # Megatron's last evaluation on the validation data (the held-out text).
+        "validation": {"iteration": validation[-1][0], "lm_loss": float(validation[-1][1]["lm_loss"])}
+        if validation
+        else None,
         "tokens_per_s": speed,
         "s_per_iteration": gbs * seq / speed if speed else None,
         "attended_fraction": mean_of("attended_fraction"),
@@ -240,7 +245,7 @@ class Study:
                 f"{stage} training saved no checkpoint under {self.path(run / CHECKPOINTS)} (log: {self.path(run / TRAIN_LOG)})"
             )
         manifest = json.loads(self.path(MANIFEST).read_text())
-        split = Path(run_config.value("data_path")[-1]).name
+        split = Path((run_config.value("train_data_path") or run_config.value("data_path"))[-1]).name
         record = {
             "stage": stage,
             "run": run.as_posix(),
