@@ -258,6 +258,8 @@ def stage_record(run: str, attention: str, seed: int, sha: str = "aaaa", seq: in
         "attended_fraction": {"dense": 1.0, "mtraining": 0.2, "msa": 0.1}[attention],
         "msa_block_recall": 0.8 if attention == "msa" else None,
         "validation": {"iteration": 500, "lm_loss": 2.1},
+        "index_recall": {"dense": 1.0, "mtraining": 0.95, "msa": 0.9}[attention],
+        "index_recall_heldout": {"dense": 1.0, "mtraining": 0.85, "msa": 0.7}[attention],
         "data": {"split": "continue", "sha256": sha, "tokenizer": "tttt", "python": "3.12.3"},
         "device": "NVIDIA H200",
         "date": "2026-11-26T10:00:00+00:00",
@@ -325,7 +327,7 @@ def test_report_tables_from_fixture_results(fixture_workdir):
     assert "| dense | mtraining | 1 | 85.0 | -5.0 | 8.166 | +10.52% |" in text
     assert "seed 1: the same data and iterations" in text and "seed 2: different data" in text
     assert (
-        "| continue/msa-seed1 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | 0.500 | 4.000 -> 2.500 | 2.100 | 0.800 |"
+        "| continue/msa-seed1 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | 0.500 | 4.000 -> 2.500 | 2.100 | 0.900 | 0.700 | 0.800 |"
         in text
     )
     assert "### The pretrained model (dense, 2048 tokens)" in text and "| 100.0 | 80.0 | 90.0 | 7.389 |" in text

@@ -400,13 +400,19 @@ def markdown(summary: dict) -> str:
             _num(r["s_per_iteration"]),
             f"{_num(r['lm_loss']['first'])} -> {_num(r['lm_loss']['last'])}",
             _num((r.get("validation") or {}).get("lm_loss")),
+            _num(r.get("index_recall")),
+            _num(r.get("index_recall_heldout")),
             _num(r.get("msa_block_recall")),
         ]
         for name, r in summary["records"].items()
     ]
     header = ["run", "device", "date", "commit", "iterations", "s / iteration", "lm_loss", "validation loss"]
     lines += [
-        _table([*header, "MSA block recall"], rows),
+        "Training: the held-out text's loss at the last validation; the share of the last queries' dense "
+        "attention mass the index kept, for those queries (recall) and for sampled queries that did not build "
+        "it (held-out recall), and MSA's block recall, means over the logged steps after MSA's warmup.",
+        "",
+        _table([*header, "recall", "held-out recall", "MSA block recall"], rows),
         "",
     ]
     return "\n".join(lines)

@@ -149,6 +149,7 @@ def training_summary(output: str, run_config, warmup: int) -> dict:
         "s_per_iteration": gbs * seq / speed if speed else None,
         "attended_fraction": mean_of("attended_fraction"),
         "index_recall": mean_of("index_recall"),
+        "index_recall_heldout": mean_of("index_recall_heldout"),
         "msa_kl_loss": mean_of("msa_kl_loss"),
         "msa_block_recall": mean_of("msa_block_recall"),
     }
