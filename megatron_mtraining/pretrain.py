@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         from .training.job import run
 
         run_config = load_config(config, cli.overrides)
-        missing = run_config.missing_paths()
+        missing = run_config.missing_paths() or run_config.empty_splits()
         if missing:
             raise ConfigError("\n".join(missing))
         try:

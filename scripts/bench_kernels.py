@@ -144,9 +144,11 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
     rows[-1]["rows_same_selection"] = same
 
 
-def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
-    """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data)
-    and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
+def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"):
+    """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data, or
+    with ``msa_index="untrained"`` independent random index queries and keys, whose
+    selections spread evenly over each query's visible blocks as an untrained index
+    branch's do) and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
     (its tile tables built in each call, as ``sparse_attention`` builds them), each called directly;
     memory and kernel times through ``sparse_attention``, on the loop order it picks."""
     from megatron_mtraining.sparse.dispatch import kv_outer_preferred
@@ -155,6 +157,8 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra):
 
     sq, sk = structured_qk(seq, gen)
     q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
+    if msa_index == "untrained":
+        q_idx, k_idx = (torch.randn(t.shape, generator=gen).to(t) for t in (q_idx, k_idx))
     # Timed on bf16 index queries and keys, the dtype the index branch gives in training.
     msa_selection(q_idx.bfloat16(), k_idx.bfloat16(), msa_config, seq, rows, rep)
     indices = {
@@ -285,7 +289,7 @@ def bench_seq(seq, args, gen, rows, extra):
         cudnn = extra.get("cudnn_scaled", lambda s: {})(seq)
 
     if "topk" in args.patterns:
-        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra)
+        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, args.msa_index)
     if "vertical_slash" not in args.patterns:
         return
     index = natural_index(seq, args.block, args.density, gen, dev)
@@ -551,6 +555,13 @@ def main():
         default=None,
         metavar="KERNEL",
         help="sweep the launch configs of these kernels (none named: all) first and use the best",
+    )
+    p.add_argument(
+        "--msa-index",
+        choices=["structured", "untrained"],
+        default="structured",
+        help="MSA's selection: from structured data (local, as a trained indexer), or independent random "
+        "index queries and keys (spread evenly, as an untrained indexer at the start of training)",
     )
     p.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention rows (slow to compile)")
     p.add_argument("--profile-index", action="store_true", help="print the index build's device time per kernel")

@@ -43,8 +43,11 @@ from megatron_mtraining.megatron import (
     set_training_iteration,
 )
 from megatron_mtraining.megatron.layer_specs import get_gpt_decoder_block_spec
+from megatron_mtraining.patterns import msa as msa_pattern
+from megatron_mtraining.patterns.base import HELDOUT_RECALL_METRIC
 from megatron_mtraining.patterns.msa import BLOCK_RECALL_METRIC, KL_METRIC, SCORE_RECALL_METRIC, MSAPattern
 from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_recall, msa_select_blocks
+from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows
 from megatron_mtraining.training.attention_metrics import collect_attention_metrics, measured
 
 SEQ, BATCH, VOCAB, SEED = 256, 2, 256, 1234
@@ -200,8 +203,9 @@ def recorded_msa_selections():
 
     def recording(build):
         @functools.wraps(build)
-        def build_and_record(pattern, *args, **kwargs):
-            index = build(pattern, *args, **kwargs)
+        def build_and_record(source, *args, **kwargs):
+            index = build(source, *args, **kwargs)
+            pattern = getattr(source, "pattern", source)  # the layer wraps it (KeptIndexes)
             if isinstance(pattern, MSAPattern):
                 built.append((pattern, index))
             return index
@@ -495,12 +499,20 @@ def check_msa_kl_and_checkpoint(rank, world):
             assert torch.equal(g1[n], g0[n]) and torch.equal(g3[n], g0[n]), n
     _check_sparse_kl(model, seen, g1, kl_recorded)
 
-    # Selective recompute of the core attention gives the same gradients.
+    # Selective recompute of the core attention gives the same gradients, and the recompute
+    # takes the first run's selection instead of selecting again.
     recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
     recomputed.load_state_dict(model.state_dict())
     assert recomputed.decoder.layers[0].self_attention.checkpoint_core_attention
-    for n, g in _scaled_backward(recomputed, 1.0).items():
-        torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+    selections, select = [], msa_pattern.msa_select_blocks
+    msa_pattern.msa_select_blocks = lambda *args, **kwargs: selections.append(1) or select(*args, **kwargs)
+    try:
+        for n, g in _scaled_backward(recomputed, 1.0).items():
+            torch.testing.assert_close(g, g1[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"recompute {n}: {m}")
+    finally:
+        msa_pattern.msa_select_blocks = select
+    assert len(selections) == 2, selections  # once per layer
+    assert not any(len(layer.self_attention.core_attention._kept_indexes) for layer in recomputed.decoder.layers)
 
     # Warmup: dense main branch, the KL over every visible token trains the indexer.
     warm = build_model(_msa_config(warmup_steps=5))
@@ -567,7 +579,9 @@ def check_msa_recall_metrics(rank, world):
     flagged micro-batches, in warmup and after, with the flag's weight: ``msa_recall`` of the
     layer's whole-sequence inputs (summed over the CP ranks' shares), once per micro-batch
     (recompute adds nothing, an unflagged step nothing), and the tracker reports them beside
-    the KL. At CP 1 (each rank its own model) and CP 2 (zigzag)."""
+    the KL; ``index_recall_heldout`` likewise: ``heldout_recall`` of the rows the flag's seed
+    draws (1 in warmup, where attention is dense). At CP 1 (each rank its own model) and CP 2
+    (zigzag)."""
     patches.remove_patches()
     for cp in (1, world):
         init_megatron(cp)
@@ -584,14 +598,14 @@ def check_msa_recall_metrics(rank, world):
         for iteration, weight in ((0, 2), (1, 3), (2, 0)):
             tracker.clear()
             set_training_iteration(config, iteration)
-            collect_attention_metrics(config, weight, micro_batch=iteration + 1)
+            collect_attention_metrics(config, weight, seed=iteration)
             loss_and_grads(model, batch)  # recomputes the core attention in the backward
             if not weight:
-                for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
+                for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC, HELDOUT_RECALL_METRIC):
                     assert not tracker.metrics[name].values.any(), f"an unflagged step recorded {name}"
                 continue
             got = {}
-            for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):
+            for name in (BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC, HELDOUT_RECALL_METRIC):
                 got[name] = tracker.metrics[name].values.clone()
                 dist.all_reduce(got[name], group=group)
             for number, (query, key, hidden) in seen.items():
@@ -605,10 +619,16 @@ def check_msa_recall_metrics(rank, world):
                     value = got[metric][number - 1]
                     torch.testing.assert_close(value, want.mean() * weight, msg=lambda m, n=f"{name} {metric}": n + m)
                     assert 0 < value < weight, f"{name} {metric}: {value} (weight {weight})"
+                rows = heldout_rows(SEQ, [], 4, 16, seed=iteration)
+                dense = DenseIndex(q.shape[0], q.shape[2], SEQ)
+                heldout = heldout_recall(q, k, dense if index is None else index, rows)
+                value = got[HELDOUT_RECALL_METRIC][number - 1]
+                torch.testing.assert_close(value, heldout.mean() * weight, msg=lambda m, n=name: f"{n} heldout {m}")
+                assert (value == weight) if index is None else (0 < value < weight), (name, value, weight)
         writer = _Writer()
         set_training_iteration(config, 1)
         tracker.clear()
-        collect_attention_metrics(config, 1, micro_batch=10)
+        collect_attention_metrics(config, 1)
         loss_and_grads(model, batch)
         text = tracker.report(loss_scale=1.0, iteration=3, writer=writer, num_layers=2)
         for name in (KL_METRIC, BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC):

@@ -39,7 +39,8 @@ needs_kernels = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "world,kv_exchange", [(2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather"), (8, "ring")]
+    "world,kv_exchange",
+    [(2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather"), pytest.param(8, "ring", marks=pytest.mark.slow)],
 )
 def test_flat_ring_equals_single_device(world, kv_exchange, rng):
     """Every layout and pattern, on the ring and on the all-gathered K/V: out, lse,
@@ -49,7 +50,11 @@ def test_flat_ring_equals_single_device(world, kv_exchange, rng):
     run(world, check_ring_equals_single_device, seed, 256, None, PATTERNS, kv_exchange)
 
 
-@pytest.mark.parametrize("world,inner", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "4x2", "2x4"])
+@pytest.mark.parametrize(
+    "world,inner",
+    [(4, 2), pytest.param(8, 4, marks=pytest.mark.slow), pytest.param(8, 2, marks=pytest.mark.slow)],
+    ids=["2x2", "4x2", "2x4"],
+)
 def test_hierarchical_ring_equals_single_device(world, inner, rng):
     """Inner ring of `inner` ranks (a node) x outer ring across nodes: same results."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
@@ -84,7 +89,7 @@ def test_ring_with_nothing_attended(backend, kv_exchange):
 
 
 @needs_kernels
-@pytest.mark.parametrize("world,kv_exchange", [(2, "allgather"), (4, "ring")])
+@pytest.mark.parametrize("world,kv_exchange", [(2, "allgather"), pytest.param(4, "ring", marks=pytest.mark.slow)])
 def test_ring_on_kernels_reads_nothing_on_host(world, kv_exchange):
     """Step tile tables and the column gather read nothing from the device (each read would
     stall the host until the GPU's queue drains, exposing the tables' building): per
@@ -142,7 +147,7 @@ def _zigzag_matches_megatron(rank, world, seq):
     assert torch.equal(ours, theirs["tokens"]), (rank, ours, theirs["tokens"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zigzag_equals_megatron_split(world):
     run(world, _zigzag_matches_megatron, 32)
 
@@ -193,7 +198,7 @@ def test_msa_kl_ring_on_pytorch(world, rng):
 
 
 @needs_kernels
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_msa_kl_ring_on_kernels(world, rng):
     """The same on the fused KL kernels per ring step (fp32; interpreted without CUDA)."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))

@@ -152,6 +152,35 @@ def test_repeat_and_weights(corpus):
     assert abs(long_stats.mix_tokens - 22500) < 3500 and abs(short_stats.mix_tokens - 7500) < 300
 
 
+def test_valid_fraction_holds_documents_out_of_the_mix(corpus):
+    """Documents whose seeded text hash falls under the fraction (an independent blake2b of
+    the rule) go once each to ``<prefix>_valid`` and never into the mix, though the mix
+    upsamples their source; a rerun holds out the same ones; a run without the fraction
+    removes them."""
+    import hashlib
+
+    long, short = str(corpus / "long.jsonl"), str(corpus / "short.jsonl")
+    sources = [{"name": "long", "paths": [long]}, {"name": "short", "paths": [short], "repeat": 2.5}]
+    config = _config(corpus, "held", sources, seed=11, valid_fraction=0.3)
+    summary = prepare(config, False)
+    texts = _texts(corpus / "long.jsonl") + _texts(corpus / "short.jsonl")
+
+    def hashed(text: str) -> float:
+        digest = hashlib.blake2b(text.encode(), digest_size=8, key=(11).to_bytes(8, "little")).digest()
+        return int.from_bytes(digest, "little") / 2**64
+
+    want = sorted(ids for text, ids in zip(texts, _encode(corpus, texts), strict=True) if hashed(text) < 0.3)
+    valid, mix = _docs(str(corpus / "held_valid")), _docs(str(corpus / "held"))
+    assert 0 < len(want) < len(texts) and sorted(valid) == want
+    assert not any(doc in want for doc in mix)
+    assert len(mix) == (12 - summary.sources[0].held_out) + summary.sources[1].mix_docs
+    assert summary.valid_documents == len(want) and summary.valid_tokens == sum(map(len, want))
+    assert "held out for validation" in summary.format()
+    assert prepare(config, False).valid_documents == len(want) and _docs(str(corpus / "held_valid")) == valid
+    prepare(dataclasses.replace(config, valid_fraction=0.0), False)
+    assert not list(corpus.glob("held_valid.*")) and not list((corpus / "held.sources").glob("*_valid.*"))
+
+
 def _gpt_dataset(corpus, out: str, seq: int, **flags):
     paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
     summary = prepare(_config(corpus, out, [{"name": "all", "paths": paths}], seq_length=seq), False)
@@ -301,6 +330,8 @@ def test_example_config_validates(corpus, tmp_path, monkeypatch):
         ({"sources": [{"name": "a", "paths": ["{long}"]}, {"name": "a", "paths": ["{long}"]}]}, "sources[].name='a'"),
         ({"sources": [{"name": "a", "paths": ["{long}"], "text_key": ""}]}, "sources[a].text_key=''"),
         ({"total_tokens": 100}, "total_tokens=100"),
+        ({"valid_fraction": 1}, "valid_fraction=1"),
+        ({"valid_fraction": "5%"}, "valid_fraction='5%'"),
     ],
 )
 def test_bad_config_names_the_field(corpus, change, message):

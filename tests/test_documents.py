@@ -472,6 +472,22 @@ def test_int64_boundaries_and_none():
     assert docs.ids.tolist() == [0] * 3 + [1] * 7 and docs.ends().tolist() == [3] * 3 + [10] * 7
 
 
+def test_boundaries_are_read_once_per_tensor(monkeypatch):
+    """Every layer of a micro-batch gets the same cu_seqlens: one host read, one Documents;
+    a modified or another tensor is read again."""
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    first = packed_documents(cu, 16)
+    assert packed_documents(cu, 16) is first and len(reads) == 1
+    other = packed_documents(cu.clone(), 16)
+    assert other is not first and other.bounds == first.bounds and len(reads) == 2
+    cu[1] = 9  # in place: the version moves, so the new boundaries are read
+    assert packed_documents(cu, 16).bounds == (0, 9, 16) and len(reads) == 3
+    with pytest.raises(ValueError, match="the sequence length 20"):
+        packed_documents(cu, 20)  # another length is checked, not served from the first read
+
+
 def test_api_errors_name_the_argument(rng):
     seq = 64
     q, k, _ = inputs(rng, seq)

@@ -23,6 +23,7 @@ import torch
 
 from megatron_mtraining.examples.quickstart import pretrain_command
 from megatron_mtraining.training.metrics_line import parse_metrics as metrics
+from megatron_mtraining.training.metrics_line import parse_validation
 from megatron_mtraining.training.yaml_config import ConfigError, load_config
 
 # CI installs W&B (the dev extra); the GPU machines' image has none, and the tests run there too.
@@ -68,14 +69,24 @@ def test_training_lowers_the_loss_and_logs_metrics(uninterrupted):
     lines = metrics(output)
     assert 0.3 < float(lines[6]["attended_fraction"]) < 1.0, lines[6]  # mtraining attends a part
     assert 0.0 < float(lines[6]["index_recall"]) <= 1.0, lines[6]
+    # The out-of-sample recall (rows that did not build the index) prints beside the in-sample one.
+    assert 0.0 < float(lines[6]["index_recall_heldout"]) < 1.0, lines[6]
+    assert list(lines[6]).index("index_recall_heldout") == list(lines[6]).index("index_recall") + 1, lines[6]
     assert float(lines[6]["tokens/s"]) > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction"} <= tags, tags
+    want = {"lm loss", "mtraining/lm_loss", "mtraining/tokens_per_second", "attended_fraction", "index_recall_heldout"}
+    assert want | {"moe/index_recall_heldout_layer_1"} <= tags, tags
     assert [e.value for e in events.Scalars("mtraining/lm_loss")] == pytest.approx([loss[i] for i in range(1, 7)])
+    # Each evaluation (at 3 and 6, then Megatron's final validation and test) under validation/.
+    evaluations = parse_validation(output)
+    assert [it for it, _ in evaluations] == [3, 6, 6, 6], evaluations
+    logged = [(e.step, e.value) for e in events.Scalars("validation/lm_loss")]
+    assert logged == [(it, pytest.approx(float(m["lm_loss"]))) for it, m in evaluations], logged
+    assert {"validation/attended_fraction", "validation/moe/attended_fraction_layer_1"} <= tags, tags
     if HAS_WANDB:
         assert list((tmp / "wandb" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
 
@@ -171,6 +182,9 @@ def test_context_parallel_2_striped_lowers_the_loss(uninterrupted, cp2_striped, 
     assert float(first["lm_loss"]) == pytest.approx(float(one["lm_loss"]), rel=1e-6), (first, one)
     assert float(first["index_recall"]) == pytest.approx(float(one["index_recall"]), abs=1e-4), (first, one)
     assert 0.0 < float(last["index_recall"]) < 1.0, last
+    # The held-out rows are drawn from the iteration, the same under CP as on one process.
+    for line in (first, want):
+        assert float(line["index_recall_heldout"]) == pytest.approx(float(one["index_recall_heldout"]), abs=1e-4)
 
 
 def test_resume_reproduces_the_next_steps_exactly(uninterrupted, tmp_path):
@@ -229,21 +243,31 @@ def test_checkpoint_killed_while_saving_is_not_loaded(uninterrupted, tmp_path):
 
 
 # (overrides, processes): MSA resumes past its 2 warmup steps (the warmup counter and the index
-# projections come from the checkpoint); mtraining, MoBA and MSA under CP 2 resume the striped
-# ring, MSA again past its warmup.
+# projections come from the checkpoint), evaluating after every step; mtraining, MoBA and MSA
+# under CP 2 resume the striped ring, MSA again past its warmup.
 EXACT_RESUMES = {
     "dense": (("attention.type=dense",), 1),
-    "msa": (("attention.type=msa",), 1),
+    "msa": (("attention.type=msa", "megatron.eval_interval=1"), 1),
     "msa-cp2-striped": (("attention.type=msa", *CP2_STRIPED), 2),
     "mtraining-cp2-striped": (CP2_STRIPED, 2),
     "moba-cp2-striped": (("attention.type=moba", *CP2_STRIPED), 2),
 }
 
 
+@pytest.fixture(scope="module")
+def msa_whole(tmp_path_factory):
+    """Six MSA steps on one process (2 warmup steps), evaluating after each."""
+    return pretrain(tmp_path_factory.mktemp("msa"), *EXACT_RESUMES["msa"][0]).stdout
+
+
 @pytest.mark.parametrize("case", EXACT_RESUMES)
-def test_resume_is_exact(case, cp2_striped, tmp_path):
+def test_resume_is_exact(case, request, tmp_path):
     overrides, world = EXACT_RESUMES[case]
-    whole = cp2_striped if case == "mtraining-cp2-striped" else pretrain(tmp_path, *overrides, world=world).stdout
+    shared = {"mtraining-cp2-striped": "cp2_striped", "msa": "msa_whole"}
+    if case in shared:
+        whole = request.getfixturevalue(shared[case])
+    else:
+        whole = pretrain(tmp_path, *overrides, world=world).stdout
     ckpt = tmp_path / "ckpt"
     saving = ("megatron.save_interval=3", "megatron.exit_interval=3")
     first = pretrain(tmp_path, *overrides, f"megatron.save={ckpt}", *saving, world=world).stdout
@@ -253,6 +277,10 @@ def test_resume_is_exact(case, cp2_striped, tmp_path):
     assert after == {i: want[i] for i in (4, 5, 6)}, (after, want)
     # Samples continue where the checkpoint stopped: none repeated, none skipped.
     assert re.search(r"iteration\s+4/\s*6 \| consumed samples:\s+8 \|", resumed), resumed[-3000:]
+    # So do the held-out samples: the evaluations after the resume are the uninterrupted run's.
+    evaluations = parse_validation(whole)
+    assert parse_validation(first) == [e for e in evaluations if e[0] <= 3], (parse_validation(first), evaluations)
+    assert parse_validation(resumed) == [e for e in evaluations if e[0] > 3], (parse_validation(resumed), evaluations)
 
 
 def test_dense_checkpoint_resumes_as_mtraining(tmp_path):
@@ -292,35 +320,132 @@ def test_dense_checkpoint_resumes_as_msa(tmp_path):
     # MSA warmup (2 steps in the config) counts from the switch: dense, dense, then sparse.
     assert [float(lines[i]["attended_fraction"]) for i in (4, 5)] == [1.0, 1.0]
     # Warmup attends densely: nothing is lost. After it, the index keeps part of the mass.
-    assert [float(lines[i]["index_recall"]) for i in (4, 5)] == pytest.approx([1.0, 1.0])
-    assert 0.0 < float(lines[6]["index_recall"]) < 1.0
+    assert [float(lines[i][name]) for i in (4, 5) for name in ("index_recall", "index_recall_heldout")] == [1.0] * 4
+    assert 0.0 < float(lines[6]["index_recall"]) < 1.0 and 0.0 < float(lines[6]["index_recall_heldout"]) < 1.0
     assert float(lines[6]["attended_fraction"]) < 0.9
     # MSA's indexer figures print beside the KL in warmup and after.
     for name in ("msa_block_recall", "msa_score_recall"):
         assert all(0.0 < float(lines[i][name]) <= 1.0 for i in (4, 5, 6)), (name, lines)
 
 
-def test_indexed_dataset_trains(tmp_path):
+def _write_indexed(prefix: Path, documents) -> None:
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    prefix = tmp_path / "docs"
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
-    gen = np.random.default_rng(0)
-    for _ in range(64):
-        builder.add_document(gen.integers(0, 127, 300, dtype=np.int32), [300])
+    for doc in documents:
+        builder.add_document(np.asarray(doc, dtype=np.int32), [len(doc)])
     builder.finalize(f"{prefix}.idx")
-    # All documents in the training split: Megatron's index builder never returns for a
-    # split that gets no document.
+
+
+def test_indexed_dataset_trains(tmp_path, rng):
+    prefix = tmp_path / "docs"
+    _write_indexed(prefix, torch.randint(0, 127, (64, 300), generator=rng).tolist())
+    # Megatron's split holds out whole documents (here one of 64, at 2%) for the evaluations.
     output = pretrain(
         tmp_path,
         "megatron.mock_data=false",
         f"megatron.data_path=[{prefix}]",
-        "megatron.split=100,0,0",
+        "megatron.split=98,2,0",
         "megatron.train_iters=3",
     ).stdout
     assert "Building GPTDataset splits" in output
     assert sorted(losses(output)) == [1, 2, 3] and all(math.isfinite(v) for v in losses(output).values())
+    assert [it for it, _ in parse_validation(output)] == [3, 3], parse_validation(output)
+
+
+def _training(output: str) -> dict[int, dict[str, str]]:
+    """The training lines without their timing."""
+    return {it: {k: v for k, v in m.items() if k != "tokens/s"} for it, m in metrics(output).items()}
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["cp1", "cp2-striped"])
+def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_path, rng):
+    """Evaluation on ``megatron.valid_data_path`` with ``mtraining`` attention, one process
+    and CP 2 striped. Every held-out document is one fresh random sequence of ``seq_length``
+    tokens, so every validation sample is that sequence (its first token the last label)
+    whatever Megatron's shuffles: the validation loss at iteration 3 equals the fp64 cross
+    entropy of the logits that a plain forward of the checkpoint saved there gives it (one
+    device, no Megatron schedule). With ``--check-finite`` and ``--step-report`` (one
+    process), evaluating after every step: both stay quiet and the report keeps the
+    evaluations out of the iterations and the profile."""
+    from megatron_mtraining.convert import load_megatron_checkpoint
+    from megatron_mtraining.convert.hf_export import checkpoint_folder, checkpoint_spec
+    from megatron_mtraining.convert.hf_import import single_process_megatron
+
+    config = load_config(CONFIG)
+    seq, vocab = config.megatron["seq_length"], config.megatron["vocab_size"]
+    train = torch.randint(0, vocab, (64, 300), generator=rng)
+    held_out = torch.randint(0, vocab, (seq,), generator=rng)
+    _write_indexed(tmp_path / "train", train.tolist())
+    _write_indexed(tmp_path / "valid", [held_out.tolist()] * 8)
+    ckpt = tmp_path / "ckpt"
+    overrides = [
+        "megatron.mock_data=false",
+        f"megatron.train_data_path=[{tmp_path / 'train'}]",
+        f"megatron.valid_data_path=[{tmp_path / 'valid'}]",
+        "megatron.split=null",
+        "megatron.train_iters=3",
+        "megatron.eval_iters=2",
+        f"megatron.save={ckpt}",
+        "megatron.save_interval=3",
+    ]
+    if world == 2:
+        overrides += CP2_STRIPED
+    else:
+        overrides += ["megatron.eval_interval=1", "--check-finite", "--step-report", str(tmp_path / "report.json")]
+    output = pretrain(tmp_path, *overrides, world=world).stdout
+    evaluations = parse_validation(output)
+    # The evaluation at iteration 3 and the one Megatron runs after training read the same samples.
+    assert [it for it, _ in evaluations] == ([1, 2, 3, 3] if world == 1 else [3, 3]), evaluations
+    got = float(evaluations[-1][1]["lm_loss"])
+    assert evaluations[-2][1] == evaluations[-1][1], evaluations
+    assert 0.3 < float(evaluations[-1][1]["attended_fraction"]) < 1.0, evaluations
+    megatron_line = re.search(r"validation loss at iteration 3 \| lm loss value: (\S+) \|", output)
+    assert megatron_line and float(megatron_line.group(1)) == pytest.approx(got, rel=1e-6), output[-3000:]
+
+    with single_process_megatron():
+        spec = checkpoint_spec(checkpoint_folder(ckpt), model_type="llama")  # tiny_cpu has no QKV bias
+        model, _ = load_megatron_checkpoint(ckpt, attention=config.attention, spec=spec)
+        model.eval()
+        with torch.no_grad():
+            logits = model(held_out.view(1, -1), torch.arange(seq).view(1, -1), None).double()
+    labels = torch.cat([held_out[1:], held_out[:1]])
+    want = torch.nn.functional.cross_entropy(logits[0], labels).item()
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    # Not the training data's loss: the held-out sequence is what was evaluated.
+    assert abs(float(metrics(output)[3]["lm_loss"]) - want) > 1e-3
+    if world == 1:
+        import json
+
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert len(report["evaluation_s"]) == 4 and all(t > 0 for t in report["evaluation_s"]), report
+        assert len(report["iteration_s"]) == 2 and all(t > 0 for t in report["iteration_s"]), report
+        assert report["profile"]["iteration"] == 2, report["profile"]
+
+
+@pytest.mark.parametrize("case", ["msa", "mtraining-cp2-striped"])
+def test_evaluation_leaves_training_unchanged(case, request, tmp_path):
+    """The same runs with and without evaluations log the same training lines (loss, KL,
+    attended fraction, recalls, imbalance): MSA through its indexer warmup (evaluating after
+    every step), and mtraining under CP 2. The evaluations attend as the next training
+    step will: MSA's densely while warmup lasts."""
+    with_eval = request.getfixturevalue({"msa": "msa_whole", "mtraining-cp2-striped": "cp2_striped"}[case])
+    overrides, world = EXACT_RESUMES[case]
+    without = pretrain(tmp_path, *overrides, "megatron.eval_iters=0", world=world).stdout
+    assert parse_validation(without) == [] and "validation loss" not in without
+    assert _training(with_eval) == _training(without)
+    evaluations = parse_validation(with_eval)
+    if case == "msa":
+        # After iteration 1 (warmup: 2 steps) the next step attends densely, from 2 sparsely.
+        assert [it for it, _ in evaluations] == [1, 2, 3, 4, 5, 6, 6, 6], evaluations
+        fractions = [float(m["attended_fraction"]) for _, m in evaluations]
+        assert fractions[0] == 1.0 and all(f < 0.9 for f in fractions[1:]), evaluations
+        assert [float(metrics(with_eval)[i]["attended_fraction"]) for i in (1, 2)] == [1.0, 1.0]
+    else:
+        assert [it for it, _ in evaluations] == [3, 6, 6, 6], evaluations
+        assert all(0.3 < float(m["attended_fraction"]) < 1.0 for _, m in evaluations), evaluations
+    assert all(math.isfinite(float(m["lm_loss"])) for _, m in evaluations), evaluations
 
 
 @pytest.mark.parametrize(
@@ -335,6 +460,21 @@ def test_indexed_dataset_trains(tmp_path):
         ("megatron: {}\n", ["megatron.lr=fast"], r"override 'megatron.lr=fast'.*bad value for 'megatron.lr'"),
         ("megatron: {}\n", ["attention.msa.topk=0"], r"override 'attention.msa.topk=0'.*topk"),
         ("megatron: {}\n", ["optimizer.lr=1"], r"must start with one of the sections megatron, attention"),
+        (
+            "megatron: {mock_data: false, valid_data_path: [v], train_data_path: [t], split: '98,2,0'}\n",
+            [],
+            r"bad value for 'megatron.split': '98,2,0' \(accepted: null with megatron.train_data_path",
+        ),
+        (
+            "megatron: {mock_data: false, data_path: [d], split: '100,0,0', eval_iters: 1, eval_interval: 5}\n",
+            [],
+            r"'megatron.eval_iters' is 1 and the split holds out no validation documents",
+        ),
+        (
+            "megatron: {mock_data: false, train_data_path: [t], eval_iters: 1, eval_interval: 5}\n",
+            [],
+            r"'megatron.eval_iters' is 1 but 'megatron.valid_data_path' is not set",
+        ),
     ],
 )
 def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, message):
@@ -344,6 +484,20 @@ def test_bad_config_names_the_key_and_the_file(tmp_path, yaml_text, overrides, m
         load_config(path, overrides)
     if not overrides:
         assert str(path) in str(err.value)
+
+
+def test_a_split_without_documents_is_refused_before_start_up(tmp_path):
+    """Megatron's dataset builder never returns on a needed split that gets no document."""
+    _write_indexed(tmp_path / "docs", [[1, 2, 3]] * 64)
+    data = ["megatron.mock_data=false", f"megatron.data_path=[{tmp_path / 'docs'}]", "megatron.eval_iters=1"]
+    assert load_config(CONFIG, [*data, "megatron.split=98,2,0"]).empty_splits() == []
+    # 0.5% of 64 documents rounds to none; without evaluation the validation split is not read.
+    assert load_config(CONFIG, [*data, "megatron.split=995,5,0", "megatron.eval_iters=0"]).empty_splits() == []
+    proc = pretrain(tmp_path, *data, "megatron.split=995,5,0", check=False)
+    assert proc.returncode != 0 and "initializing torch distributed" not in proc.stdout
+    assert re.search(
+        r"'megatron.split' '995,5,0' gives the validation split no document of .* \(64 documents\)", proc.stdout
+    )
 
 
 def test_bad_config_fails_at_start_up(tmp_path):

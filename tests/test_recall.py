@@ -1,6 +1,7 @@
-"""Index recall (``attention_recall``) against fp64 dense attention under the index's own
-mask, MSA's block and score recall (``msa_recall``) against an fp64 brute force, and their
-context-parallel forms against the single-device ones on gloo processes."""
+"""Index recall (``attention_recall``, and ``heldout_recall`` of sampled rows that did not
+build the index) against fp64 dense attention under the index's own mask, MSA's block and
+score recall (``msa_recall``) against an fp64 brute force, and their context-parallel forms
+against the same references (the MSA figures: the single-device ones) on gloo processes."""
 
 import pytest
 import torch
@@ -8,13 +9,18 @@ import torch.distributed as dist
 from gloo import run
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
-from megatron_mtraining.context_parallel.recall import distributed_attention_recall, distributed_msa_recall
+from megatron_mtraining.context_parallel.recall import (
+    distributed_attention_recall,
+    distributed_heldout_recall,
+    distributed_msa_recall,
+)
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.moba import MoBAPattern
 from megatron_mtraining.patterns.msa import MSAPattern
 from megatron_mtraining.patterns.vertical_slash import VerticalSlashPattern
 from megatron_mtraining.sparse import (
     BlockTopKIndex,
+    DenseIndex,
     MoBAConfig,
     MSAConfig,
     VerticalSlashConfig,
@@ -22,6 +28,8 @@ from megatron_mtraining.sparse import (
     msa_recall,
     msa_select_blocks,
 )
+from megatron_mtraining.sparse.documents import packed_documents
+from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows
 
 B, HQ, HKV, D = 2, 4, 2, 8
 ROWS = 24
@@ -45,6 +53,28 @@ def _inputs(gen, seq):
     return (torch.randn(B, seq, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV))
 
 
+def _dense_recall(q, k, index, rows):
+    """fp64: the share of each row's dense causal softmax (within its document) that falls
+    under the index's dense mask, averaged over ``rows``, ``[B, Hq]``."""
+    seq = q.shape[1]
+    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if index.documents is not None:
+        starts = index.documents.starts.long()
+        allowed &= torch.arange(seq).view(1, -1) >= starts.view(-1, 1)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[:, :, rows]
+    return (probs * index.to_dense_mask(seq)[:, :, rows]).sum(-1).mean(-1)
+
+
+def _draw(pattern, index, seq, gen):
+    """Held-out rows as the training loop draws them, with a fresh seed; none of them built
+    the index."""
+    building = pattern.building_rows(seq, index.documents)
+    rows = heldout_rows(seq, building, 4, 8, int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    assert len(rows) == 32 and not any(a <= r < b for r in rows.tolist() for a, b in building), (rows, building)
+    return rows
+
+
 @pytest.mark.parametrize("kind", ["dense", "vertical_slash", "moba", "msa"])
 def test_recall_equals_dense_mass_under_the_mask(kind, rng):
     seq = 200  # not a multiple of the blocks
@@ -65,11 +95,55 @@ def test_recall_equals_dense_mass_under_the_mask(kind, rng):
         assert (recall < 1).any()  # the patterns drop mass at this sparsity
 
 
+@pytest.mark.parametrize("kind", ["dense", "vertical_slash", "moba", "msa", "vertical_slash_documents"])
+def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
+    seq = 200
+    q, k = _inputs(rng, seq)
+    cu, pattern = None, _patterns(q, rng).get(kind)
+    if kind == "vertical_slash_documents":  # the middle document, under dense_below, attends densely
+        cu = torch.tensor([0, 70, 90, seq], dtype=torch.int32)
+        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
+        pattern = VerticalSlashPattern(cfg)
+    index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
+    rows = _draw(pattern, index, seq, rng)
+    recall = heldout_recall(q, k, index, rows)
+    torch.testing.assert_close(recall, _dense_recall(q, k, index, rows).float(), rtol=1e-6, atol=1e-6)
+    if kind != "dense":
+        assert (recall < 1).any()
+
+
+def test_heldout_rows_are_seeded_runs_outside_the_excluded_rows():
+    excluded = [(0, 5), (100, 130)]
+    rows = heldout_rows(256, excluded, 3, 16, seed=7)
+    torch.testing.assert_close(rows, heldout_rows(256, excluded, 3, 16, seed=7))
+    starts = rows[::16]
+    assert rows.dtype == torch.int64 and len(rows) == 48 and (starts % 16 == 0).all()
+    assert torch.equal(rows, (starts.view(-1, 1) + torch.arange(16)).flatten()) and (starts[1:] > starts[:-1]).all()
+    # Runs 0, 6, 7 and 8 hold excluded rows; the other 12 are drawn alike over the seeds.
+    drawn = torch.cat([heldout_rows(256, excluded, 3, 16, seed)[::16] // 16 for seed in range(400)])
+    assert set(drawn.tolist()) == set(range(16)) - {0, 6, 7, 8}
+    counts = torch.bincount(drawn, minlength=16)[[1, 2, 3, 4, 5, 9, 10, 11, 12, 13, 14, 15]].double()
+    assert counts.min() > 0.6 * counts.mean(), counts
+    assert len(heldout_rows(52, [(0, 20)], 3, 16, 0)) == 16  # only run 2 qualifies (the rest is partial)
+    assert len(heldout_rows(52, [(0, 40)], 3, 16, 0)) == 0
+
+
+def test_heldout_recall_rejects_bad_rows(rng):
+    q, k = _inputs(rng, 64)
+    index = DensePattern().local_index(q, k, D**-0.5)
+    for rows in (torch.tensor([3, 2]), torch.tensor([0, 64]), torch.tensor([1, 2], dtype=torch.int32), [1, 2]):
+        with pytest.raises(ValueError, match="rows=.*ascending positions in \\[0, 64\\)"):
+            heldout_recall(q, k, index, rows)
+
+
 def _check_distributed_recall(rank, world, seed, seq):
     gen = torch.Generator().manual_seed(seed)
     q, k = _inputs(gen, seq)
     for name, pattern in _patterns(q, gen).items():
-        expected = attention_recall(q, k, pattern.local_index(q, k, D**-0.5), num_rows=ROWS)
+        index = pattern.local_index(q, k, D**-0.5)
+        expected = attention_recall(q, k, index, num_rows=ROWS)
+        rows = _draw(pattern, index, seq, gen)  # the same on every rank: one seed
+        expected_heldout = _dense_recall(q, k, index, rows).float()
         for kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(kind, world, seq, stripe=16)
             lq, lk = layout.shard(q, rank), layout.shard(k, rank)
@@ -81,6 +155,8 @@ def _check_distributed_recall(rank, world, seed, seq):
             index = local_pattern.distributed_index(lq, lk, layout, dist.group.WORLD, D**-0.5)
             recall = distributed_attention_recall(lq, lk, index, layout, num_rows=ROWS)
             torch.testing.assert_close(recall, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name} {kind}")
+            heldout = distributed_heldout_recall(lq, lk, index, layout, rows)
+            torch.testing.assert_close(heldout, expected_heldout, rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {kind}")
 
 
 # ---------------------------------------------------------------- MSA block and score recall
@@ -104,15 +180,18 @@ def _ranked(scores, visible):
     return order, [scores[a] - scores[b] for a, b in zip(order, order[1:], strict=False)]
 
 
-def _brute_msa_recall(q, k, q_idx, k_idx, cfg, rows, selected=None):
+def _brute_msa_recall(q, k, q_idx, k_idx, cfg, rows, selected=None, bounds=None):
     """fp64, one row at a time: dense causal softmax, block masses by summing, top-k by
     sorting. ``selected[b][g][r]``: the index's block set of window row ``r`` (None: the
-    index branch's own-block-plus-top-(k-1) selection from q_idx/k_idx). Returns the
-    [B, Hq] recalls and the smallest ranking gap met at the top-k boundary."""
+    index branch's own-block-plus-top-(k-1) selection from q_idx/k_idx). ``bounds``: packed
+    documents' boundaries (a row sees its own document only). Returns the [B, Hq] recalls
+    and the smallest ranking gap met at the top-k boundary."""
     seq, bs, topk = q.shape[1], cfg.block_size, cfg.topk
     group = HQ // HKV
+    bounds = bounds or [0, seq]
+    start = [max(b for b in bounds[:-1] if b <= i) for i in range(seq)]
     logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * D**-0.5
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    causal = torch.tensor([[start[i] <= j <= i for j in range(seq)] for i in range(seq)])
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
     index_scores = torch.einsum("bqgd,bkd->bgqk", q_idx, k_idx[:, :, 0]) / cfg.index_head_dim**0.5
     n_blocks = -(-seq // bs)
@@ -123,13 +202,16 @@ def _brute_msa_recall(q, k, q_idx, k_idx, cfg, rows, selected=None):
         for h in range(HQ):
             g = h // group
             for r, i in enumerate(range(seq - rows, seq)):
-                visible = list(range(i // bs + 1))
+                visible = list(range(start[i] // bs, i // bs + 1))
                 mass = [probs[b, h, i, c * bs : min((c + 1) * bs, i + 1)].sum().item() for c in range(n_blocks)]
                 order, gaps = _ranked(mass, visible)
                 best = set(order[:topk])
                 margin = min([margin, *gaps[topk - 1 : topk]])
                 if selected is None:
-                    block_max = [index_scores[b, g, i, c * bs : min((c + 1) * bs, i + 1)].max().item() for c in visible]
+                    block_max = {
+                        c: index_scores[b, g, i, max(c * bs, start[i]) : min((c + 1) * bs, i + 1)].max().item()
+                        for c in visible
+                    }
                     others, gaps = _ranked(block_max, [c for c in visible if c != i // bs])
                     chosen = {i // bs, *others[: topk - 1]}
                     margin = min([margin, *gaps[topk - 2 : topk - 1]])
@@ -170,6 +252,37 @@ def test_msa_recall_equals_brute_force(phase, rng):
     assert (got[1] > got[0]).any(), got
 
 
+def _documents_around_the_window(gen, seq):
+    """Boundaries with a long document ending inside the window (more visible blocks than
+    top-k) and a short last one."""
+    first = int(torch.randint(20, 60, (1,), generator=gen))
+    second = int(torch.randint(seq - ROWS + 2, seq - 4, (1,), generator=gen))
+    return [0, first, second, seq]
+
+
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_msa_recall_within_packed_documents(phase, rng):
+    seq = 200
+    for _ in range(5):
+        q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+        bounds = _documents_around_the_window(rng, seq)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        if phase == "sparse":
+            index = msa_select_blocks(q_idx, k_idx, MSA_CFG, HQ, cu_seqlens=cu)
+        else:
+            index = DenseIndex(B, HQ, seq, documents=packed_documents(cu, seq))
+        block, score, margin = _brute_msa_recall(q, k, q_idx, k_idx, MSA_CFG, ROWS, bounds=bounds)
+        if margin > MIN_MARGIN:
+            break
+    else:
+        pytest.fail(f"five draws within {MIN_MARGIN} of a tie")
+    got = msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS, softmax_scale=D**-0.5)
+    torch.testing.assert_close(got, (block.float(), score.float()), rtol=1e-6, atol=1e-6)
+    # Without the documents the figures differ: the rows would rank blocks of other documents.
+    unpacked = _brute_msa_recall(q, k, q_idx, k_idx, MSA_CFG, ROWS)
+    assert not torch.allclose(unpacked[1], score), (unpacked[1], score)
+
+
 def test_msa_recall_is_one_when_every_visible_block_fits(rng):
     seq = 64  # 4 blocks of 16, topk 4
     q, k, q_idx, k_idx = _msa_inputs(rng, seq)
@@ -182,17 +295,25 @@ def test_msa_recall_is_one_for_the_main_branch_top_k(rng):
     """An index of each head's top-k blocks by the main branch's block masses (one selection
     head per query head) recalls everything; taking one block away recalls less."""
     seq = 200
-    q, k, q_idx, k_idx = _msa_inputs(rng, seq)
     bs, topk, n_blocks = MSA_CFG.block_size, MSA_CFG.topk, -(-seq // MSA_CFG.block_size)
-    logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
-    probs = torch.softmax(logits.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")), dim=-1)
-    blocks = torch.full((B, seq, HQ, topk), -1, dtype=torch.int32)
-    for b in range(B):
-        for h in range(HQ):
-            for i in range(seq - ROWS, seq):
-                mass = [probs[b, h, i, c * bs : (c + 1) * bs].sum().item() for c in range(n_blocks)]
-                best = sorted(_ranked(mass, range(i // bs + 1))[0][:topk])
-                blocks[b, i, h, : len(best)] = torch.tensor(best)
+    for _ in range(5):  # redraw the rare input whose top-k boundary sits within rounding of a tie
+        q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+        logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(HQ // HKV, dim=2)) * D**-0.5
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        blocks = torch.full((B, seq, HQ, topk), -1, dtype=torch.int32)
+        margin = float("inf")
+        for b in range(B):
+            for h in range(HQ):
+                for i in range(seq - ROWS, seq):
+                    mass = [probs[b, h, i, c * bs : (c + 1) * bs].sum().item() for c in range(n_blocks)]
+                    order, gaps = _ranked(mass, range(i // bs + 1))
+                    margin = min([margin, *gaps[topk - 1 : topk]])
+                    blocks[b, i, h, : min(topk, len(order))] = torch.tensor(sorted(order[:topk]))
+        if margin > MIN_MARGIN:
+            break
+    else:
+        pytest.fail(f"five draws within {MIN_MARGIN} of a tie")
     index = BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=HQ)
     for got in msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS):
         torch.testing.assert_close(got, torch.ones(B, HQ))
@@ -208,17 +329,25 @@ def _check_distributed_msa_recall(rank, world, seed, seq):
     gen = torch.Generator().manual_seed(seed)
     q, k, q_idx, k_idx = _msa_inputs(gen, seq)
     pattern = MSAPattern(MSA_CFG, q_idx, k_idx)
-    for phase in ("warmup", "sparse"):
-        index = pattern.local_index(q, k, D**-0.5) if phase == "sparse" else None
+    packed = torch.tensor(_documents_around_the_window(gen, seq), dtype=torch.int32)
+    for phase, cu in (("warmup", None), ("sparse", None), ("warmup", packed), ("sparse", packed)):
+        docs = {} if cu is None else {"cu_seqlens": cu}
+        if phase == "sparse":
+            index = pattern.local_index(q, k, D**-0.5, **docs)
+        else:
+            index = None if cu is None else DenseIndex(B, HQ, seq, documents=packed_documents(cu, seq))
         expected = msa_recall(q, k, q_idx, k_idx, MSA_CFG, index, num_rows=ROWS)
         for kind in ("contiguous", "zigzag", "striped"):
             layout = ContextParallelLayout(kind, world, seq, stripe=16)
             lq, lk, lq_idx, lk_idx = (layout.shard(t, rank) for t in (q, k, q_idx, k_idx))
-            local = None
+            local = index
             if phase == "sparse":
-                local = pattern.with_inputs(lq_idx, lk_idx).distributed_index(lq, lk, layout, dist.group.WORLD, D**-0.5)
+                local = pattern.with_inputs(lq_idx, lk_idx).distributed_index(
+                    lq, lk, layout, dist.group.WORLD, D**-0.5, **docs
+                )
             got = distributed_msa_recall(lq, lk, lq_idx, lk_idx, MSA_CFG, local, layout, num_rows=ROWS)
-            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {phase} {kind}")
+            msg = f"rank {rank} {phase} {kind} documents {cu}"
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=msg)
 
 
 def _check_distributed_recalls(rank, world, seed, seq):
@@ -229,6 +358,7 @@ def _check_distributed_recalls(rank, world, seed, seq):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_recall_and_msa_recall_equal_single_device(world, rng):
-    """Index recall and MSA's block / score recall (warmup and sparse selections) from CP
-    shards in every layout equal the single-device figures."""
+    """Index recall (of the window and of held-out rows) and MSA's block / score recall
+    (warmup and sparse selections) from CP shards in every layout equal the single-device
+    figures (the held-out recall: fp64 dense attention's)."""
     run(world, _check_distributed_recalls, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256)

@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from ..sparse.documents import packed_documents
 from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
 from .layout import ContextParallelLayout
@@ -79,8 +80,9 @@ def _check_index_documents(index: SparseIndex, cu_seqlens) -> None:
     """A prebuilt index given with ``cu_seqlens`` must carry those documents (its lists were
     chosen for them; attaching other boundaries would not make them per-document)."""
     docs = index.documents
-    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    if docs is None or list(docs.bounds) != list(bounds):
+    given = packed_documents(cu_seqlens, index.seq_len).bounds if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    bounds = list(given)
+    if docs is None or list(docs.bounds) != bounds:
         fail(
             "cu_seqlens",
             bounds,
@@ -106,12 +108,22 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
 def gather_window(x: torch.Tensor, positions: torch.Tensor, first: int, seq: int, group) -> torch.Tensor:
     """Rows ``[first, seq)`` of the whole sequence of ``x`` ``[B, L, ...]`` (this rank's
     tokens at global ``positions``) on every rank, detached (``seq``: the end of the rows,
-    the sequence's or a packed document's). Each row has one holder and zeros elsewhere,
-    so the sum is exact."""
-    rows = torch.where((positions >= first) & (positions < seq), positions - first, -1)
-    window = scatter_rows(x.detach(), rows, seq - first).contiguous()  # collectives take whole buffers
-    dist.all_reduce(window, group=group)
-    return window
+    the sequence's or a packed document's)."""
+    return gather_rows(x, positions, torch.arange(first, seq, device=positions.device), group)
+
+
+def gather_rows(x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """The rows at the ascending global positions ``rows`` (on ``x``'s device) of the whole
+    sequence of ``x`` ``[B, L, ...]`` (this rank's tokens at global ``positions``) on every
+    rank, detached, ``[B, len(rows), ...]``. Each row has one holder and zeros elsewhere, so
+    the sum is exact; nothing is read on the host."""
+    slot = torch.searchsorted(rows, positions.to(rows.dtype)).clamp(max=len(rows) - 1)
+    held = rows[slot] == positions
+    gathered = scatter_rows(
+        x.detach(), torch.where(held, slot, -1), len(rows)
+    ).contiguous()  # collectives take whole buffers
+    dist.all_reduce(gathered, group=group)
+    return gathered
 
 
 def all_reduce_fn(op, group):

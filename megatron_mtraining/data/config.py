@@ -6,6 +6,7 @@ output_prefix: data/mix                   # writes data/mix.bin/.idx (+ data/mix
 seq_length: 4096                          # training length (for the summary; GPTDataset packs, see indexed.py)
 seed: 1234
 total_tokens: null                        # with weights: the mix's size (sources sub- or upsampled to it)
+valid_fraction: 0.0                       # share of documents held out as data/mix_valid (never trained on)
 min_tokens: 0                             # default length filter of every source (tokens, EOD excluded)
 max_tokens: null
 sources:
@@ -19,6 +20,14 @@ sources:
     max_tokens: 8192
     weight: 0.4
 ```
+
+``valid_fraction`` holds out a share of the documents, chosen by a seeded hash of each
+document's text (so a text is held out in every source that reads it, and in every run
+with the same seed), and writes them once each, in a seeded order, as
+``<output_prefix>_valid.bin/.idx``: train on the mix with ``megatron.train_data_path`` and
+evaluate on it with ``megatron.valid_data_path``. Megatron's ``split`` would instead hold out
+whole documents of the mix, copies of which the mix repeats elsewhere for any source it
+upsamples.
 
 Instead of weights, a source may give ``repeat`` (an upsampling factor, 2.5 = every document
 twice and a seeded half of them a third time). Two sources over the same files with different
@@ -90,6 +99,7 @@ class MixConfig:
     total_tokens: int | None = None
     add_special_tokens: bool = True
     batch_size: int = 64
+    valid_fraction: float = 0.0
 
     _FIELDS = {
         "tokenizer",
@@ -102,12 +112,18 @@ class MixConfig:
         "max_tokens",
         "add_special_tokens",
         "batch_size",
+        "valid_fraction",
     }
     _SOURCE_FIELDS = {"name", "paths", "text_key", "min_tokens", "max_tokens", "weight", "repeat"}
 
     @property
     def weighted(self) -> bool:
         return self.sources[0].weight is not None
+
+    @property
+    def valid_prefix(self) -> Path:
+        """Where the held-out documents go (with ``valid_fraction``)."""
+        return self.output_prefix.with_name(self.output_prefix.name + "_valid")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> MixConfig:
@@ -152,6 +168,15 @@ class MixConfig:
         total_tokens = _int(raw, "total_tokens", "", None, 1)
         if total_tokens is not None and not all(weighted):
             raise _fail("total_tokens", total_tokens, "needs a weight on every source (it sizes the weighted mix)")
+        valid_fraction = raw.get("valid_fraction", 0.0)
+        if (
+            isinstance(valid_fraction, bool)
+            or not isinstance(valid_fraction, int | float)
+            or not 0 <= valid_fraction < 1
+        ):
+            raise _fail(
+                "valid_fraction", valid_fraction, "expected a number in [0, 1): the share of documents held out"
+            )
         return cls(
             tokenizer=Path(raw["tokenizer"]),
             output_prefix=Path(raw["output_prefix"]),
@@ -161,6 +186,7 @@ class MixConfig:
             total_tokens=total_tokens,
             add_special_tokens=raw.get("add_special_tokens", True),
             batch_size=_int(raw, "batch_size", "", 64, 1),
+            valid_fraction=float(valid_fraction),
         )
 
     @classmethod

@@ -5,9 +5,12 @@
 1. **Tokenise** each source into ``<prefix>.sources/<name>.bin/.idx``: every record's text with
    the local Hugging Face tokenizer, EOD (the tokenizer's EOS) appended, documents outside the
    source's ``[min_tokens, max_tokens]`` (EOD excluded) dropped. Memory stays at one batch.
+   With ``valid_fraction`` the documents a seeded hash of their text holds out go to
+   ``<prefix>.sources/<name>_valid.bin/.idx`` instead.
 2. **Mix**: each source's documents are repeated by its factor (``repeat``, or solved from the
    ``weight`` token shares), the document order is shuffled with the seed, and the documents
-   are copied from the per-source files into ``<prefix>.bin/.idx``. A summary is printed and
+   are copied from the per-source files into ``<prefix>.bin/.idx``; the held-out documents,
+   once each in a seeded order, into ``<prefix>_valid.bin/.idx``. A summary is printed and
    written to ``<prefix>.summary.json``.
 
 Packing is left to Megatron's ``GPTDataset``, which concatenates the (shuffled) documents and
@@ -17,11 +20,14 @@ per entry rather than pre-cut samples. Reasons: one tokenised mix serves every s
 is by documents, so documents must stay whole; and ``reset_position_ids`` /
 ``reset_attention_mask`` / ``eod_mask_loss`` find the document boundaries from the EOD
 tokens written here. The shuffle in pass 2 matters because that split takes contiguous
-document ranges: unshuffled, the validation set would be the last source.
+document ranges: unshuffled, the validation set would be the last source. That split holds
+out documents of the mix, which repeats the documents of an upsampled source anywhere in it,
+so the held-out set of ``valid_fraction`` is chosen before any repetition.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -53,6 +59,8 @@ class SourceStats:
     factor: float = 1.0
     mix_docs: int = 0
     mix_tokens: int = 0
+    held_out: int = 0  # documents written to the validation set instead (valid_fraction)
+    held_out_tokens: int = 0
 
 
 @dataclass
@@ -75,12 +83,26 @@ class PrepareSummary:
         return sum(s.mix_tokens for s in self.sources)
 
     @property
+    def valid_documents(self) -> int:
+        return sum(s.held_out for s in self.sources)
+
+    @property
+    def valid_tokens(self) -> int:
+        return sum(s.held_out_tokens for s in self.sources)
+
+    @property
     def samples(self) -> int:
         """``seq_length + 1``-token samples that one epoch gives GPTDataset (consecutive samples share a token)."""
         return max(0, (self.tokens - 1) // self.seq_length)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"documents": self.documents, "tokens": self.tokens, "samples": self.samples}
+        return asdict(self) | {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "valid_documents": self.valid_documents,
+            "valid_tokens": self.valid_tokens,
+        }
 
     def format(self) -> str:
         header = f"{'source':<20} {'read':>8} {'kept':>8} {'short':>7} {'long':>7} {'tokens':>12} {'factor':>7} {'mix docs':>9} {'mix tokens':>12} {'share':>7}"
@@ -96,6 +118,12 @@ class PrepareSummary:
             f"total: {self.documents} documents, {self.tokens} tokens; {self.samples} samples of "
             f"{self.seq_length}+1 tokens per epoch; {long_share:.1%} of tokens in documents >= {self.seq_length} tokens"
         )
+        if self.valid_documents:
+            held = ", ".join(f"{s.name} {s.held_out}" for s in self.sources)
+            lines.append(
+                f"held out for validation: {self.valid_documents} documents ({held}), {self.valid_tokens} tokens, "
+                f"in {self.prefix}_valid.bin/.idx"
+            )
         return "\n".join(lines)
 
 
@@ -121,12 +149,21 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def held_out(text: str, config: MixConfig) -> bool:
+    """Whether ``valid_fraction`` holds the document out: its text's hash, keyed by the seed,
+    read as a number in [0, 1), is below the fraction."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=config.seed.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest, "little") < config.valid_fraction * 2**64
+
+
 def tokenize_source(
     source: SourceConfig, tokenizer, eod: int, dtype: type, prefix: Path, config: MixConfig, progress: bool = True
 ) -> SourceStats:
-    """Pass 1 for one source: tokenised, length-filtered, EOD-terminated documents at ``prefix``."""
+    """Pass 1 for one source: tokenised, length-filtered, EOD-terminated documents at
+    ``prefix`` (the held-out ones at ``<prefix>_valid``)."""
     stats = SourceStats(source.name)
     builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    valid = IndexedDatasetBuilder(str(prefix) + "_valid.bin", dtype=dtype)
     bar = _progress(desc=f"tokenize {source.name}", unit="doc", disable=not progress)
     for batch in _batches(_source_texts(source), config.batch_size):
         # A fast tokenizer encodes a batch on all cores (Rust threads), hence batches, not workers.
@@ -136,7 +173,7 @@ def tokenize_source(
             return_attention_mask=False,
             return_token_type_ids=False,
         )["input_ids"]
-        for ids in encoded:
+        for text, ids in zip(batch, encoded, strict=True):
             stats.read += 1
             if len(ids) < source.min_tokens:
                 stats.too_short += 1
@@ -145,16 +182,23 @@ def tokenize_source(
                 stats.too_long += 1
                 continue
             doc = np.asarray([*ids, eod], dtype=dtype)
+            if config.valid_fraction and held_out(text, config):
+                valid.add_document(doc, [doc.size])
+                stats.held_out += 1
+                stats.held_out_tokens += doc.size
+                continue
             builder.add_document(doc, [doc.size])
             stats.kept += 1
             stats.tokens += doc.size
         bar.update(len(batch))
     bar.close()
     builder.finalize(str(prefix) + ".idx")
+    valid.finalize(str(prefix) + "_valid.idx")
     if stats.kept == 0:
+        held = f", and {stats.held_out} held out by valid_fraction={config.valid_fraction}" if stats.held_out else ""
         raise ValueError(
             f"sources[{source.name}]: none of its {stats.read} documents is within min_tokens={source.min_tokens}, "
-            f"max_tokens={source.max_tokens} (files: {', '.join(map(str, source.paths))})"
+            f"max_tokens={source.max_tokens}{held} (files: {', '.join(map(str, source.paths))})"
         )
     return stats
 
@@ -232,6 +276,8 @@ def _prepare_into(config: MixConfig, tokenizer, eod: int, stage: Path, progress:
         if tokens.size >= config.seq_length:
             long_doc_tokens += tokens.size
     builder.finalize(str(stage / "mix.idx"))
+    if config.valid_fraction:
+        _write_validation(config, stats, source_dir, dtype, stage / "mix_valid")
 
     summary = PrepareSummary(
         str(config.output_prefix), config.seq_length, eod, np.dtype(dtype).name, stats, long_doc_tokens
@@ -245,16 +291,44 @@ def _prepare_into(config: MixConfig, tokenizer, eod: int, stage: Path, progress:
     return summary
 
 
+def _write_validation(config: MixConfig, stats: list[SourceStats], source_dir: Path, dtype, out: Path) -> None:
+    """The held-out documents of every source, once each, in a seeded order, at ``out``."""
+    if not any(st.held_out for st in stats):
+        read = sum(st.read for st in stats)
+        raise ValueError(
+            f"valid_fraction={config.valid_fraction} held out none of the {read} documents read: raise it (or set 0 "
+            "for no validation set)"
+        )
+    datasets = [IndexedDataset(str(source_dir / f"{s.name}_valid")) for s in config.sources]
+    order = mix_order([len(d) for d in datasets], [1.0] * len(datasets), config.seed)
+    builder = IndexedDatasetBuilder(str(out) + ".bin", dtype=dtype)
+    for source, doc in order:
+        tokens = datasets[source][doc]
+        builder.add_document(tokens, [tokens.size])
+    builder.finalize(str(out) + ".idx")
+
+
 def _commit(stage: Path, prefix: Path, config: MixConfig) -> None:
     """Renames the staged files to ``prefix.sources/<name>.bin/.idx``, ``prefix.bin/.idx`` and
-    ``prefix.summary.json``. Readers take a dataset's ``.idx`` as the sign that it is complete
+    ``prefix.summary.json`` (with ``valid_fraction`` also ``<name>_valid`` and
+    ``prefix_valid.bin/.idx``; without, it removes an earlier run's). Readers take a dataset's ``.idx`` as the sign that it is complete
     (Megatron opens it first; the quickstart skips a finished stage by the mix's), so the old
     ones go before anything is replaced and the new ones come last, the mix's at the very end:
     an interruption between renames leaves datasets missing, never a ``.bin`` of one run beside
     the ``.idx`` of another."""
     source_dir = Path(str(prefix) + ".sources")
     source_dir.mkdir(exist_ok=True)
-    datasets = [(stage / "sources" / s.name, source_dir / s.name) for s in config.sources] + [(stage / "mix", prefix)]
+    names = [s.name for s in config.sources]
+    if config.valid_fraction:
+        names += [f"{s.name}_valid" for s in config.sources]
+    datasets = [(stage / "sources" / name, source_dir / name) for name in names]
+    if config.valid_fraction:
+        datasets.append((stage / "mix_valid", config.valid_prefix))
+    else:  # an earlier run's held-out set is not this mix's
+        for stale in (config.valid_prefix, *(source_dir / f"{s.name}_valid" for s in config.sources)):
+            for ext in (".idx", ".bin"):
+                Path(str(stale) + ext).unlink(missing_ok=True)
+    datasets.append((stage / "mix", prefix))
     for _, final in datasets:
         Path(str(final) + ".idx").unlink(missing_ok=True)
     for staged, final in datasets:

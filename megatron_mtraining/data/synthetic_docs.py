@@ -63,7 +63,8 @@ class SyntheticDoc:
         return record
 
 
-def _sentence(rng: random.Random) -> str:
+def sentence(rng: random.Random) -> str:
+    """One filler sentence of random :data:`WORDS`, capitalised, with a full stop."""
     words = rng.choices(WORDS, k=rng.randint(6, 16))
     return " ".join(words).capitalize() + "."
 
@@ -72,7 +73,7 @@ def _filler(rng: random.Random, budget: int, measure: Callable[[str], int]) -> l
     """Sentences whose measured length first reaches ``budget`` (at least one sentence)."""
     sentences, used = [], 0
     while not sentences or used < budget:
-        sentences.append(_sentence(rng))
+        sentences.append(sentence(rng))
         used += measure(sentences[-1] + " ")
     return sentences
 

@@ -4,19 +4,22 @@ A tiny continued-pretraining run with sparse attention, end to end, in six stage
 
 1. synthetic long documents (passkey / copy) and short ones (filler / passkey), as jsonl;
 2. a tiny byte-level BPE tokenizer trained on them;
-3. the Megatron indexed dataset of ``configs/data/synthetic_mix.yaml`` (long and short buckets);
+3. the Megatron indexed dataset of ``configs/data/synthetic_mix.yaml`` (long and short buckets),
+   and the documents it holds out for validation;
 4. training phase 1 on ``configs/quickstart.yaml`` (a tiny Qwen2-architecture model, random
    init, ``mtraining`` attention): the first half of the steps, then a checkpoint;
-5. phase 2: resumed from that checkpoint to the last step, checked to have resumed there;
-6. a summary: the loss at the start and the end, and where the logs, checkpoints, TensorBoard
-   events and offline W&B runs are, with the commands to rerun, resume and view.
+5. phase 2: resumed from that checkpoint to the last step, checked to have resumed there,
+   with the held-out loss every ``eval_interval`` steps and at the end;
+6. a summary: the loss at the start and the end, the last held-out loss, and where the logs,
+   checkpoints, TensorBoard events and offline W&B runs are, with the commands to rerun,
+   resume and view.
 
 Everything lives under the workdir, which is the training processes' working directory, so
 the config's relative paths (data, tokenizer, checkpoints, TensorBoard, W&B) point there.
 Training runs as two gloo processes on the CPU with context parallelism 2 (striped ring), as
 two NCCL processes where there are two or more GPUs, and as one process with CP 1 on a single
 GPU. Each phase's output goes to ``logs/phase<N>.log``; the console shows one line per
-iteration. Finished stages (recorded in ``quickstart.json``) are reused unless ``--fresh``;
+iteration and per evaluation. Finished stages (recorded in ``quickstart.json``) are reused unless ``--fresh``;
 the training stages only while the steps, config, overrides and launch are the recorded ones.
 """
 
@@ -32,8 +35,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -84,16 +89,63 @@ def plan_launch(gpus: int) -> Launch:
     return Launch(2, "cuda" if gpus >= 2 else "cpu")
 
 
-def pretrain_command(processes: int, config: Path | str, overrides: list[str]) -> list[str]:
-    """The training entry point on ``processes`` local processes (through torchrun for more than one)."""
+def module_command(processes: int, module: str, args: list[str]) -> list[str]:
+    """``python -m module args`` on ``processes`` local processes (through torchrun for more than one)."""
     launcher = [sys.executable, "-m"]
     if processes > 1:
         launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m"]
-    return [*launcher, "megatron_mtraining.pretrain", "--config", str(config), *overrides]
+    return [*launcher, module, *args]
 
 
-class QuickstartError(RuntimeError):
+def pretrain_command(processes: int, config: Path | str, overrides: list[str]) -> list[str]:
+    """The training entry point on ``processes`` local processes."""
+    return module_command(processes, "megatron_mtraining.pretrain", ["--config", str(config), *overrides])
+
+
+class StageError(RuntimeError):
     """A stage failed; the message says which and where its log is."""
+
+
+def run_logged(
+    command: list[str], cwd: Path, log_path: Path, steps: int, processes: int, what: str, deadline: float | None = None
+) -> str:
+    """Runs ``command`` in ``cwd``, its output to ``log_path`` and its progress to the
+    console (one line per iteration of ``steps``, checkpoint saves and loads); returns the
+    output. At ``deadline`` (a ``time.monotonic()`` value) the command gets SIGTERM, on which
+    a training run with ``megatron.exit_signal_handler`` saves a checkpoint and stops. A
+    failure raises :class:`StageError` with the end of the log, naming ``what``."""
+    # Lines reach the display as they are printed, not when a pipe buffer fills.
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    # torchrun's default is one thread per process, which leaves cores idle on bigger machines.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    progress = _Progress(steps)
+    lines = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        log.write(f"# cwd: {Path(cwd).resolve()}\n# command: {shlex.join(command)}\n")
+        with subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            timer = None
+            if deadline is not None:
+                timer = threading.Timer(max(0.0, deadline - time.monotonic()), proc.send_signal, (signal.SIGTERM,))
+                timer.start()
+            try:
+                for line in proc.stdout:
+                    log.write(line)
+                    lines.append(line)
+                    progress.show(line)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+    if proc.returncode != 0:
+        # torchrun's own report (which rank failed, how) closes the log; the cause is above it.
+        end = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line), len(lines))
+        raise StageError(
+            f"{what} failed (exit code {proc.returncode}); the end of its log:\n"
+            f"{''.join(lines[max(0, end - 40) : end])}\nfull log: {log_path}"
+        )
+    return "".join(lines)
 
 
 class Quickstart:
@@ -146,7 +198,7 @@ class Quickstart:
         stages = [
             ("docs", "Synthetic long documents", [DOCS / f"{name}.jsonl" for name in DOCUMENT_SETS], self.make_documents),
             ("tokenizer", "Tiny byte-level BPE tokenizer", [TOKENIZER / "tokenizer.json"], self.make_tokenizer),
-            ("mix", "Megatron indexed dataset", [DOCS / "mix.idx"], self.make_mix),
+            ("mix", "Megatron indexed dataset", [DOCS / "mix.idx", DOCS / "mix_valid.idx"], self.make_mix),
             ("phase1", f"Training phase 1: iterations 1-{self.half} of {self.steps}, then a checkpoint",
              [self.checkpoint(self.half), LOGS / "phase1.log"], self.phase1),
             ("phase2", f"Training phase 2: resume from the checkpoint of iteration {self.half}, train to {self.steps}",
@@ -224,7 +276,7 @@ class Quickstart:
             shutil.rmtree(self.path(output), ignore_errors=True)
         iterations = sorted(parse_metrics(self.train("phase1", self.phase1_overrides())))
         if iterations != list(range(1, self.half + 1)) or not self.path(self.checkpoint(self.half)).is_dir():
-            raise QuickstartError(
+            raise StageError(
                 f"phase 1 should train iterations 1-{self.half} and save {self.path(self.checkpoint(self.half))}; "
                 f"it logged iterations {_span(iterations)} (log: {self.path(LOGS / 'phase1.log')})"
             )
@@ -236,7 +288,7 @@ class Quickstart:
         loaded = [int(i) for i in LOADED.findall(output)]
         iterations = sorted(parse_metrics(output))
         if loaded != [self.half] or iterations != list(range(self.half + 1, self.steps + 1)):
-            raise QuickstartError(
+            raise StageError(
                 f"phase 2 did not resume where phase 1 saved: expected to load iteration {self.half} and train "
                 f"{self.half + 1}-{self.steps}; Megatron loaded {loaded or 'no checkpoint'} and logged iterations "
                 f"{_span(iterations)} (log: {self.path(LOGS / 'phase2.log')})"
@@ -248,7 +300,6 @@ class Quickstart:
         the console; returns the output."""
         command = self.command(phase_overrides)
         log_path = self.path(LOGS / f"{phase}.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         count = self.launch.processes
         processes = f"{count} process{'es' if count > 1 else ''}"
         where = (
@@ -257,37 +308,17 @@ class Quickstart:
         ring = f"context parallelism {self.context_parallel} ({self.attention.layout} ring)"
         print(f"  {processes} {where}, {ring}, {self.attention.type} attention, {self.seq_length}-token samples")
         print(f"  log: {log_path}")
-        # Lines reach the display as they are printed, not when a pipe buffer fills.
-        env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-        # torchrun's default is one thread per process, which leaves cores idle on bigger machines.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.launch.processes)))
-        progress = _Progress(self.steps)
-        lines = []
-        with log_path.open("w") as log:
-            log.write(f"# cwd: {self.workdir.resolve()}\n# command: {shlex.join(command)}\n")
-            with subprocess.Popen(
-                command, cwd=self.workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            ) as proc:
-                for line in proc.stdout:
-                    log.write(line)
-                    lines.append(line)
-                    progress.show(line)
-        if proc.returncode != 0:
-            # torchrun's own report (which rank failed, how) closes the log; the cause is above it.
-            end = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line), len(lines))
-            raise QuickstartError(
-                f"training {phase} failed (exit code {proc.returncode}); the end of its log:\n"
-                f"{''.join(lines[max(0, end - 40) : end])}\nfull log: {log_path}"
-            )
-        return "".join(lines)
+        return run_logged(command, self.workdir, log_path, self.steps, count, f"training {phase}")
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
-        from ..training.metrics_line import parse_metrics
+        from ..training.metrics_line import parse_metrics, parse_validation
 
         first = parse_metrics(self.path(LOGS / "phase1.log").read_text())
-        last = parse_metrics(self.path(LOGS / "phase2.log").read_text())
+        phase2 = self.path(LOGS / "phase2.log").read_text()
+        last = parse_metrics(phase2)
         start, end = first[min(first)], last[max(last)]
+        validated = parse_validation(phase2)
         events = sorted(self.path(TENSORBOARD).glob("events.out.tfevents.*"))
         runs = sorted(self.path(WANDB).glob("wandb/offline-run-*"))
         rerun = [
@@ -299,6 +330,7 @@ class Quickstart:
         resume = f"cd {shlex.quote(str(self.workdir.resolve()))} && WANDB_MODE=offline "
         rows = [
             ("loss", f"{float(start['lm_loss']):.4f} at iteration {min(first)} -> {float(end['lm_loss']):.4f} at iteration {max(last)}"),
+            ("validation", f"{float(validated[-1][1]['lm_loss']):.4f} held-out loss at iteration {validated[-1][0]}" if validated else "not run (megatron.eval_iters=0)"),
             ("attended", f"{end.get('attended_fraction', 'not logged')} of the causal area at iteration {max(last)} ({self.attention.type})"),
             ("speed", f"{sum(float(m['tokens/s']) for m in last.values()) / len(last):.0f} tokens/s (phase 2 mean)"),
             ("logs", f"{self.path(LOGS / 'phase1.log')}, {self.path(LOGS / 'phase2.log')}"),
@@ -324,17 +356,22 @@ def _span(iterations: list[int]) -> str:
 
 
 class _Progress:
-    """The console's view of a training phase: one line per iteration, checkpoint saves and loads."""
+    """The console's view of a training phase: one line per iteration, checkpoint saves and
+    loads (and an evaluation's progress lines)."""
 
     def __init__(self, total: int):
         self.total = total
         self.start = time.monotonic()
 
     def show(self, line: str) -> None:
-        from ..training.metrics_line import parse_metrics_line
+        from ..training.metrics_line import VALIDATION_LINE, parse_metrics_line
 
         parsed = parse_metrics_line(line)
-        if parsed is not None:
+        validation = parse_metrics_line(line, VALIDATION_LINE)
+        if validation is not None:
+            iteration, values = validation
+            print(f"  validation at iteration {iteration} | held-out lm_loss {float(values['lm_loss']):.4f}")
+        elif parsed is not None:
             iteration, values = parsed
             text = f"  iteration {iteration:>{len(str(self.total))}}/{self.total}"
             if "lm_loss" in values:
@@ -350,6 +387,8 @@ class _Progress:
             print(f"  loaded the checkpoint of iteration {match.group(1)}")
         elif match := SAVED.search(line):
             print(f"  saved the checkpoint of iteration {match.group(1)}")
+        elif line.startswith("[eval] "):
+            print(f"  {line.rstrip()}")
 
 
 def _parse_cli(argv: list[str]) -> argparse.Namespace:
@@ -419,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         print(launch.note)
     try:
         Quickstart(args, launch, run_config).run()
-    except QuickstartError as err:
+    except StageError as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
         sys.exit("\ninterrupted: the finished stages are kept; the same command continues from them")

@@ -35,10 +35,12 @@ from ..context_parallel.distributed_index import build_index
 from ..context_parallel.layout import STRIPED_KINDS
 from ..sparse import DenseIndex, IndexBranch, sparse_attention
 from ..sparse.documents import packed_documents
+from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
 from .config import get_attention_config
 from .cp_groups import hierarchy_from_megatron
-from .msa_loss import MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
+from .kept_indexes import KeptIndexes, recomputes_core_attention
+from .msa_loss import ITERATION_ATTRIBUTE, MSALossAutoScaler, msa_layer_kl, record_kl, training_iteration
 from .profiler_ranges import part_range
 
 
@@ -99,6 +101,8 @@ class SparseCoreAttention(MegatronModule):
         # multiplies the scores back in the softmax: the net scale is unchanged.
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.index_input = None  # the layer input, set by MSASelfAttention for one forward
+        self._recomputed = recomputes_core_attention(config)
+        self._kept_indexes = KeptIndexes()
         # The config is frozen: its pattern, bound to its settings, is built once.
         self.pattern = self.attention_config.pattern
         if self.pattern.has_index_branch:
@@ -234,16 +238,28 @@ class SparseCoreAttention(MegatronModule):
             out, _ = self._attend(q, k, v, self.pattern, layout, cu_seqlens)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
+    def _source(self, pattern, q, k, layout, cu_seqlens=None):
+        """``pattern`` (an index is returned as it is) as the source of this rank's index:
+        under activation recomputation built by the first run and kept for the recompute
+        (``KeptIndexes``)."""
+        if isinstance(pattern, SparseIndex):
+            return pattern
+        # The packed boundaries travel through the checkpoint as the same tensor.
+        bounds = None if cu_seqlens is None else (cu_seqlens.data_ptr(), cu_seqlens.numel())
+        key = (getattr(self.config, ITERATION_ATTRIBUTE, None), q.shape, k.shape, layout, bounds)
+        return self._kept_indexes.source(pattern, key, self.training and self._recomputed)
+
     def _attend(self, q, k, v, pattern, layout, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse ``[B, Hq, L]`` fp32) of this rank's rows; ``cu_seqlens``: packed documents."""
         scale, backend = self.softmax_scale, self.attention_config.backend
+        source = self._source(pattern, q, k, layout, cu_seqlens)
         if layout is None:
             with part_range("index"):
-                pattern = build_index(pattern, q, k, scale, cu_seqlens=cu_seqlens)
-            return sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=backend)
+                index = build_index(source, q, k, scale, cu_seqlens=cu_seqlens)
+            return sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
         exchange = self.attention_config.kv_exchange
         return ring_attention(
-            q, k, v, pattern, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange,
+            q, k, v, source, layout, self.cp_group, self.hierarchy, scale, backend=backend, kv_exchange=exchange,
             cu_seqlens=cu_seqlens,
         )  # fmt: skip
 
@@ -266,8 +282,8 @@ class SparseCoreAttention(MegatronModule):
                 documents = packed_documents(cu_seqlens, seq, q.device)
                 index = DenseIndex(q.shape[0], q.shape[2], seq, device=q.device, documents=documents)
             else:
-                pattern = self.pattern.with_inputs(q_idx, k_idx)
-                index = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
+                source = self._source(self.pattern.with_inputs(q_idx, k_idx), q, k, layout, cu_seqlens)
+                index = build_index(source, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         self._msa_metrics(q, k, q_idx, k_idx, index, layout)
         out, lse = self._attend(q, k, v, index, layout, cu_seqlens)
         if self.training and torch.is_grad_enabled():

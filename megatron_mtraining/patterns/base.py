@@ -19,17 +19,20 @@ from typing import ClassVar
 import torch
 
 from ..context_parallel.layout import ContextParallelLayout
+from ..sparse.documents import Documents
 from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
 
-# The per-layer index metrics every pattern logs (``megatron/attention_metrics.py`` records
+# The per-layer index metrics every pattern logs (``training/attention_metrics.py`` records
 # them): share of the causal area attended, dense attention mass kept (recall over the last
-# rows), and the ring's imbalance between workers and between steps.
+# rows, and over sampled rows that did not build the index: :meth:`Pattern.building_rows`),
+# and the ring's imbalance between workers and between steps.
 FRACTION_METRIC = "attended_fraction"
 RECALL_METRIC = "index_recall"
+HELDOUT_RECALL_METRIC = "index_recall_heldout"
 WORKER_METRIC = "worker_imbalance"
 STEP_METRIC = "step_imbalance"
-INDEX_METRICS = (FRACTION_METRIC, RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
+INDEX_METRICS = (FRACTION_METRIC, RECALL_METRIC, HELDOUT_RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
 
 
 class Pattern:
@@ -90,6 +93,12 @@ class Pattern:
         the sequence. Top-k indices need rows only for this rank's queries. ``cu_seqlens``:
         the whole sequence's packed documents, by global position, on every rank."""
         raise NotImplementedError
+
+    def building_rows(self, seq: int, documents: Documents | None = None) -> list[tuple[int, int]]:
+        """The query rows (``[start, end)`` ranges of global positions) whose dense attention
+        the index is built from, which the held-out recall samples none of: none unless the
+        pattern says so (MSA and MoBA select each row from its own index scores)."""
+        return []
 
     # Facts of one settings object.
     @classmethod

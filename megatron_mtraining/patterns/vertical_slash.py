@@ -59,6 +59,11 @@ class VerticalSlashPattern(Pattern):
         )
         return select_vertical_slash(stats, config, seq)
 
+    def building_rows(self, seq, documents=None) -> list[tuple[int, int]]:
+        # The observation window: the last last_q rows of the sequence, or of each document.
+        bounds = (0, seq) if documents is None else documents.bounds
+        return [(max(a, b - self.config.last_q), b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
     def _documents(self, q, k, layout, group, scale, documents: Documents) -> VerticalSlashIndex:
         """The per-document index from this rank's tokens: each sparse document's window
         gathered and its statistics reduced over the ranks' keys in it."""

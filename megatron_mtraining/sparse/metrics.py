@@ -3,6 +3,8 @@ pattern, and MSA's block and score recall."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, single_device
@@ -22,14 +24,55 @@ def attention_recall(
     """Share of the dense causal attention mass of the last ``num_rows`` queries that
     falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost); with the
     index's packed documents, the dense mass within each row's document."""
+    check_recall_rows(num_rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, num_rows=num_rows)
+
+
+@torch.no_grad()
+def heldout_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """``attention_recall`` of the queries at positions ``rows`` (ascending int64 on the
+    host, as :func:`heldout_rows` draws them) rather than of the last ones, ``[B, Hq]``
+    float32: drawn from rows that did not build the index, it is the out-of-sample recall."""
+    check_rows(rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, rows=rows)
+
+
+def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 0) -> torch.Tensor:
+    """The recall of the rows at ``rows`` (host positions), else of the last ``num_rows``."""
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
-    check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     if index.complete:
         return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
-    return recall_from_parts(q[:, seq - num_rows :], k, torch.arange(seq, device=q.device), index, scale)
+    q_rows = q[:, seq - num_rows :] if rows is None else q[:, rows.to(q.device, non_blocking=True)]
+    return recall_from_parts(q_rows, k, torch.arange(seq, device=q.device), index, scale, rows)
+
+
+def heldout_rows(
+    seq: int, excluded: Sequence[tuple[int, int]], blocks: int, block_rows: int, seed: int
+) -> torch.Tensor:
+    """Query positions for :func:`heldout_recall`: ``blocks`` runs of ``block_rows``
+    consecutive rows (aligned to ``block_rows``), drawn uniformly without replacement by a
+    generator seeded with ``seed`` from the runs of the sequence holding no row of
+    ``excluded`` (``[start, end)`` ranges: the rows whose attention built the index);
+    fewer where fewer runs qualify. Ascending int64 on the host; the same on every rank
+    for the same arguments."""
+    check_int("blocks", blocks, minimum=1)
+    check_int("block_rows", block_rows, minimum=1)
+    free = torch.ones(seq // block_rows, dtype=torch.bool)
+    for start, end in excluded:
+        free[start // block_rows : -(-end // block_rows)] = False
+    candidates = free.nonzero().flatten()
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
+    first = candidates[order[:blocks]].sort().values * block_rows
+    return (first.view(-1, 1) + torch.arange(block_rows)).flatten()
 
 
 def check_recall_rows(num_rows: int, seq: int) -> None:
@@ -38,45 +81,75 @@ def check_recall_rows(num_rows: int, seq: int) -> None:
         fail("num_rows", num_rows, f"at most the sequence length {seq}")
 
 
+def check_rows(rows, seq: int) -> None:
+    """Query positions for the recall: 1-D int64 on the host, ascending, in the sequence."""
+    accepted = f"a 1-D int64 tensor on the host of ascending positions in [0, {seq}), at least one"
+    if not isinstance(rows, torch.Tensor):
+        fail("rows", type(rows).__name__, accepted)
+    if rows.dim() != 1 or rows.dtype != torch.int64 or rows.device.type != "cpu" or len(rows) == 0:
+        fail("rows", f"{rows.dtype} {tuple(rows.shape)} on {rows.device}", accepted)
+    if rows[0] < 0 or rows[-1] >= seq or bool((rows[1:] <= rows[:-1]).any()):
+        fail("rows", rows.tolist(), accepted)
+
+
 def recall_from_parts(
-    q_window: torch.Tensor,
+    q_rows: torch.Tensor,
     k: torch.Tensor,
     key_positions: torch.Tensor,
     index: SparseIndex,
     scale: float,
+    rows: torch.Tensor | None = None,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
 ) -> torch.Tensor:
-    """``attention_recall`` from the window queries (the last ``R`` of ``index.seq_len``)
-    and *some* of the keys, given with their global positions; ``all_reduce_*`` combine
-    the partial softmax statistics across the holders of the other keys (identity on one
-    device). ``index`` must hold the window rows (a context-parallel builder's top-k
-    index holds only its own rows)."""
-    bsz, rows, hq, _ = q_window.shape
+    """``attention_recall`` from the queries at positions ``rows`` (ascending int64 on the
+    host; None: the last ``R`` of ``index.seq_len``, the window) and *some* of the keys,
+    given with their global positions; ``all_reduce_*`` combine the partial softmax
+    statistics across the holders of the other keys (identity on one device). ``index``
+    must hold those rows (a context-parallel builder's top-k index holds only its own)."""
+    bsz, n_rows, hq, _ = q_rows.shape
     hkv, n_keys, seq = k.shape[2], k.shape[1], index.seq_len
-    first = seq - rows
-    qr = q_window.float().unflatten(2, (hkv, hq // hkv))
+    if rows is None:
+        row_pos = torch.arange(seq - n_rows, seq, device=k.device)  # made on the device: no copy
+        rows = range(seq - n_rows, seq)
+    else:
+        row_pos, rows = rows.to(k.device, non_blocking=True), rows.tolist()
+    qr = q_rows.float().unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.float()).flatten(1, 2) * scale
-    hidden = key_positions.view(1, -1) > torch.arange(first, seq, device=k.device).view(-1, 1)
+    hidden = key_positions.view(1, -1) > row_pos.view(-1, 1)
     if index.documents is not None:  # dense attention within each row's document
-        hidden |= key_positions.view(1, -1) < index.documents.starts[first:seq].view(-1, 1)
+        hidden |= key_positions.view(1, -1) < index.documents.starts[row_pos].view(-1, 1)
     logits.masked_fill_(hidden, float("-inf"))
     row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees its document's start: finite
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
 
     # Global key position -> its column here (n_keys where it is elsewhere or padding).
     column = position_lookup(key_positions, seq, missing=n_keys)
-    attended = torch.zeros(bsz, hq, rows, n_keys + 1, dtype=torch.bool, device=k.device)
-    chunk = index.query_chunk
-    for q0 in range(first // chunk * chunk, seq, chunk):
-        q1 = min(q0 + chunk, seq)
-        keys = index.key_lists(q0, q1)
-        keys = keys.expand(bsz, -1, q1 - q0, -1).repeat_interleave(hq // keys.shape[1], dim=1)
-        lo = max(q0, first)
-        keys = column[torch.where(keys >= 0, keys, seq).long()][:, :, lo - q0 :]
-        attended[:, :, lo - first : q1 - first].scatter_(-1, keys, True)
+    attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=k.device)
+    chunk, lists = index.query_chunk, {}
+    for slot, first, end in _runs(rows, chunk):
+        q0 = first // chunk * chunk
+        if q0 not in lists:  # runs come in order: one chunk's key lists at a time
+            lists = {q0: index.key_lists(q0, min(q0 + chunk, seq))}
+        keys = lists[q0]
+        keys = keys.expand(bsz, -1, min(q0 + chunk, seq) - q0, -1)[:, :, first - q0 : end - q0]
+        keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)
+        keys = column[torch.where(keys >= 0, keys, seq).long()]
+        attended[:, :, slot : slot + end - first].scatter_(-1, keys, True)
     kept = all_reduce_sum(torch.stack([(weights * attended[..., :n_keys]).sum(-1), weights.sum(-1)]))
     return (kept[0] / kept[1]).mean(-1)
+
+
+def _runs(rows, chunk: int) -> list[list[int]]:
+    """``[slot, first, end)``: the maximal runs of consecutive ``rows`` inside one key-list
+    chunk each, with the slot of their first row."""
+    runs = []
+    for slot, row in enumerate(rows):
+        if runs and row == runs[-1][2] and row % chunk:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, row, row + 1])
+    return runs
 
 
 @torch.no_grad()
@@ -123,14 +196,21 @@ def msa_recall(
     check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     positions = torch.arange(seq, device=q.device)
+    starts = document_starts(index)
     if isinstance(index, BlockTopKIndex):
         index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
         selected = index_window_selection(index, num_rows)
     elif index is None or isinstance(index, DenseIndex):
-        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config)
+        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config, doc_starts=starts)
     else:
         fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
-    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale)
+    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale, doc_starts=starts)
+
+
+def document_starts(index: SparseIndex | None) -> torch.Tensor | None:
+    """``[S]`` the document start of each position of a packed index, or None (one document,
+    or no index)."""
+    return None if index is None or index.documents is None else index.documents.starts
 
 
 def msa_window_selection(
@@ -140,16 +220,18 @@ def msa_window_selection(
     seq: int,
     config: MSAConfig,
     all_reduce_max=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks MSA's index selects for the window (the last ``R`` of ``seq`` queries),
     bool ``[B, Hkv, R, n_blocks]``: own block plus the top ``topk - 1`` visible others by
     block score, ties to the lower block id. ``k_idx`` holds *some* of the index keys, at
     the given global positions; ``all_reduce_max`` combines the block maxima across the
-    holders of the others (identity on one device)."""
+    holders of the others (identity on one device). ``doc_starts``: packed documents'
+    starts by global position (a key before its row's document start is not visible)."""
     rows = q_idx_window.shape[1]
     window = torch.arange(seq - rows, seq, device=k_idx.device)
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
-    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs)
+    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs, doc_starts)
     scores = all_reduce_max(scores)
     own = (window // bs).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
     return _top_blocks(scores.scatter(-1, own, float("inf")), config.topk)
@@ -176,12 +258,14 @@ def msa_recall_from_parts(
     scale: float,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``msa_recall`` from the window queries (the last ``R`` of ``seq``), *some* of the
     keys at their global positions, and the index's selection ``selected`` (bool ``[B, Hs,
     R, n_blocks]``, ``Hs`` dividing Hq). ``all_reduce_max`` combines the rows' logit maxima
     and ``all_reduce_sum`` the block sums ``[B, Hq, R, n_blocks]`` across the holders of the
-    other keys (identity on one device)."""
+    other keys (identity on one device). ``doc_starts``: packed documents' starts by global
+    position; a row's softmax and its visible blocks stay inside its document."""
     bsz, rows, hq, _ = q_window.shape
     hkv = k.shape[2]
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
@@ -189,14 +273,20 @@ def msa_recall_from_parts(
     window = torch.arange(seq - rows, seq, device=k.device)
     qr = q_window.to(dt).unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.to(dt)).flatten(1, 2) * scale
-    logits.masked_fill_(key_positions.view(1, -1) > window.view(-1, 1), float("-inf"))
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees key 0: finite
+    hidden = key_positions.view(1, -1) > window.view(-1, 1)
+    first = torch.zeros_like(window) if doc_starts is None else doc_starts[window].long()
+    if doc_starts is not None:
+        hidden |= key_positions.view(1, -1) < first.view(-1, 1)
+    logits.masked_fill_(hidden, float("-inf"))
+    # Every row sees itself on one of the holders: the reduced maximum is finite.
+    row_max = all_reduce_max(logits.amax(-1, keepdim=True))
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
     sums = weights.new_zeros(bsz, hq, rows, n_blocks).index_add_(3, key_positions // bs, weights)
     mass = all_reduce_sum(sums)
     mass = mass / mass.sum(-1, keepdim=True)  # P_b
     # Invisible blocks rank last; a visible block of mass 0 (underflow) still counts.
-    visible = torch.arange(n_blocks, device=k.device).view(1, -1) <= (window // bs).view(-1, 1)
+    block_ids = torch.arange(n_blocks, device=k.device).view(1, -1)
+    visible = (block_ids <= (window // bs).view(-1, 1)) & (block_ids >= (first // bs).view(-1, 1))
     best = _top_blocks(torch.where(visible, mass, float("-inf")), config.topk)
     hit = best & selected.repeat_interleave(hq // selected.shape[1], dim=1)
     block = hit.sum(-1).to(dt) / best.sum(-1)

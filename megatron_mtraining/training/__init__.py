@@ -9,6 +9,7 @@
   step, loss function), ``datasets``, and ``checkpoint_checks`` before it loads a checkpoint.
 * What the steps compute and report: ``chunked_loss`` and ``linear_cross_entropy`` (the loss
   without whole logits), ``attention_metrics`` and ``step_metrics`` (the per-interval
-  ``[mtraining]`` line, read back by ``metrics_line``), ``step_report`` (``--step-report``),
+  ``[mtraining]`` line, read back by ``metrics_line``), ``validation_metrics`` (the line of
+  each evaluation), ``step_report`` (``--step-report``),
   ``finite_guard`` (``--check-finite``), and ``run_state``, what they share in a process.
 """

@@ -1,4 +1,5 @@
-"""Per-layer attention metrics for the training loop: attended fraction and ring imbalance.
+"""Per-layer attention metrics for the training loop: attended fraction, recall and ring
+imbalance.
 
 :class:`MeasuredCoreAttention` is :class:`SparseCoreAttention` that, on the micro-batches the
 training loop flags (:func:`collect_attention_metrics`), records per layer into the plugin's
@@ -10,7 +11,13 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
 * ``index_recall``: the share of the dense attention mass of the last 64 queries that the
   index attends (``sparse.attention_recall``; under CP ``distributed_attention_recall``,
   which reduces the rows' softmax over the ranks' keys), averaged over batch and heads. The
-  same on every CP rank, so each rank records ``1 / cp_size`` of it.
+  same on every CP rank, so each rank records ``1 / cp_size`` of it. For ``mtraining``
+  those are the queries whose attention built the index: an in-sample figure.
+* ``index_recall_heldout``: the same share for 64 sampled queries that did not build the
+  index (``sparse.heldout_recall`` / ``distributed_heldout_recall``): 4 runs of 16
+  consecutive rows drawn uniformly from the sequence outside the pattern's
+  ``building_rows``, seeded by the training iteration (the same rows on every rank and in
+  every layer of a step, and again on a resumed run); recorded like ``index_recall``.
 * ``msa_block_recall`` / ``msa_score_recall`` (MSA, warmup included): the MSA paper's
   indexer quality on the same last 64 queries (``sparse.msa_recall``; under CP
   ``distributed_msa_recall``): the share of the main branch's dense top-k blocks that the
@@ -27,95 +34,154 @@ which is recorded every step. The values stay on the device until the tracker re
 them, and a dense index's fraction and recall are 1 without counting. A layer
 records once per micro-batch: activation recomputation runs its attention a second time in
 the backward, which must not count twice.
+
+Evaluation forwards (the model in eval mode) record nothing of the above: an evaluation
+flags its micro-batches with :func:`collect_evaluation_metrics`, and the layers then record
+only the attended fraction, into the evaluation's own tracker, and call its ``on_train``
+when the model goes back to training mode (Megatron's ``evaluate`` ends so).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_index
-from ..context_parallel.recall import distributed_attention_recall, distributed_msa_recall
+from ..context_parallel.recall import distributed_attention_recall, distributed_heldout_recall, distributed_msa_recall
 from ..megatron.core_attention import SparseCoreAttention
-from ..megatron.msa_loss import get_attention_metrics_tracker
+from ..megatron.msa_loss import AttentionMetricsTracker, get_attention_metrics_tracker
 from ..megatron.profiler_ranges import part_range
-from ..patterns.base import FRACTION_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
+from ..patterns.base import FRACTION_METRIC, HELDOUT_RECALL_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
 from ..patterns.msa import BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC
 from ..sparse import attention_recall, msa_recall
+from ..sparse.documents import packed_documents
+from ..sparse.metrics import heldout_recall, heldout_rows
 
 RECALL_ROWS = 64
+# The held-out recall's sample: as many rows as the window's, in runs of 16 so that each run
+# reads the key lists of one or two index chunks.
+HELDOUT_RUNS, HELDOUT_RUN_ROWS = 4, 16
 COLLECT_ATTRIBUTE = "mtraining_collect_metrics"
 
 
-def collect_attention_metrics(config, weight: float, micro_batch: int) -> None:
-    """Makes the layers built from ``config`` record their metrics with ``weight`` (0: off)
-    for the micro-batch numbered ``micro_batch`` (a number the loop never repeats), once."""
-    setattr(config, COLLECT_ATTRIBUTE, (weight, micro_batch))
+# Numbers the flagged micro-batches: a layer records once per number.
+_MICRO_BATCHES = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsFlag:
+    """What the layers built from a config record on one micro-batch (``micro_batch``: its
+    number): with ``weight`` (0: nothing), the held-out recall's rows drawn with ``seed``;
+    an evaluation's flag carries its ``tracker`` and ``on_train``."""
+
+    micro_batch: int
+    weight: float
+    seed: int = 0
+    tracker: AttentionMetricsTracker | None = None
+    on_train: Callable[[], None] | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        return self.tracker is not None
+
+
+def collect_attention_metrics(config, weight: float, seed: int = 0) -> None:
+    """Makes the layers built from ``config`` record their training metrics of the next
+    micro-batch with ``weight`` (0: off), once; ``seed`` (the training iteration) draws the
+    held-out recall's rows. Called before each training micro-batch."""
+    setattr(config, COLLECT_ATTRIBUTE, MetricsFlag(next(_MICRO_BATCHES), weight, seed))
+
+
+def collect_evaluation_metrics(config, tracker: AttentionMetricsTracker, on_train: Callable[[], None]) -> None:
+    """Makes the layers built from ``config``, in eval mode, record the attended fraction of
+    the next micro-batch into ``tracker`` (weight 1), and call ``on_train`` (which must be
+    idempotent) when they go back to training mode. Called before each evaluation micro-batch."""
+    setattr(config, COLLECT_ATTRIBUTE, MetricsFlag(next(_MICRO_BATCHES), 1.0, tracker=tracker, on_train=on_train))
+
+
+@functools.lru_cache(maxsize=4)
+def _heldout_rows(seq: int, excluded: tuple[tuple[int, int], ...], seed: int) -> torch.Tensor:
+    """The held-out recall's rows, drawn once per step for every layer; pinned where there is
+    a GPU, so that copying them there does not wait for the device."""
+    rows = heldout_rows(seq, excluded, HELDOUT_RUNS, HELDOUT_RUN_ROWS, seed)
+    return rows.pin_memory() if torch.cuda.is_available() else rows
 
 
 class MeasuredCoreAttention(SparseCoreAttention):
-    """:class:`SparseCoreAttention` that records the attended fraction, recall and ring
+    """:class:`SparseCoreAttention` that records the attended fraction, recalls and ring
     imbalance (and MSA's block and score recall, through the ``_msa_metrics`` hook)."""
 
     _measured_micro_batch = None
 
-    def _measuring(self) -> tuple[float, int | None]:
-        """(weight, micro-batch) of this forward: weight 0 unless it records."""
-        weight, micro_batch = getattr(self.config, COLLECT_ATTRIBUTE, (0, None))
-        if not weight or not self.training or micro_batch == self._measured_micro_batch:
-            return 0, micro_batch
-        return weight, micro_batch
+    def _measuring(self) -> MetricsFlag | None:
+        """The flag of this forward if it records (a training flag in training mode, an
+        evaluation's in eval mode, once per micro-batch), else None."""
+        flag = getattr(self.config, COLLECT_ATTRIBUTE, None)
+        if flag is None or not flag.weight or flag.micro_batch == self._measured_micro_batch:
+            return None
+        return flag if flag.evaluation != self.training else None
+
+    def train(self, mode: bool = True):
+        flag = getattr(self.config, COLLECT_ATTRIBUTE, None)
+        if mode and not self.training and flag is not None and flag.on_train is not None:
+            flag.on_train()
+        return super().train(mode)
 
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         # Runs before _attend, which marks the micro-batch measured.
-        weight, _ = self._measuring()
-        if not weight or index.documents is not None:
-            # The recall's dense reference does not take packed documents yet: not recorded.
+        flag = self._measuring()
+        if flag is None or flag.evaluation:
             return
         cfg, scale = self.attention_config.msa, self.softmax_scale
         with part_range("metrics"):
             if layout is None:
                 rows = min(RECALL_ROWS, q.shape[1])
                 block, score = msa_recall(q, k, q_idx, k_idx, cfg, index, rows, scale)
-                share, group = weight, None
+                share, group = flag.weight, None
             else:
                 rows = min(RECALL_ROWS, layout.seq_len)
                 block, score = distributed_msa_recall(
                     q, k, q_idx, k_idx, cfg, index, layout, self.cp_group, rows, scale
                 )
-                share, group = weight / layout.cp_size, self.cp_group
+                share, group = flag.weight / layout.cp_size, self.cp_group
             self._record(BLOCK_RECALL_METRIC, block.mean() * share, group)
             self._record(SCORE_RECALL_METRIC, score.mean() * share, group)
 
     def _attend(self, q, k, v, pattern, layout, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
-        weight, micro_batch = self._measuring()
-        if not weight:
+        flag = self._measuring()
+        if flag is None:
             return super()._attend(q, k, v, pattern, layout, cu_seqlens)
-        self._measured_micro_batch = micro_batch
+        self._measured_micro_batch = flag.micro_batch
+        weight, tracker = flag.weight, flag.tracker
         seq = q.shape[1] if layout is None else layout.seq_len
         # Attendable pairs: the causal triangle, or each packed document's.
-        lengths = [seq] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        lengths = [seq] if cu_seqlens is None else packed_documents(cu_seqlens, seq).lengths()
         causal = q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
         if layout is None:
             with part_range("index"):
-                pattern = build_index(pattern, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
+                source = self._source(pattern, q, k, None, cu_seqlens)
+                index = build_index(source, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
             with part_range("metrics"):
-                self._record(FRACTION_METRIC, pattern.attended_area().sum().double() * (weight / causal), None)
-                recall = attention_recall(q, k, pattern, min(RECALL_ROWS, seq), self.softmax_scale)
-                self._record(RECALL_METRIC, recall.mean() * weight, None)
-            return super()._attend(q, k, v, pattern, layout)
+                self._record(FRACTION_METRIC, index.attended_area().sum().double() * (weight / causal), None, tracker)
+                if not flag.evaluation:
+                    self._recalls(q, k, index, None, flag)
+            return super()._attend(q, k, v, index, layout)
         # Built here rather than inside the ring so that the recall scores the index the ring runs.
         with part_range("index"):
-            pattern = build_index(pattern, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
+            source = self._source(pattern, q, k, layout, cu_seqlens)
+            index = build_index(source, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         stats = RingStats()
         out, lse = ring_attention(
             q,
             k,
             v,
-            pattern,
+            index,
             layout,
             self.cp_group,
             self.hierarchy,
@@ -128,21 +194,39 @@ class MeasuredCoreAttention(SparseCoreAttention):
         with part_range("metrics"):
             rank = dist.get_rank(self.cp_group)
             mine = sum(stats.ring[rank]) + stats.local[rank]
-            self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group)
-            worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
-            self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
-            self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
-            recall = distributed_attention_recall(
-                q, k, pattern, layout, self.cp_group, min(RECALL_ROWS, layout.seq_len), self.softmax_scale
-            )
-            self._record(RECALL_METRIC, recall.mean() * (weight / layout.cp_size), self.cp_group)
+            self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group, tracker)
+            if not flag.evaluation:
+                worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
+                self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
+                self._record(STEP_METRIC, weight * step / layout.cp_size, self.cp_group)
+                self._recalls(q, k, index, layout, flag)
         return out, lse
 
-    def _record(self, name: str, value: float | torch.Tensor, group) -> None:
+    def _recalls(self, q, k, index, layout, flag: MetricsFlag) -> None:
+        """``index_recall`` of the last queries and ``index_recall_heldout`` of sampled ones."""
+        scale, seq = self.softmax_scale, q.shape[1] if layout is None else layout.seq_len
+        building = self.pattern.building_rows(seq, index.documents)
+        rows = _heldout_rows(seq, tuple(building), flag.seed)
+        if layout is None:
+            recall = attention_recall(q, k, index, min(RECALL_ROWS, seq), scale)
+            heldout = heldout_recall(q, k, index, rows, scale) if len(rows) else None
+            share, group = flag.weight, None
+        else:
+            recall = distributed_attention_recall(q, k, index, layout, self.cp_group, min(RECALL_ROWS, seq), scale)
+            heldout = None
+            if len(rows):
+                heldout = distributed_heldout_recall(q, k, index, layout, rows, self.cp_group, scale)
+            share, group = flag.weight / layout.cp_size, self.cp_group
+        self._record(RECALL_METRIC, recall.mean() * share, group)
+        if heldout is not None:  # None: every run of rows built the index (a short sequence)
+            self._record(HELDOUT_RECALL_METRIC, heldout.mean() * share, group)
+
+    def _record(self, name: str, value: float | torch.Tensor, group, tracker=None) -> None:
         # Device tensors stay on the device: reading them here would stall the launch queue
         # once per layer.
         tensor = torch.as_tensor(value).to(device=torch.cuda.current_device(), dtype=torch.float32)
-        get_attention_metrics_tracker().record(name, tensor, self.layer_number, self.config.num_layers, group)
+        tracker = get_attention_metrics_tracker() if tracker is None else tracker
+        tracker.record(name, tensor, self.layer_number, self.config.num_layers, group)
 
 
 def measured(block_spec):

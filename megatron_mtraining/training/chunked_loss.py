@@ -108,21 +108,37 @@ def chunked_lm_loss(
             return linear_cross_entropy(
                 hidden_states, weight, labels, loss_mask, chunk_rows=chunk_rows_for(weight.shape[0])
             )
-    rows, batch = hidden_states.shape[:2]
-    tp = output_layer.tp_group.size() if output_layer.sequence_parallel else 1
-    step = chunk_rows(batch, output_layer.output_size_per_partition, tp)
 
     def loss_of(hidden, chunk_labels):
         with part_range("loss"):
             logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
             return compute_language_model_loss(chunk_labels, scale_logits(logits))
 
-    if step >= rows:
+    chunks = row_chunks(hidden_states, labels, output_layer, output_layer.output_size_per_partition)
+    if len(chunks) == 1:
         return loss_of(hidden_states, labels)
-    # The gathered rows of a chunk [r0, r1) are [r0, r1) of every rank's shard, rank-major.
+    return sequence_order([checkpoint(loss_of, *chunk, use_reentrant=False) for chunk in chunks], output_layer)
+
+
+def _row_ranks(output_layer) -> int:
+    """The TP ranks whose rows the output layer gathers (sequence parallelism), else 1."""
+    return output_layer.tp_group.size() if output_layer.sequence_parallel else 1
+
+
+def row_chunks(hidden_states, labels, output_layer, vocab_per_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``hidden_states`` ``[s_local, b, h]`` in chunks of rows whose logits (``vocab_per_rank``
+    per row) fit :data:`CHUNK_ELEMENTS`, each with its labels ``[b, rows]`` in the order the
+    output layer emits the chunk's rows. With sequence parallelism the output layer gathers a
+    chunk's rows ``[r0, r1)`` from every TP rank's shard, rank-major."""
+    rows, batch = hidden_states.shape[:2]
+    tp = _row_ranks(output_layer)
+    step = chunk_rows(batch, vocab_per_rank, tp)
     shards = labels.view(batch, tp, rows)
-    losses = [
-        checkpoint(loss_of, hidden_states[r0 : r0 + step], shards[:, :, r0 : r0 + step].flatten(1), use_reentrant=False)
-        for r0 in range(0, rows, step)
-    ]
-    return torch.cat([loss.view(batch, tp, -1) for loss in losses], dim=2).flatten(1)
+    return [(hidden_states[r0 : r0 + step], shards[:, :, r0 : r0 + step].flatten(1)) for r0 in range(0, rows, step)]
+
+
+def sequence_order(per_chunk: list[torch.Tensor], output_layer) -> torch.Tensor:
+    """Per-row results ``[b, rows]`` of :func:`row_chunks`'s chunks back as ``[b, s]`` in the
+    labels' order."""
+    batch, tp = per_chunk[0].shape[0], _row_ranks(output_layer)
+    return torch.cat([result.view(batch, tp, -1) for result in per_chunk], dim=2).flatten(1)

@@ -19,7 +19,7 @@ from .yaml_config import ConfigError, RunConfig, culprits, explain_rejection, lo
 
 # Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS rule
 # for TP / CP > 1); a dry run answers for the recipe's GPU.
-_ARCH = {"A100-40GB": 8, "A100-80GB": 8, "H100-80GB": 9}
+_ARCH = {"A100-40GB": 8, "A100-80GB": 8, "H100-80GB": 9, "H200-141GB": 9}
 
 
 def world_size_of(run_config: RunConfig) -> int:

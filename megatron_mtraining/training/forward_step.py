@@ -7,7 +7,8 @@
   (``get_batch_on_this_cp_rank``, which ``megatron_mtraining.patches`` makes follow the
   configured layout) and returns Megatron's per-token loss triple through :func:`loss_func`.
   It also tells the model the training iteration (MSA warmup) and hands each training
-  micro-batch to the per-interval metrics (``step_metrics``).
+  micro-batch to the per-interval metrics (``step_metrics``), each evaluation micro-batch
+  (the model in eval mode: Megatron's ``evaluate``) to the evaluation's (``validation_metrics``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .megatron_args import START_ATTRIBUTE, attention_from_args
 from .run_state import STATE, device
 from .step_metrics import METRICS
 from .step_report import annotate_model
+from .validation_metrics import VALIDATION
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
@@ -121,7 +123,7 @@ def _get_batch(data_iterator) -> dict:
 
 def loss_func(loss_mask: torch.Tensor, training: bool, output_tensor: torch.Tensor):
     """Megatron's per-token loss triple: (loss sum, token count, report) over this rank's
-    tokens; training losses also go to the plugin's metrics."""
+    tokens; the loss also goes to the plugin's training or evaluation metrics."""
     losses = output_tensor.view(-1).float()
     if STATE.check_finite:
         check_losses(losses)
@@ -129,8 +131,7 @@ def loss_func(loss_mask: torch.Tensor, training: bool, output_tensor: torch.Tens
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    if training:
-        METRICS.add_loss(loss, num_tokens)
+    (METRICS if training else VALIDATION).loss.add(loss, num_tokens)
     return loss, num_tokens, {"lm loss": report}
 
 
@@ -142,6 +143,8 @@ def forward_step(data_iterator, model):
         METRICS.begin_step(config, args)
         # MSA warmup counts from the iteration this attention type started (a switch on load).
         set_training_iteration(config, max(0, args.curr_iteration - getattr(args, START_ATTRIBUTE)))
+    else:
+        VALIDATION.begin_micro_batch(config, args)
     with part_range("other") if STATE.step_report is not None else contextlib.nullcontext():
         batch = _get_batch(data_iterator)
         output = model(

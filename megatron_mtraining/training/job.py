@@ -1,6 +1,7 @@
 """The whole training job of ``python -m megatron_mtraining.pretrain``: :func:`run` prepares
-the process (rendezvous, CPU stand-ins, Megatron patches, arguments, checks) and hands
-Megatron's ``pretrain`` the plugin's callbacks (``forward_step``, ``datasets``)."""
+the process (:func:`start_process`: rendezvous, CPU stand-ins, Megatron patches, arguments,
+checks; the evaluation shares it) and hands Megatron's ``pretrain`` the plugin's callbacks
+(``forward_step``, ``datasets``)."""
 
 from __future__ import annotations
 
@@ -29,22 +30,12 @@ def memory_report(args, run_config: RunConfig) -> str:
     return estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(gpu)).report()
 
 
-def run(
-    run_config: RunConfig,
-    step_report: str | None = None,
-    profile_step: int | None = None,
-    check_finite: bool = False,
-) -> None:
-    """The whole training job of ``python -m megatron_mtraining.pretrain`` on a loaded
-    config (``load_config``, which the entry point has already read and checked); with
-    ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
-    iteration ``profile_step`` (0-based; default the second to last); ``check_finite``
-    guards every layer against non-finite values (``finite_guard.py``)."""
-    STATE.check_finite = check_finite
-    from megatron.core.enums import ModelType
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.training import pretrain
-
+def start_process(run_config: RunConfig):
+    """What a process of a program on Megatron's training library (training, evaluation) sets
+    up before Megatron's own initialisation: the environment, a rendezvous when started
+    without torchrun, the CPU stand-ins (without CUDA), the layout patches, Megatron's
+    arguments (set as its globals, writers included) and the attention checked against the
+    model. Returns the arguments."""
     from ..patches import (
         apply_cpu_patches,
         apply_patches,
@@ -67,6 +58,26 @@ def run(
     apply_patches(run_config.attention.layout, run_config.attention.stripe)
     args = parse_megatron_args(run_config, defaults)
     check_attention(run_config, args)
+    return args
+
+
+def run(
+    run_config: RunConfig,
+    step_report: str | None = None,
+    profile_step: int | None = None,
+    check_finite: bool = False,
+) -> None:
+    """The whole training job of ``python -m megatron_mtraining.pretrain`` on a loaded
+    config (``load_config``, which the entry point has already read and checked); with
+    ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
+    iteration ``profile_step`` (0-based; default the second to last); ``check_finite``
+    guards every layer against non-finite values (``finite_guard.py``)."""
+    STATE.check_finite = check_finite
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import pretrain
+
+    args = start_process(run_config)
     print_rank_0(memory_report(args, run_config))
     check_checkpoint(args)
     container = pretrain_cfg_container_from_args(args)

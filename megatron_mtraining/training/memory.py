@@ -27,8 +27,8 @@ Sources of the formulas:
   two norm inputs (2 h), the QKV input (h), q/k/v ``(Hq + 2 Hkv) d``, the projection input
   (``Hq d``), the MLP input (h), fc1's output (2 f) and SwiGLU's output (f); plus the LSE
   (4 bytes x Hq). ``s`` is the *local* sequence, ``seq_length / cp``.
-  Full recompute keeps only each layer's input plus one layer's working set; selective
-  recompute (``core_attn``) drops the attention's own saved state (LSE, index).
+  Full recompute keeps only each layer's input and index (kept for the recompute) plus one
+  layer's working set; selective recompute (``core_attn``) drops the attention's LSE.
 * Attention's own memory: sparse attention keeps O(S) state plus its index; the MSA / MoBA
   top-k index rows span the whole sequence on every rank (docs/ARCHITECTURE.md, "Current
   limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
@@ -61,7 +61,12 @@ GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
 # turns on: 12.6 GiB without) plus the CUDA context, NCCL buffers and kernel workspaces.
 OVERHEAD_GIB = 4.0
-GPU_MEMORY_GIB = {"A100-40GB": 40 * 1e9 / GIB, "A100-80GB": 80 * 1e9 / GIB, "H100-80GB": 80 * 1e9 / GIB}
+GPU_MEMORY_GIB = {
+    "A100-40GB": 40 * 1e9 / GIB,
+    "A100-80GB": 80 * 1e9 / GIB,
+    "H100-80GB": 80 * 1e9 / GIB,
+    "H200-141GB": 141 * 1e9 / GIB,
+}
 
 
 def padded_vocab_size(args) -> int:
@@ -217,12 +222,13 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
     if args.recompute_granularity == "full":
         recomputed = args.recompute_num_layers if args.recompute_method == "block" else layers
         kept = layers - min(recomputed, layers)
-        # Checkpointed layers keep their input; one layer's working set is rebuilt at a time.
-        activations = kept * (layer + attn_state) + min(recomputed, layers) * layer_input + layer + attn_state
+        # Checkpointed layers keep their input and their index (``megatron/kept_indexes.py``);
+        # one layer's working set is rebuilt at a time.
+        activations = kept * (layer + attn_state) + min(recomputed, layers) * (layer_input + attn_state) + layer
         notes.append(f"full recompute ({args.recompute_method}, {recomputed} of {layers} layers)")
     elif args.recompute_granularity == "selective":
         lse = local_seq * b * 4 * args.num_attention_heads / t
-        activations = layers * (layer - lse) + attn_state
+        activations = layers * (layer - lse + attn_state)
         notes.append("selective recompute (core attention)")
     else:
         activations = layers * (layer + attn_state)

@@ -1,5 +1,7 @@
 """The plugin's per-interval training metrics, printed as the ``[mtraining] iteration`` line
-(``metrics_line`` reads it back) and written through Megatron's TensorBoard / W&B writers."""
+(``metrics_line`` reads it back) and written through Megatron's TensorBoard / W&B writers;
+the full-precision LM loss (:class:`TokenLoss`) and the writing (:func:`write_scalars`)
+serve the evaluations' line too (``validation_metrics``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,36 @@ from .megatron_args import attention_from_args
 from .run_state import STATE, device
 
 
+class TokenLoss:
+    """An LM loss over several micro-batches at full precision: each micro-batch's loss sum
+    and token count (this rank's tokens) added on the host in fp64."""
+
+    def __init__(self):
+        self.sums = torch.zeros(2, dtype=torch.float64)
+
+    def add(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        self.sums += torch.stack([loss.detach().double().cpu(), num_tokens.detach().double().cpu()])
+
+    def mean(self) -> float | None:
+        """The loss per token over every DP x CP rank's tokens since the last call (None: no
+        token), a collective of that group; starts the next sum."""
+        sums = self.sums.to(device(), copy=True)
+        torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        self.sums.zero_()
+        return float(sums[0] / sums[1]) if sums[1] > 0 else None
+
+
+def write_scalars(scalars: dict[str, float], iteration: int, prefix: str = "mtraining/") -> None:
+    """``scalars`` to Megatron's TensorBoard and W&B writers (where configured), tagged
+    ``prefix + name``."""
+    writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
+    for name, value in scalars.items():
+        if writer is not None:
+            writer.add_scalar(f"{prefix}{name}", value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log({f"{prefix}{name}": value}, iteration)
+
+
 class StepMetrics:
     """The plugin's per-interval metrics, reported at the end of each training step's
     forward and backward (a wrapper around ``config.finalize_model_grads_func``, which
@@ -29,14 +61,12 @@ class StepMetrics:
         self.iteration = None
         self.start = None
         self.steps = 0
-        self.micro_batches = 0
         self.weight = 0
-        self.loss = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+        self.loss = TokenLoss()
 
     def begin_step(self, config, args) -> None:
         """Called with each training micro-batch: the micro-batches of the last step of each
         interval record the attention metrics; the first of a step hooks the step's end."""
-        self.micro_batches += 1
         if args.curr_iteration != self.iteration:
             if STATE.step_report is not None:
                 STATE.step_report.begin_iteration(args.curr_iteration, args.train_iters)
@@ -45,7 +75,7 @@ class StepMetrics:
                 self.start = time.perf_counter()
             self.weight = args.log_interval if (self.iteration + 1) % args.log_interval == 0 else 0
             self._hook_step_end(config)
-        collect_attention_metrics(config, self.weight, self.micro_batches)
+        collect_attention_metrics(config, self.weight, seed=self.iteration)
 
     def _hook_step_end(self, config) -> None:
         finalize = config.finalize_model_grads_func
@@ -60,8 +90,14 @@ class StepMetrics:
             finalize_and_report._mtraining_metrics = True
             config.finalize_model_grads_func = finalize_and_report
 
-    def add_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        self.loss += torch.stack([loss.detach().double().cpu(), num_tokens.detach().double().cpu()])
+    def completed_iterations(self, args) -> int:
+        """Training iterations done: those of this process's run, else the loaded checkpoint's."""
+        return args.iteration if self.iteration is None else self.iteration + 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves ``seconds`` (an evaluation) out of the interval's tokens/s."""
+        if self.start is not None:
+            self.start += seconds
 
     def report(self, config, args) -> None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -71,19 +107,13 @@ class StepMetrics:
         iteration = args.curr_iteration + 1  # Megatron's number for the step being finished
         if iteration % args.log_interval:
             return
-        writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
         scalars = {}
-        loss = self.loss.to(device())
-        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        if loss[1] > 0:
-            scalars["lm_loss"] = float(loss[0] / loss[1])
+        loss = self.loss.mean()
+        if loss is not None:
+            scalars["lm_loss"] = loss
         elapsed = time.perf_counter() - self.start
         scalars["tokens_per_second"] = self.steps * args.global_batch_size * args.seq_length / elapsed
-        for name, value in scalars.items():
-            if writer is not None:
-                writer.add_scalar(f"mtraining/{name}", value, iteration)
-            if wandb_writer is not None:
-                wandb_writer.log({f"mtraining/{name}": value}, iteration)
+        write_scalars(scalars, iteration)
         line = f"lm_loss: {scalars['lm_loss']!r} | " if "lm_loss" in scalars else ""
         line += f"tokens/s: {scalars['tokens_per_second']:.1f} |"
         tracker = get_attention_metrics_tracker()
@@ -94,14 +124,13 @@ class StepMetrics:
             line += tracker.report(
                 loss_scale=1.0 / (get_num_microbatches() * args.log_interval),
                 iteration=iteration,
-                writer=writer,
-                wandb_writer=wandb_writer,
+                writer=get_tensorboard_writer(),
+                wandb_writer=get_wandb_writer(),
                 per_layer_logging=True,
                 num_layers=config.num_layers,
                 track_names=names,
             )
         print_rank_last(f"[mtraining] iteration {iteration:8d} | {line}")
-        self.loss.zero_()
         self.start, self.steps = time.perf_counter(), 0
 
 

@@ -5,8 +5,9 @@ runs) writes a JSON report when the run ends:
 
 * ``iteration_s``: each iteration's wall time, from the start of its first micro-batch to the
   start of the next iteration's (the device synchronised at both ends; the last iteration is
-  not timed), and ``steady_s_per_iteration``, their median after the first two, the profiled
+  not timed), less the evaluations run in between (``eval_interval``), and ``steady_s_per_iteration``, their median after the first two, the profiled
   one left out;
+* ``evaluation_s``: the evaluations' wall times;
 * peak allocated and reserved device memory;
 * ``profile``: one step (``--profile-step``, default the second to last) under the PyTorch
   profiler, its device time summed by part and phase. Parts come from annotations: forward
@@ -143,11 +144,32 @@ class _Classifier:
         return part, layer, phase
 
 
-def _busy_ms(kineto_events) -> float:
-    """Milliseconds during which at least one device kernel, copy or fill ran."""
-    spans = sorted(
-        (e.start_ns(), e.end_ns()) for e in kineto_events if e.device_type() != torch.autograd.DeviceType.CPU
-    )
+def _launched_here(prof, events):
+    """A test of whether a host event launched the kernels the profiler lists under it.
+
+    The profiler hands a kernel to every host operation whose id is the kernel's link, and
+    operations of the autograd thread (a recomputation) can share an id with one of the main
+    thread: the kernel would count twice. Of several operations with one id, the launcher is
+    the one whose time holds the launch calls (the runtime events linked to that id)."""
+    by_id = collections.Counter(e.id for e in events if e.kernels)
+    start = prof.profiler.kineto_results.trace_start_ns()
+    launches = collections.defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CPU and e.linked_correlation_id() > 0:
+            launches[e.linked_correlation_id()].append((e.start_ns() - start) / 1e3)
+
+    def launched(event) -> bool:
+        if by_id[event.id] < 2:
+            return True
+        span = event.time_range
+        return any(span.start <= t <= span.end for t in launches.get(event.id, ()))
+
+    return launched
+
+
+def _busy_ms(device_events) -> float:
+    """Milliseconds during which at least one of the device's kernels, copies or fills ran."""
+    spans = sorted((e.start_ns(), e.end_ns()) for e in device_events)
     busy, end = 0, None
     for start, stop in spans:
         if end is None or start > end:
@@ -165,12 +187,13 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
     ``on_device``: kernel time; else (a CPU run) the host self time of ATen operations."""
     events = prof.events()
     classify = _Classifier(events)
+    launched = _launched_here(prof, events) if on_device else None
     parts = collections.defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     layers = collections.defaultdict(float)
     kernels_by_part = collections.defaultdict(lambda: collections.defaultdict(float))
     for event in events:
         if on_device:
-            kernels = [(k.name, k.duration) for k in event.kernels]
+            kernels = [(k.name, k.duration) for k in event.kernels] if launched(event) else []
         elif event.name.startswith("aten::") and not event.cpu_children:
             kernels = [(event.name, event.self_cpu_time_total)]
         else:
@@ -197,8 +220,17 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        busy = _busy_ms(prof.profiler.kineto_results.events())
-        report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy))
+        # The device-side copies of annotated ranges span gaps: kernels, copies and fills only.
+        device = [
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation()
+        ]
+        busy = _busy_ms(device)
+        # Each device event once: ``summed_ms`` above it means the attribution counted a
+        # kernel under two host events.
+        kernels = sum(e.end_ns() - e.start_ns() for e in device) / 1e6
+        report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy), kernels_ms=kernels)
     return report
 
 
@@ -209,6 +241,8 @@ class StepReport:
         self.path = Path(path)
         self.profile_step = profile_step
         self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
+        self.evaluations: list[tuple[int, float]] = []  # (mark it follows, seconds)
+        self.evaluation_start = None
         self.profiler = None
         self.profile = None
         self.metrics: dict[str, float] = {}
@@ -233,6 +267,16 @@ class StepReport:
             self.profiler.__enter__()
             self.profile_start = self._sync()
 
+    def begin_evaluation(self) -> None:
+        """Called as an evaluation starts: its time is no iteration's, nor in the profile."""
+        self.evaluation_start = self._sync()
+        if self.profiler is not None:
+            self._stop_profile(self.evaluation_start)
+
+    def end_evaluation(self) -> None:
+        """Called as the evaluation that :meth:`begin_evaluation` started ends."""
+        self.evaluations.append((len(self.marks) - 1, self._sync() - self.evaluation_start))
+
     def _stop_profile(self, now: float) -> None:
         self.profiler.__exit__(None, None, None)
         self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
@@ -245,6 +289,9 @@ class StepReport:
             self._stop_profile(now)
         # The last iteration's end is not marked (Megatron's shutdown follows it): untimed.
         times = [b - a for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        for mark, seconds in self.evaluations:
+            if 0 <= mark < len(times):
+                times[mark] -= seconds
         profiled = self.profile["iteration"] - 1 if self.profile else None
         steady = [
             t for (it, _), t in zip(self.marks, times, strict=False) if it >= WARMUP_ITERATIONS and it != profiled
@@ -256,6 +303,7 @@ class StepReport:
             "steady_s_per_iteration": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
             "tokens_per_iteration": tokens,
+            "evaluation_s": [round(t, 4) for _, t in self.evaluations],
             "metrics": self.metrics,
             "profile": self.profile,
         }

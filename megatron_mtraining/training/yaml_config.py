@@ -234,6 +234,43 @@ class RunConfig:
             )
         return missing
 
+    def value(self, key: str):
+        """The ``megatron:`` argument ``key`` as Megatron parses it, or Megatron's default."""
+        return _megatron_value(self.megatron, key)
+
+    def empty_splits(self) -> list[str]:
+        """The splits of ``data_path`` a run would read that get no document of a dataset on
+        this machine (Megatron's dataset builder then never returns): the training split, and
+        with ``eval_iters`` the validation and test splits."""
+        from megatron.core.datasets.blended_megatron_dataset_config import (
+            convert_split_vector_to_split_matrix,
+            parse_and_normalize_split,
+        )
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        m = self.megatron
+        split, prefixes = _megatron_value(m, "split"), _megatron_value(m, "data_path")
+        if _megatron_value(m, "mock_data") or not prefixes or split is None:
+            return []
+        evaluated = bool(_megatron_value(m, "eval_iters"))
+        read = {"training": True, "validation": evaluated, "test": evaluated}
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+        empty = []
+        for prefix in prefixes:
+            if _is_number(prefix) or not os.path.isfile(f"{prefix}.idx"):
+                continue
+            n = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+            for (name, wanted), bounds in zip(read.items(), matrix, strict=True):
+                # Megatron's builder rounds each split's bounds to documents so.
+                if wanted and bounds is not None and round(bounds[0] * n) == round(bounds[1] * n):
+                    empty.append(
+                        f"{self._source('split')}: 'megatron.split' {split!r} gives the {name} split no document of "
+                        f"{prefix!r} ({n} documents), and Megatron's dataset builder would never return (accepted: "
+                        f"a {name} share of at least one document, or the held-out documents as "
+                        "megatron.valid_data_path with split null)"
+                    )
+        return empty
+
     def _source(self, key: str) -> str:
         return self.sources.get(f"megatron.{key}", str(self.path))
 
@@ -311,6 +348,41 @@ def _check_heads_and_data(megatron: dict, sources: dict[str, str], path: Path) -
         raise ConfigError(
             f"{culprits(sources, ['megatron.mock_data'], path)}: no training data: 'megatron.mock_data' is false and "
             "no data path is set (accepted: megatron.data_path=[prefix, ...] of indexed datasets, or mock_data: true)"
+        )
+    _check_validation_data(megatron, sources, path)
+
+
+def _check_validation_data(megatron: dict, sources: dict[str, str], path: Path) -> None:
+    """The held-out data an evaluation reads: Megatron splits ``data_path`` by ``split``,
+    or takes ``valid_data_path`` whole, never both; with no validation data it evaluates
+    anyway and the forward step finds no batch."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    value = functools.partial(_megatron_value, megatron)
+    per_split = any(value(k) for k in ("train_data_path", "valid_data_path", "test_data_path"))
+    if per_split and value("split") is not None:
+        keys = ["megatron.split", "megatron.train_data_path", "megatron.valid_data_path", "megatron.test_data_path"]
+        raise ConfigError(
+            f"{culprits(sources, keys, path)}: bad value for 'megatron.split': {value('split')!r} (accepted: null "
+            "with megatron.train_data_path / valid_data_path / test_data_path, which Megatron takes whole; split "
+            "divides megatron.data_path)"
+        )
+    if value("mock_data") or not (value("eval_iters") and value("eval_interval")):
+        return
+    evaluate = ["megatron.eval_iters", "megatron.eval_interval"]
+    if per_split and not value("valid_data_path"):
+        raise ConfigError(
+            f"{culprits(sources, [*evaluate, 'megatron.valid_data_path'], path)}: 'megatron.eval_iters' is "
+            f"{value('eval_iters')} but 'megatron.valid_data_path' is not set (accepted: the held-out indexed "
+            "datasets to evaluate on, e.g. the _valid output of scripts/prepare_data.py with valid_fraction, or "
+            "megatron.eval_iters=0)"
+        )
+    split = value("split")
+    if value("data_path") and split is not None and parse_and_normalize_split(split)[1] == 0:
+        raise ConfigError(
+            f"{culprits(sources, [*evaluate, 'megatron.split'], path)}: bad value for 'megatron.split': {split!r}: "
+            f"'megatron.eval_iters' is {value('eval_iters')} and the split holds out no validation documents "
+            "(accepted: a positive second weight, e.g. '998,2,0', or megatron.eval_iters=0)"
         )
 
 
