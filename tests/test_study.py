@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,8 @@ import pytest
 import yaml
 
 pytest.importorskip("tokenizers")
+
+from eval_fixtures import run_command  # noqa: E402
 
 from megatron_mtraining.evaluation.harness import EvalPlan, summarize  # noqa: E402
 from megatron_mtraining.evaluation.report import has_matplotlib  # noqa: E402
@@ -360,11 +361,7 @@ SHAPE = {
 
 def study(workdir: Path, *args: str) -> str:
     cmd = [sys.executable, "-m", "megatron_mtraining.examples.study", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
-    return output
+    return run_command(cmd, workdir)
 
 
 @pytest.fixture(scope="module")
