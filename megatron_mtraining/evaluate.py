@@ -158,7 +158,8 @@ def _checkpoint_overrides(cli: argparse.Namespace, run_config) -> list[str]:
     ]
 
 
-def _commit() -> str | None:
+def source_commit() -> str | None:
+    """The short commit of the source tree this module runs from, or None outside a git checkout."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -189,7 +190,7 @@ def _meta(run_config, model, overrides: list[str]) -> dict:
         "data_parallel_size": args.data_parallel_size,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": source_commit(),
     }
 
 

@@ -30,7 +30,7 @@ import torch
 
 from . import atomic_tracker, cp_batch_split, cp_rope_slice, cpu_compat, dataset_helpers, fused_rope
 from ._guard import SUPPORTED_VERSION, TORCH_VERSIONS, UpstreamChangedError
-from ._layout import LayoutChoice
+from ._layout import LayoutChoice, record_split_documents, split_documents
 
 PATCHES = (cp_batch_split.PATCH, cp_rope_slice.PATCH, cp_rope_slice.THD_PATCH, fused_rope.PATCH)
 
@@ -43,8 +43,10 @@ def apply_patches(layout_kind: str, stripe: int = 128) -> LayoutChoice:
     """Makes Megatron split batches and RoPE over the CP ranks in the order of
     ``ContextParallelLayout(layout_kind, cp_size, seq_len, stripe=stripe)``.
 
-    ``zigzag`` reproduces Megatron's own split. Applying again with the same arguments does
-    nothing; with different ones it is a ``ValueError`` (call :func:`remove_patches` first).
+    ``zigzag`` reproduces Megatron's own split. ``balanced`` places each micro-batch by its
+    documents, which the split reads from ``batch["cu_seqlens"]`` (absent: striped).
+    Applying again with the same arguments does nothing; with different ones it is a
+    ``ValueError`` (call :func:`remove_patches` first).
     Raises :class:`UpstreamChangedError` if an upstream function is not the one a patch was
     written for; then nothing is changed.
     """
@@ -72,6 +74,7 @@ def remove_patches() -> None:
     global _applied
     for patch in reversed(PATCHES):
         patch.uninstall()
+    record_split_documents(None)
     _applied = None
 
 
@@ -151,6 +154,7 @@ __all__ = [
     "apply_cpu_patches",
     "apply_patches",
     "remove_patches",
+    "split_documents",
     "use_atomic_checkpoint_tracker",
     "use_prebuilt_dataset_helpers",
 ]

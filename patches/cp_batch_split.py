@@ -11,7 +11,10 @@ sums are order-free, so the loss and its reduction over the CP group are unchang
 
 A packed sample (``cu_seqlens`` set, batch 1) is split the same way, as one sequence: its
 documents are not split one by one (Megatron's per-document zigzag), and ``cu_seqlens``
-keeps the global positions the plugin's attention and RoPE (``cp_rope_slice``) read.
+keeps the global positions the plugin's attention and RoPE (``cp_rope_slice``) read. The
+``balanced`` layout places the tokens by those documents: the split reads
+``batch["cu_seqlens"]`` (absent: one document, the striped order) and records what it used
+(``_layout.record_split_documents``) for the RoPE slice and the core attention's check.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ._guard import FunctionPatch
+from ._layout import record_split_documents
 
 # Keys Megatron's per-sequence split leaves whole: they describe the batch, not tokens.
 METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
@@ -34,11 +38,19 @@ def _build(choice):
         if cp_size == 1:
             return batch
         rank = dist.get_rank(cp_group)
+        documents = None
+        if choice.kind == "balanced":
+            cu_seqlens = batch.get("cu_seqlens")
+            if cu_seqlens is not None:
+                # One host read; the layout validates the bounds against each tensor's length.
+                documents = tuple(cu_seqlens.flatten().tolist())
+            record_split_documents(documents)
         for key, value in batch.items():
             if key in METADATA_KEYS or value is None:
                 continue
             dim = 2 if key == "attention_mask" else 1
-            index = choice.positions(cp_size, value.shape[dim], rank, value.device, f"batch[{key!r}].shape[{dim}]")
+            what = f"batch[{key!r}].shape[{dim}]"
+            index = choice.positions(cp_size, value.shape[dim], rank, value.device, what, documents)
             batch[key] = value.index_select(dim, index)
         return batch
 

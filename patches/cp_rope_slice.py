@@ -8,35 +8,25 @@ of the chosen layout, in that order, so every token of the batch split by
 so it needs neither pinned memory nor CUDA.
 
 ``RotaryEmbedding.forward`` caches its result per (module, length, CP group);
-installing and removing the patch clears that cache. Rotary modules that keep their own
-tables (YaRN's cos/sin cache) must be built after :func:`megatron_mtraining.patches.apply_patches`.
+installing and removing the patch clears that cache, and so does a batch split with other
+documents under ``balanced`` (whose rows follow the micro-batch's documents, those the split
+recorded: Megatron calls this slice with no batch at hand). Rotary modules that keep their
+own tables (YaRN's cos/sin cache) must be built after
+:func:`megatron_mtraining.patches.apply_patches`.
 
 Packed sequences (THD) are split over the CP ranks as one sequence in the same layout
 (``cp_batch_split``), their documents and all; Megatron would split each document in zigzag
 order instead. ``THD_PATCH`` rotates each of this rank's tokens by its offset inside its
 document (``cu_seqlens`` holds global positions), which is Megatron's THD RoPE on one rank
-and its meaning under every layout.
+and its meaning under every layout (``balanced`` placing the tokens by these ``cu_seqlens``).
 """
 
 from __future__ import annotations
 
-import sys
-
 from megatron_mtraining.sparse.documents import packed_documents
 
 from ._guard import FunctionPatch
-
-_ROPE_MODULES = {
-    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding",
-    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YarnRotaryEmbedding",
-}
-
-
-def _clear_rope_caches() -> None:
-    for module_name, class_name in _ROPE_MODULES.items():
-        module = sys.modules.get(module_name)
-        if module is not None:
-            getattr(module, class_name).forward.cache_clear()
+from ._layout import clear_rope_caches, split_documents
 
 
 def _build(choice):
@@ -46,7 +36,12 @@ def _build(choice):
         if cp_group is None:
             raise ValueError("cp_group must be provided to get positional embedding per CP rank")
         index = choice.positions(
-            cp_group.size(), pos_emb.shape[seq_dim], cp_group.rank(), pos_emb.device, f"pos_emb.shape[{seq_dim}]"
+            cp_group.size(),
+            pos_emb.shape[seq_dim],
+            cp_group.rank(),
+            pos_emb.device,
+            f"pos_emb.shape[{seq_dim}]",
+            split_documents(),
         )
         return pos_emb.index_select(seq_dim, index)
 
@@ -72,7 +67,7 @@ def _build_thd(choice):
         # Validates the boundaries against the whole sample (this rank's tokens x CP) and
         # gives each position's document start; the lengths come from the host copy.
         documents = packed_documents(cu_seqlens, t.shape[0] * cp_size, t.device)
-        positions = choice.positions(cp_size, documents.seq_len, rank, t.device, "cu_seqlens[-1]")
+        positions = choice.positions(cp_size, documents.seq_len, rank, t.device, "cu_seqlens[-1]", documents)
         offsets = positions - documents.starts[positions].long()
         longest = max(documents.lengths())
         if freqs.shape[0] < longest:
@@ -98,7 +93,7 @@ PATCH = FunctionPatch(
         "megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py",
     ),
     build=_build,
-    on_swap=_clear_rope_caches,
+    on_swap=clear_rope_caches,
 )
 
 THD_PATCH = FunctionPatch(

@@ -10,9 +10,10 @@ scattered vertical columns. Vertical columns run in the local pass (every rank,
 balanced), so the ring's work is the tiles (``ring_work``). With packed documents
 (``--documents``, drawn by ``examples.synthetic.sampled_document_bounds`` with mean length
 ``--mean-doc``) the same index is masked to each row's document, and dense attention
-becomes block-diagonal causal: both rows are printed per document mix. Prints the
-worker-level and step-level imbalance degrees (max/mean across ranks in a step, across
-steps for a rank; 1.0 = balanced), min-max over seeds.
+becomes block-diagonal causal: both rows are printed per document mix, and the
+``balanced`` layout places each sample's stripes by its documents (without documents it is
+``striped``). Prints the worker-level and step-level imbalance degrees (max/mean across
+ranks in a step, across steps for a rank; 1.0 = balanced), min-max over seeds.
 """
 
 from __future__ import annotations
@@ -27,22 +28,23 @@ from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_docume
 from megatron_mtraining.sparse import DenseIndex
 from megatron_mtraining.sparse.documents import packed_documents
 
-LAYOUTS = ("striped", "zigzag", "contiguous")
+LAYOUTS = ("striped", "balanced", "zigzag", "contiguous")
 
 
-def _works(args, mix: str, gen: torch.Generator) -> dict:
-    """The ring work of each pattern for one seed and document mix."""
+def _works(args, mix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor | None]:
+    """The ring work of each pattern for one seed and document mix, and the documents."""
     index = slash_heavy_index(args.seq_len, args.block, args.heads, gen)
     if mix == "none":
-        return {"vertical-slash": ring_work(index)}
-    docs = packed_documents(sampled_document_bounds(mix, args.seq_len, args.mean_doc, gen), args.seq_len)
+        return {"vertical-slash": ring_work(index)}, None
+    cu = sampled_document_bounds(mix, args.seq_len, args.mean_doc, gen)
+    docs = packed_documents(cu, args.seq_len)
     return {
         "dense": DenseIndex(1, args.heads, args.seq_len, documents=docs),
         # Every document keeps the synthetic diagonals (its own local lines and far ones).
         "vertical-slash": ring_work(
             dataclasses.replace(index, slash=index.slash.unsqueeze(2).expand(-1, -1, docs.count, -1), documents=docs)
         ),
-    }
+    }, cu
 
 
 def main() -> None:
@@ -60,10 +62,11 @@ def main() -> None:
     for mix in args.documents:
         results: dict = {}
         for seed in range(args.seeds):
-            for pattern, work in _works(args, mix, torch.Generator().manual_seed(seed)).items():
+            works, cu = _works(args, mix, torch.Generator().manual_seed(seed))
+            for pattern, work in works.items():
                 tiles = work.block_areas(args.block)
                 for kind in LAYOUTS:
-                    layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block)
+                    layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
                     found = imbalance_degrees(simulate_ring_areas(work, layout, args.block, tiles))
                     results.setdefault((pattern, kind), []).append(found)
         for (pattern, kind), found in results.items():

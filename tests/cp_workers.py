@@ -290,12 +290,15 @@ def check_ring_with_nothing_attended(rank, world, backend, kv_exchange):
         assert torch.equal(g, torch.zeros_like(g)), rank
 
 
-def check_ring_with_documents(rank, world, seed, seq, kernels: bool, kv_exchange: str):
+def check_ring_with_documents(
+    rank, world, seed, seq, kernels: bool, kv_exchange: str, layouts=("contiguous", "zigzag", "striped")
+):
     """Packed documents over the ring (or the all-gather): each pattern's distributed index
     with ``cu_seqlens`` equals the single-device one, and the rank's attention (fp64 on the
     reference path, or fp32 on the Triton kernels with poisoned outputs) equals fp64 dense
     attention under the index's mask, which stays inside the block-diagonal causal mask,
-    gradients included; the recorded areas add up to the index's."""
+    gradients included; the recorded areas add up to the index's. ``layouts``: the kinds
+    (``balanced`` placed by the boundaries)."""
     from dense_reference import dense_attention, finite
     from documents_reference import block_diagonal, random_boundaries
 
@@ -329,8 +332,8 @@ def check_ring_with_documents(rank, world, seed, seq, kernels: bool, kv_exchange
         g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
         grads = torch.autograd.grad((out * g_out).sum() + (finite(lse) * g_lse).sum(), (qr, kr, vr))
-        for layout_kind in ("contiguous", "zigzag", "striped"):
-            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+        for layout_kind in layouts:
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, documents=cu)
             where = f"documents cp={world} {kv_exchange} kernels={kernels} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
             local = pattern

@@ -1,8 +1,10 @@
-"""Shared by the evaluation tests: a tiny byte-level BPE whose merges cover the task texts, so
-every task fits in a few hundred tokens."""
+"""Shared by the evaluation and study tests: a tiny byte-level BPE whose merges cover the task
+texts, so every task fits in a few hundred tokens, and a command runner."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 from megatron_mtraining.data import generate_documents, load_tokenizer, train_tiny_tokenizer
@@ -25,3 +27,12 @@ def codec_of(path: Path) -> tuple[Codec, int]:
         lambda text: tokenizer.encode(text, add_special_tokens=False), lambda ids: tokenizer.decode(list(ids))
     )
     return codec, tokenizer.eos_token_id
+
+
+def run_command(cmd: list[str], cwd: Path) -> str:
+    """The output of ``cmd`` run in ``cwd`` on one thread per process; fails with its end."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
+    return output

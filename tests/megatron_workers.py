@@ -685,23 +685,31 @@ def check_msa_cp_parity_on_kl_kernels(rank, world, path):
     assert calls, "no ring step ran the fused KL kernels"
 
 
-def check_packed_documents_equal_separate_samples(rank, world):
-    """A packed sample of two documents (the EOD closing the first) gives every token the loss
-    it gets when each document is its own sample, and the same gradients for the summed loss:
-    THD (positions restart) and sbhd (positions run on; RoPE is relative, so the same
-    attention), dense attention, at CP 1 and at CP ``world`` in the striped layout (the
-    sample split as one sequence, the boundaries global)."""
+def check_packed_documents_equal_separate_samples(rank, world, layout_kind="striped"):
+    """A packed sample of three documents (an EOD closing each but the last) gives every token
+    the loss it gets when each document is its own sample, and the same gradients for the
+    summed loss: THD (positions restart) and sbhd (positions run on; RoPE is relative, so the
+    same attention), dense attention, at CP 1 and at CP ``world`` in ``layout_kind`` (the
+    sample split as one sequence by Megatron's patched batch split, the boundaries global;
+    ``balanced`` placed by them, drawn until that differs from striping)."""
     from megatron_mtraining.training.documents import packed_seq_params
 
     eod = VOCAB - 1
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    first = int(torch.randint(SEQ // 4, 3 * SEQ // 4, (1,), generator=gen))
+    while True:
+        ends = sorted(torch.randperm(SEQ - 2 * SEQ // 8, generator=gen)[:2].tolist())
+        ends = [SEQ // 8 + ends[0], SEQ // 8 + ends[1] + 1]  # documents of at least one token
+        bounds = torch.tensor([0, *ends, SEQ], dtype=torch.int32)
+        balanced = ContextParallelLayout("balanced", world, SEQ, stripe=16, documents=bounds)
+        striped = ContextParallelLayout("striped", world, SEQ, stripe=16)
+        if layout_kind != "balanced" or not torch.equal(balanced.positions(0), striped.positions(0)):
+            break
     tokens = torch.randint(0, VOCAB - 1, (1, SEQ), generator=gen)
-    tokens[0, first - 1] = eod
+    tokens[0, [e - 1 for e in ends]] = eod
     labels = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
     dist.broadcast(tokens, 0)
     dist.broadcast(labels, 0)
-    first = int(torch.nonzero(tokens[0] == eod)[0]) + 1  # rank 0's draw
+    bounds = [0, *(torch.nonzero(tokens[0] == eod).flatten() + 1).tolist(), SEQ]  # rank 0's draw
     init_megatron(1)
     model = build_model(attention_config("dense"))
     state = model.state_dict()
@@ -713,26 +721,35 @@ def check_packed_documents_equal_separate_samples(rank, world):
         per_token.float().sum().backward()
         return per_token.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}
 
-    parts = [run(model, tokens[:, a:b], labels[:, a:b]) for a, b in ((0, first), (first, SEQ))]
+    parts = [run(model, tokens[:, a:b], labels[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     want = torch.cat([p[0] for p in parts], dim=1)
-    want_grads = {n: parts[0][1][n] + parts[1][1][n] for n in parts[0][1]}
+    want_grads = {n: sum(p[1][n] for p in parts) for n in parts[0][1]}
     for cp in (1, world):
         init_megatron(cp)
-        layout = None
         if cp > 1:
-            use_layout("striped", 16)
-            layout = ContextParallelLayout("striped", cp, SEQ, stripe=16)
+            use_layout(layout_kind, 16)
         cp_model = build_model(
-            attention_config("dense", layout="striped", stripe=16) if cp > 1 else attention_config("dense")
+            attention_config("dense", layout=layout_kind, stripe=16) if cp > 1 else attention_config("dense")
         )
         cp_model.load_state_dict(state)
         for thd in (True, False):
             packed = packed_seq_params(tokens, eod, reset_position_ids=thd)
-            assert torch.equal(packed.cu_seqlens_q, torch.tensor([0, first, SEQ], dtype=torch.int32))
-            tok, lab = (t if layout is None else layout.shard(t, dist.get_rank()) for t in (tokens, labels))
+            assert torch.equal(packed.cu_seqlens_q, torch.tensor(bounds, dtype=torch.int32))
+            tok, lab, expected = tokens, labels, want
+            if cp > 1:
+                # As the training step splits it: the boundaries ride in the batch.
+                group = parallel_state.get_context_parallel_group()
+                split = megatron_utils.get_batch_on_this_cp_rank(
+                    {"tokens": tokens, "labels": labels, "want": want, "cu_seqlens": packed.cu_seqlens_q},
+                    is_hybrid_cp=False,
+                    cp_group=group,
+                    use_per_sequence_balancing=True,
+                )
+                tok, lab, expected = split["tokens"], split["labels"], split["want"]
+                layout = ContextParallelLayout(layout_kind, cp, SEQ, stripe=16, documents=packed.cu_seqlens_q)
+                assert torch.equal(tok, layout.shard(tokens, dist.get_rank(group)))
             got, grads = run(cp_model, tok, lab, packed)
-            expected = want if layout is None else layout.shard(want, dist.get_rank())
-            where = f"cp={cp} {'thd' if thd else 'sbhd'} first document {first}"
+            where = f"cp={cp} {layout_kind} {'thd' if thd else 'sbhd'} documents {bounds}"
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
             if cp > 1:
                 for g in grads.values():

@@ -475,12 +475,17 @@ def test_int64_boundaries_and_none():
 def test_boundaries_are_read_once_per_tensor(monkeypatch):
     """Every layer of a micro-batch gets the same cu_seqlens: one host read, one Documents;
     a modified or another tensor is read again."""
-    reads, tolist = [], torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
-    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    cu, tolist = torch.tensor([0, 5, 16], dtype=torch.int32), torch.Tensor.tolist
+    copy = cu.clone()
+    reads = []  # host reads of these two tensors only (other threads of the process may read theirs)
+    monkeypatch.setattr(
+        torch.Tensor, "tolist", lambda t: reads.extend([t] if t is cu or t is copy else []) or tolist(t)
+    )
     first = packed_documents(cu, 16)
-    assert packed_documents(cu, 16) is first and len(reads) == 1
-    other = packed_documents(cu.clone(), 16)
+    again = packed_documents(cu, 16)
+    assert again is first, "the same tensor gave a new Documents"
+    assert len(reads) == 1, f"{len(reads)} host reads"
+    other = packed_documents(copy, 16)
     assert other is not first and other.bounds == first.bounds and len(reads) == 2
     cu[1] = 9  # in place: the version moves, so the new boundaries are read
     assert packed_documents(cu, 16).bounds == (0, 9, 16) and len(reads) == 3

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from eval_fixtures import run_command as run
 from eval_fixtures import train_task_tokenizer
 
 from megatron_mtraining.evaluation.tasks import TASKS
@@ -23,14 +22,6 @@ from megatron_mtraining.examples.quickstart import module_command, pretrain_comm
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
 SEQUENCE = ("megatron.seq_length=512", "megatron.max_position_embeddings=512")
 VOCAB = 512
-
-
-def run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
-    return output
 
 
 @pytest.fixture(scope="module")

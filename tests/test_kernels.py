@@ -130,7 +130,12 @@ def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):
 @pytest.mark.parametrize("shape", ["planted-empty-rows", "gqa3-d24-b2", "gqa3-d24-b2-positions"])
 @pytest.mark.parametrize("first", ["tiles", "bars"])
 @pytest.mark.parametrize("final", ["inputs-dtype", "fp32-in-place"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+# fp16 through Triton's interpreter is the slowest repeat of the fp32 cases on a CPU: -m slow.
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow), torch.bfloat16],
+    ids=["fp32", "fp16", "bf16"],
+)
 def test_accumulation_over_a_key_split(shape, first, final, dtype, rng, kdevice):
     """The accumulate modes: a key set split in two kernel calls (a vertical-slash index's
     tiles and its bars), the first writing an fp32 (out, lse) and the second merging its

@@ -276,6 +276,7 @@ def _cp_core_attention(layout: str, stripe: int = 128):
         ("zigzag", 128, ("zigzag", 16)),
         ("striped", 16, ("striped", 16)),
         ("contiguous", 128, ("contiguous", 64)),  # the stripe does not move contiguous tokens
+        ("balanced", 16, ("balanced", 16)),
     ],
 )
 def test_core_attention_accepts_the_applied_layout(unpatched, layout, stripe, applied):
@@ -303,6 +304,12 @@ def test_core_attention_accepts_the_applied_layout(unpatched, layout, stripe, ap
         ("contiguous", 128, None, r"attention\.layout='contiguous'.*not applied.*apply_patches\('contiguous', 128\)"),
         ("contiguous", 16, ("striped", 16), r"attention\.layout='contiguous'.*applied with layout 'striped'"),
         (
+            "balanced",
+            16,
+            ("balanced", 32),
+            r"attention\.stripe=16 .* applied with layout 'balanced' and stripe 32.*apply_patches\('balanced', 16\)",
+        ),
+        (
             "zigzag",
             128,
             ("striped", 16),
@@ -325,6 +332,27 @@ def test_core_attention_checks_the_patches_again_in_forward(unpatched):
     q, kv = torch.randn(64, 1, 4, 16), torch.randn(64, 1, 2, 16)
     with pytest.raises(ValueError, match=r"attention\.layout='striped'.*not applied"):
         module(q, kv, kv, None)
+
+
+def test_core_attention_refuses_other_documents_than_the_batch_split(unpatched):
+    """Under ``balanced`` the tokens sit where the batch split placed them for its documents:
+    an attention given other boundaries (or the split none) stops before attending."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_mtraining.patches._layout import record_split_documents
+
+    apply_patches("balanced", 16)
+    module = _cp_core_attention("balanced", 16)
+    q, kv = torch.randn(64, 1, 4, 16), torch.randn(64, 1, 2, 16)
+    cu = torch.tensor([0, 40, 90, 128], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu)
+    for split, shown in ((None, r"no documents \(striped\)"), ((0, 40, 128), r"2 documents, ends \[40, 128\]")):
+        record_split_documents(split)
+        with pytest.raises(
+            ValueError,
+            match=rf"CP batch split='{shown}'.*cu_seqlens_q \(3 documents\).*batch\['cu_seqlens'\]",
+        ):
+            module(q, kv, kv, None, packed_seq_params=packed)
 
 
 def test_cpu_patches_are_a_no_op_with_cuda(monkeypatch):
@@ -395,5 +423,6 @@ def test_msa_cp2_kl_kernels_equal_cp1(references, monkeypatch):
     run(2, workers.check_msa_cp_parity_on_kl_kernels, references)
 
 
-def test_packed_documents_equal_separate_samples():
-    run(2, workers.check_packed_documents_equal_separate_samples)
+@pytest.mark.parametrize("layout", ["striped", "balanced"])
+def test_packed_documents_equal_separate_samples(layout):
+    run(2, workers.check_packed_documents_equal_separate_samples, layout)

@@ -8,6 +8,7 @@ again (seconds each on two cores).
 """
 
 import ast
+import dataclasses
 import importlib
 import io
 import logging
@@ -304,20 +305,24 @@ def _check_layouts(rank, world, seed):
             whole = torch.stack([(batch["losses"] * batch["loss_mask"]).sum(), batch["loss_mask"].sum().double()])
             torch.testing.assert_close(sums, whole, rtol=1e-12, atol=0)
 
-            _check_packed(kind, layout, group, r, gen)
+            _check_packed(kind, layout, group, r, gen, rope)
             remove_patches()
         parallel_state.destroy_model_parallel()
 
 
-def _check_packed(kind, layout, group, r, gen):
-    """A packed sample splits as one sequence in the layout, its global cu_seqlens whole, and
-    THD RoPE rotates each token by its offset inside its document (random boundaries)."""
+def _check_packed(kind, layout, group, r, gen, rope):
+    """A packed sample splits as one sequence in the layout (``balanced``: placed by its
+    documents), its global cu_seqlens whole, THD RoPE rotates each token by its offset inside
+    its document and sbhd RoPE takes the rows at the split's positions (random boundaries)."""
     seq = layout.seq_len
     inner = torch.randperm(seq - 1, generator=gen)[: int(torch.randint(1, 6, (1,), generator=gen))] + 1
     cu_seqlens = torch.cat([torch.tensor([0]), inner.sort().values, torch.tensor([seq])]).to(torch.int32)
+    layout = dataclasses.replace(layout, documents=cu_seqlens)
     batch = {"tokens": torch.arange(seq).view(1, seq), "cu_seqlens": cu_seqlens}
     split = megatron_utils.get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
     assert torch.equal(split["tokens"], layout.shard(batch["tokens"], r)) and split["cu_seqlens"] is cu_seqlens
+    # The rotary module's cached rows (the unpacked case's, above) follow the new split.
+    assert torch.equal(rope(seq), rope.get_emb(seq)[layout.positions(r)]), kind
     t = torch.randn(seq // layout.cp_size, 2, 8, dtype=torch.float64, generator=gen)
     freqs = torch.randn(seq, 1, 1, 8, dtype=torch.float64, generator=gen)
     rotated = rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)

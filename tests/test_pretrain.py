@@ -260,7 +260,13 @@ def msa_whole(tmp_path_factory):
     return pretrain(tmp_path_factory.mktemp("msa"), *EXACT_RESUMES["msa"][0]).stdout
 
 
-@pytest.mark.parametrize("case", EXACT_RESUMES)
+# MSA and MoBA at CP 2 repeat what mtraining at CP 2 and MSA at CP 1 check by default.
+SLOW_RESUMES = ("msa-cp2-striped", "moba-cp2-striped")
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RESUMES else c for c in EXACT_RESUMES]
+)
 def test_resume_is_exact(case, request, tmp_path):
     overrides, world = EXACT_RESUMES[case]
     shared = {"mtraining-cp2-striped": "cp2_striped", "msa": "msa_whole"}

@@ -10,6 +10,12 @@ the global positions.
   dense causal attention, not for vertical-slash (its work sits on the diagonal).
 * ``striped``: stripes of ``stripe`` tokens; rank r holds stripes ``r, r+W, ...``.
   Slash lines spread evenly over ranks and ring steps (MTraining).
+* ``balanced``: stripes of ``stripe`` tokens assigned from a packed sample's
+  ``documents`` (``document_balance``), the same number on every rank, each rank's in
+  ascending order. Without documents, or with one, it is ``striped``: striping is what
+  balances one causal sequence, and nothing else is known about the sample. A micro-batch
+  has its own layout, so everything derived from one (positions, orders) is kept for the
+  latest documents only, per rank and device.
 
 ``token_positions(rank, device)`` holds a rank's positions on the host and the device
 with what is derived from them (``TokenPositions``), once per layout, rank and device:
@@ -18,40 +24,57 @@ every layer and iteration of a run reuses it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..sparse.documents import Documents, document_bounds
 from ..sparse.index import position_lookup
 from ..sparse.validation import check_choice, check_int, fail
+from .document_balance import balanced_stripe_ranks
 
-KINDS = ("contiguous", "zigzag", "striped")
+KINDS = ("contiguous", "zigzag", "striped", "balanced")
+# The kinds whose stripe length moves tokens.
+STRIPED_KINDS = ("striped", "balanced")
 
 
 @dataclass(frozen=True)
 class ContextParallelLayout:
+    """``documents``: the packed sample's document boundaries (``cu_seqlens`` as a tensor, a
+    ``Documents`` or a sequence of ints; kept as a tuple of ints, read once on the host),
+    which only the ``balanced`` kind reads; the other kinds, and one document, keep None, so
+    that layouts placing the same tokens compare equal."""
+
     kind: str
     cp_size: int
     seq_len: int
     stripe: int = 128
+    documents: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_choice("ContextParallelLayout.kind", self.kind, KINDS)
         check_int("ContextParallelLayout.cp_size", self.cp_size, minimum=1)
         check_int("ContextParallelLayout.seq_len", self.seq_len, minimum=1)
         check_int("ContextParallelLayout.stripe", self.stripe, minimum=1)
-        unit = {"contiguous": self.cp_size, "zigzag": 2 * self.cp_size, "striped": self.stripe * self.cp_size}[
+        striped = self.stripe * self.cp_size
+        unit = {"contiguous": self.cp_size, "zigzag": 2 * self.cp_size, "striped": striped, "balanced": striped}[
             self.kind
         ]
         if self.seq_len % unit:
             how = {
                 "contiguous": f"cp_size ({self.cp_size})",
                 "zigzag": f"2 x cp_size ({unit})",
-                "striped": f"stripe x cp_size ({self.stripe} x {self.cp_size} = {unit})",
-            }[self.kind]
+            }.get(self.kind, f"stripe x cp_size ({self.stripe} x {self.cp_size} = {unit})")
             fail("ContextParallelLayout.seq_len", self.seq_len, f"a multiple of {how} for the {self.kind} layout")
+        documents = self.documents
+        if documents is not None and not isinstance(documents, torch.Tensor | Documents):
+            documents = torch.tensor(list(documents), dtype=torch.int64)
+        bounds = document_bounds(documents, self.seq_len) if self.kind == "balanced" else None
+        # One document places its tokens as none does (striped).
+        object.__setattr__(self, "documents", bounds if bounds is not None and len(bounds) > 2 else None)
 
     @property
     def local_len(self) -> int:
@@ -69,14 +92,18 @@ class ContextParallelLayout:
                 [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * w - 1 - rank) * c, (2 * w - rank) * c)]
             )
         else:
-            stripes = torch.arange(self.seq_len // (self.stripe * w)) * w + rank
+            stripes = (
+                torch.arange(self.seq_len // (self.stripe * w)) * w + rank
+                if self.documents is None
+                else torch.nonzero(_stripe_ranks(self) == rank).flatten()
+            )
             pos = (stripes.view(-1, 1) * self.stripe + torch.arange(self.stripe)).flatten()
         return pos.to(device) if device is not None else pos
 
     def token_positions(self, rank: int, device) -> TokenPositions:
         """``positions(rank)`` as ``TokenPositions`` on ``device``: the same object for equal
         layouts, rank and device, so the tables derived from it are built once."""
-        return _token_positions(self, rank, torch.device(device))
+        return _cached(_token_positions, self, rank, torch.device(device))
 
     def whole_sequence(self, device) -> TokenPositions:
         """Every position, in order: the keys of K/V gathered from all ranks."""
@@ -97,12 +124,36 @@ class ContextParallelLayout:
     def rank_major_order(self, device) -> torch.Tensor:
         """Every rank's positions, rank after rank: what ``shard`` of each rank, concatenated,
         gathers."""
-        return _orders(self, torch.device(device))[0]
+        return _cached(_orders, self, torch.device(device))[0]
 
     def global_order(self, device) -> torch.Tensor:
         """The inverse of ``rank_major_order``: where each global position lies among the
         ranks' parts concatenated in rank order."""
-        return _orders(self, torch.device(device))[1]
+        return _cached(_orders, self, torch.device(device))[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _stripe_ranks(layout: ContextParallelLayout) -> torch.Tensor:
+    return balanced_stripe_ranks(layout.documents, layout.seq_len, layout.stripe, layout.cp_size)
+
+
+# What is derived from a layout with documents, per (function, layout without its documents,
+# arguments): the latest documents' only. Each micro-batch brings a layout, and an LRU cache
+# of them would keep sequence-sized tables of past micro-batches alive on the device.
+_LATEST: dict = {}
+
+
+def _cached(make, layout: ContextParallelLayout, *args):
+    """``make(layout, *args)``, from its LRU cache for a layout without documents, else kept
+    until the same call comes with other documents."""
+    if layout.documents is None:
+        return make(layout, *args)
+    key = (make, dataclasses.replace(layout, documents=None), *args)
+    documents, value = _LATEST.get(key, (None, None))
+    if documents != layout.documents:
+        value = make.__wrapped__(layout, *args)
+        _LATEST[key] = (layout.documents, value)
+    return value
 
 
 @functools.lru_cache(maxsize=64)

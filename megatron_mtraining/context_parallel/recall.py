@@ -20,6 +20,7 @@ from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex
 from ..sparse.metrics import (
     check_recall_rows,
     check_rows,
+    document_starts,
     index_window_selection,
     msa_recall_from_parts,
     msa_window_selection,
@@ -130,11 +131,14 @@ def distributed_msa_recall(
     first = seq - num_rows
     positions = layout.token_positions(dist.get_rank(group), q.device).values
     reduce_max = all_reduce_fn(dist.ReduceOp.MAX, group)
+    starts = document_starts(index)  # global positions: the same on every rank
     if isinstance(index, BlockTopKIndex):
         selected = index_window_selection(index, num_rows, all_reduce_max=reduce_max)
     elif index is None or isinstance(index, DenseIndex):
         q_idx_window = gather_window(q_idx, positions, first, seq, group)
-        selected = msa_window_selection(q_idx_window, k_idx, positions, seq, config, all_reduce_max=reduce_max)
+        selected = msa_window_selection(
+            q_idx_window, k_idx, positions, seq, config, all_reduce_max=reduce_max, doc_starts=starts
+        )
     else:
         fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
     return msa_recall_from_parts(
@@ -147,4 +151,5 @@ def distributed_msa_recall(
         scale,
         all_reduce_max=reduce_max,
         all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
+        doc_starts=starts,
     )

@@ -35,8 +35,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -100,8 +102,50 @@ def pretrain_command(processes: int, config: Path | str, overrides: list[str]) -
     return module_command(processes, "megatron_mtraining.pretrain", ["--config", str(config), *overrides])
 
 
-class QuickstartError(RuntimeError):
+class StageError(RuntimeError):
     """A stage failed; the message says which and where its log is."""
+
+
+def run_logged(
+    command: list[str], cwd: Path, log_path: Path, steps: int, processes: int, what: str, deadline: float | None = None
+) -> str:
+    """Runs ``command`` in ``cwd``, its output to ``log_path`` and its progress to the
+    console (one line per iteration of ``steps``, checkpoint saves and loads); returns the
+    output. At ``deadline`` (a ``time.monotonic()`` value) the command gets SIGTERM, on which
+    a training run with ``megatron.exit_signal_handler`` saves a checkpoint and stops. A
+    failure raises :class:`StageError` with the end of the log, naming ``what``."""
+    # Lines reach the display as they are printed, not when a pipe buffer fills.
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    # torchrun's default is one thread per process, which leaves cores idle on bigger machines.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    progress = _Progress(steps)
+    lines = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        log.write(f"# cwd: {Path(cwd).resolve()}\n# command: {shlex.join(command)}\n")
+        with subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            timer = None
+            if deadline is not None:
+                timer = threading.Timer(max(0.0, deadline - time.monotonic()), proc.send_signal, (signal.SIGTERM,))
+                timer.start()
+            try:
+                for line in proc.stdout:
+                    log.write(line)
+                    lines.append(line)
+                    progress.show(line)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+    if proc.returncode != 0:
+        # torchrun's own report (which rank failed, how) closes the log; the cause is above it.
+        end = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line), len(lines))
+        raise StageError(
+            f"{what} failed (exit code {proc.returncode}); the end of its log:\n"
+            f"{''.join(lines[max(0, end - 40) : end])}\nfull log: {log_path}"
+        )
+    return "".join(lines)
 
 
 class Quickstart:
@@ -232,7 +276,7 @@ class Quickstart:
             shutil.rmtree(self.path(output), ignore_errors=True)
         iterations = sorted(parse_metrics(self.train("phase1", self.phase1_overrides())))
         if iterations != list(range(1, self.half + 1)) or not self.path(self.checkpoint(self.half)).is_dir():
-            raise QuickstartError(
+            raise StageError(
                 f"phase 1 should train iterations 1-{self.half} and save {self.path(self.checkpoint(self.half))}; "
                 f"it logged iterations {_span(iterations)} (log: {self.path(LOGS / 'phase1.log')})"
             )
@@ -244,7 +288,7 @@ class Quickstart:
         loaded = [int(i) for i in LOADED.findall(output)]
         iterations = sorted(parse_metrics(output))
         if loaded != [self.half] or iterations != list(range(self.half + 1, self.steps + 1)):
-            raise QuickstartError(
+            raise StageError(
                 f"phase 2 did not resume where phase 1 saved: expected to load iteration {self.half} and train "
                 f"{self.half + 1}-{self.steps}; Megatron loaded {loaded or 'no checkpoint'} and logged iterations "
                 f"{_span(iterations)} (log: {self.path(LOGS / 'phase2.log')})"
@@ -256,7 +300,6 @@ class Quickstart:
         the console; returns the output."""
         command = self.command(phase_overrides)
         log_path = self.path(LOGS / f"{phase}.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         count = self.launch.processes
         processes = f"{count} process{'es' if count > 1 else ''}"
         where = (
@@ -265,29 +308,7 @@ class Quickstart:
         ring = f"context parallelism {self.context_parallel} ({self.attention.layout} ring)"
         print(f"  {processes} {where}, {ring}, {self.attention.type} attention, {self.seq_length}-token samples")
         print(f"  log: {log_path}")
-        # Lines reach the display as they are printed, not when a pipe buffer fills.
-        env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-        # torchrun's default is one thread per process, which leaves cores idle on bigger machines.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.launch.processes)))
-        progress = _Progress(self.steps)
-        lines = []
-        with log_path.open("w") as log:
-            log.write(f"# cwd: {self.workdir.resolve()}\n# command: {shlex.join(command)}\n")
-            with subprocess.Popen(
-                command, cwd=self.workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            ) as proc:
-                for line in proc.stdout:
-                    log.write(line)
-                    lines.append(line)
-                    progress.show(line)
-        if proc.returncode != 0:
-            # torchrun's own report (which rank failed, how) closes the log; the cause is above it.
-            end = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line), len(lines))
-            raise QuickstartError(
-                f"training {phase} failed (exit code {proc.returncode}); the end of its log:\n"
-                f"{''.join(lines[max(0, end - 40) : end])}\nfull log: {log_path}"
-            )
-        return "".join(lines)
+        return run_logged(command, self.workdir, log_path, self.steps, count, f"training {phase}")
 
     # ---- summary ---------------------------------------------------------------------------
     def summary(self) -> None:
@@ -335,7 +356,8 @@ def _span(iterations: list[int]) -> str:
 
 
 class _Progress:
-    """The console's view of a training phase: one line per iteration, checkpoint saves and loads."""
+    """The console's view of a training phase: one line per iteration, checkpoint saves and
+    loads (and an evaluation's progress lines)."""
 
     def __init__(self, total: int):
         self.total = total
@@ -365,6 +387,8 @@ class _Progress:
             print(f"  loaded the checkpoint of iteration {match.group(1)}")
         elif match := SAVED.search(line):
             print(f"  saved the checkpoint of iteration {match.group(1)}")
+        elif line.startswith("[eval] "):
+            print(f"  {line.rstrip()}")
 
 
 def _parse_cli(argv: list[str]) -> argparse.Namespace:
@@ -434,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         print(launch.note)
     try:
         Quickstart(args, launch, run_config).run()
-    except QuickstartError as err:
+    except StageError as err:
         sys.exit(f"error: {err}")
     except KeyboardInterrupt:
         sys.exit("\ninterrupted: the finished stages are kept; the same command continues from them")

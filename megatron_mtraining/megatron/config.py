@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import patterns
-from ..context_parallel.layout import KINDS, ContextParallelLayout
+from ..context_parallel.layout import KINDS, STRIPED_KINDS, ContextParallelLayout
 from ..context_parallel.ring import KV_EXCHANGES
 from ..patterns.base import Pattern
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
@@ -66,8 +66,9 @@ class _AttentionSettings(ValidatedConfig):
     ``type`` selects the pattern (``megatron_mtraining.patterns``); only its section (the
     field named after it, holding the pattern's settings dataclass, e.g. ``mtraining``,
     ``msa``, ``moba``) is used. ``layout`` is the token order of a context-parallel rank (``zigzag`` is Megatron's
-    own batch split; ``striped`` and ``contiguous`` need the plugin's batch-split and RoPE
-    patches, ``megatron_mtraining.patches.apply_patches``), ``stripe``
+    own batch split; ``striped``, ``balanced`` and ``contiguous`` need the plugin's batch-split and RoPE
+    patches, ``megatron_mtraining.patches.apply_patches``; ``balanced`` places each packed
+    sample's stripes by its documents and is ``striped`` without them), ``stripe``
     its stripe length. ``hierarchy`` is the inner (intra-node) ring size of the hierarchical
     ring, or None for the flat ring; it must match Megatron's
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
@@ -144,7 +145,7 @@ class _AttentionSettings(ValidatedConfig):
         cannot split it fails before any process starts, and a pattern that would attend
         everything does not run dense without a word)."""
         name = type(self).__name__
-        if cp_size > 1 and self.layout == "striped" and seq_length % cp_size == 0:
+        if cp_size > 1 and self.layout in STRIPED_KINDS and seq_length % cp_size == 0:
             local = seq_length // cp_size
             if local % self.stripe:
                 divisors = [d for d in range(1, local + 1) if local % d == 0]

@@ -18,6 +18,7 @@ It reads the layer input, which ``DotProductAttention``'s forward does not recei
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -31,6 +32,7 @@ from megatron.core.utils import divide
 from .. import patches
 from ..context_parallel import ContextParallelLayout, ring_attention
 from ..context_parallel.distributed_index import build_index
+from ..context_parallel.layout import STRIPED_KINDS
 from ..sparse import DenseIndex, IndexBranch, sparse_attention
 from ..sparse.documents import packed_documents
 from ..sparse.index import SparseIndex
@@ -136,9 +138,10 @@ class SparseCoreAttention(MegatronModule):
             )
         return inner, outer
 
-    def _check_patches(self, cp_size: int) -> None:
+    def _check_patches(self, cp_size: int, layout: ContextParallelLayout | None = None) -> None:
         """The ring assumes every CP rank holds its tokens in the configured layout's order;
-        Megatron's batch split and RoPE slice decide that order, so they must agree."""
+        Megatron's batch split and RoPE slice decide that order, so they must agree (with a
+        forward's ``layout`` under ``balanced``, on the micro-batch's documents too)."""
         if cp_size == 1:
             return
         cfg = self.attention_config
@@ -153,12 +156,13 @@ class SparseCoreAttention(MegatronModule):
                 f"(and attention.stripe={applied.stripe}), or call megatron_mtraining.patches.remove_patches() "
                 "before building the model"
             )
-        # The stripe only moves tokens in the striped layout.
         if (
             applied is not None
             and applied.kind == cfg.layout
-            and (cfg.layout != "striped" or applied.stripe == cfg.stripe)
+            and (cfg.layout not in STRIPED_KINDS or applied.stripe == cfg.stripe)
         ):
+            if layout is not None and cfg.layout == "balanced":
+                self._check_split_documents(layout)
             return
         want = f"megatron_mtraining.patches.apply_patches({cfg.layout!r}, {cfg.stripe})"
         if applied is None:
@@ -170,6 +174,22 @@ class SparseCoreAttention(MegatronModule):
             f"slice in the same layout, but the patches {got}: call {want} before building the model"
             + ("" if applied is None else " (remove_patches() first)")
         )
+
+    @staticmethod
+    def _check_split_documents(layout: ContextParallelLayout) -> None:
+        """``balanced`` places a micro-batch by its documents: those the batch split used must
+        be the attention's, or every token would be taken for another position."""
+        split = dataclasses.replace(layout, documents=patches.split_documents()).documents
+        if split != layout.documents:
+            ends = "" if split is None else ", ".join(map(str, split[1:9])) + (", ..." if len(split) > 9 else "")
+            fail(
+                "the documents of Megatron's CP batch split",
+                "no documents (striped)" if split is None else f"{len(split) - 1} documents, ends [{ends}]",
+                "the attention's packed_seq_params.cu_seqlens_q"
+                + ("" if layout.documents is None else f" ({len(layout.documents) - 1} documents)")
+                + " under attention.layout='balanced': put the sample's cu_seqlens in the batch (batch['cu_seqlens'])"
+                " before get_batch_on_this_cp_rank, and pass the same boundaries as packed_seq_params",
+            )
 
     def forward(
         self,
@@ -203,11 +223,14 @@ class SparseCoreAttention(MegatronModule):
         cp_size = _group_size(self.cp_group)
         layout = None
         if cp_size > 1:
+            cfg = self.attention_config
+            # balanced places the tokens by the documents (their bounds read on the host).
+            layout = ContextParallelLayout(
+                cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe, documents=cu_seqlens
+            )
             # Again per forward: removing or changing the patches after the build would
             # silently misplace every token.
-            self._check_patches(cp_size)
-            cfg = self.attention_config
-            layout = ContextParallelLayout(cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe)
+            self._check_patches(cp_size, layout)
         if self.pattern.has_index_branch:
             hidden = index_input if index_input is not None else self.index_input
             out = self._msa(q, k, v, hidden, layout, cu_seqlens)

@@ -81,42 +81,45 @@ class Documents:
         return keys.view(1, -1) >= self.starts.view(-1, 1)
 
 
-# The last few boundary tensors' Documents, by tensor identity: every layer of a micro-batch
-# receives the same ``cu_seqlens`` (Megatron's one PackedSeqParams), so the host reads it once.
-_RECENT: OrderedDict[tuple, tuple[weakref.ref, Documents]] = OrderedDict()
+# The last few boundary tensors' host bounds and Documents, by tensor identity: every layer of
+# a micro-batch receives the same ``cu_seqlens`` (Megatron's one PackedSeqParams), so the host
+# reads it once.
+_RECENT: OrderedDict[tuple, tuple[weakref.ref, object]] = OrderedDict()
 RECENT_SIZE = 8
 
 
-def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
-    """The ``Documents`` of ``cu_seqlens`` over ``seq_len`` tokens (None: None, one document),
-    on ``device`` (``cu_seqlens``'s by default). Raises ``ValueError`` naming the entry, the
-    value and what is accepted unless ``cu_seqlens`` is a 1-d int32 (or int64) tensor that
-    starts at 0, strictly increases and ends at ``seq_len``. Reads the boundaries on the
-    host once per tensor (one small copy from a GPU): a later call with the same tensor,
-    unmodified, returns the same ``Documents``."""
+def _remembered(tensor: torch.Tensor, key: tuple, make):
+    """``make()``, or what it gave for this tensor, unmodified, and ``key``."""
+    full = (id(tensor), tensor._version, *key)
+    kept = _RECENT.get(full)
+    if kept is not None and kept[0]() is tensor:
+        _RECENT.move_to_end(full)
+        return kept[1]
+    value = make()
+    _RECENT[full] = (weakref.ref(tensor), value)
+    while len(_RECENT) > RECENT_SIZE:
+        _RECENT.popitem(last=False)
+    return value
+
+
+def document_bounds(cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
+    """``cu_seqlens`` on the host, validated, as a tuple (None: None, one document); a
+    ``Documents`` gives its own. Raises ``ValueError`` naming the entry, the value and what is
+    accepted unless ``cu_seqlens`` is a 1-d int32 (or int64) tensor that starts at 0, strictly
+    increases and ends at ``seq_len``. Reads the boundaries on the host once per tensor (one
+    small copy from a GPU) and builds nothing on the device."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, Documents):
         if cu_seqlens.seq_len != seq_len:
             fail("cu_seqlens", list(cu_seqlens.bounds), f"documents of the sequence length {seq_len}")
-        return cu_seqlens if device is None else cu_seqlens.to(device)
+        return cu_seqlens.bounds
     if not isinstance(cu_seqlens, torch.Tensor):
         fail("cu_seqlens", type(cu_seqlens).__name__, f"a torch.Tensor of {ACCEPTED}")
-    target = cu_seqlens.device if device is None else torch.device(device)
-    key = (id(cu_seqlens), cu_seqlens._version, seq_len, target)
-    kept = _RECENT.get(key)
-    if kept is not None and kept[0]() is cu_seqlens:
-        _RECENT.move_to_end(key)
-        return kept[1]
-    documents = _read_documents(cu_seqlens, seq_len, target)
-    _RECENT[key] = (weakref.ref(cu_seqlens), documents)
-    while len(_RECENT) > RECENT_SIZE:
-        _RECENT.popitem(last=False)
-    return documents
+    return _remembered(cu_seqlens, ("bounds", seq_len), lambda: _read_bounds(cu_seqlens, seq_len))
 
 
-def _read_documents(cu_seqlens: torch.Tensor, seq_len: int, device: torch.device) -> Documents:
-    """``packed_documents`` of a tensor, validated and read on the host."""
+def _read_bounds(cu_seqlens: torch.Tensor, seq_len: int) -> tuple[int, ...]:
     if cu_seqlens.dim() != 1:
         fail("cu_seqlens.shape", tuple(cu_seqlens.shape), f"a 1-d tensor [n_documents + 1] of {ACCEPTED}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -139,10 +142,28 @@ def _read_documents(cu_seqlens: torch.Tensor, seq_len: int, device: torch.device
             bounds[-1],
             f"the sequence length {seq_len}: the last document ends the sequence (batch 1 packed)",
         )
+    return tuple(int(b) for b in bounds)
+
+
+def packed_documents(cu_seqlens, seq_len: int, device=None) -> Documents | None:
+    """The ``Documents`` of ``cu_seqlens`` over ``seq_len`` tokens (None: None, one document),
+    on ``device`` (``cu_seqlens``'s by default), validated by :func:`document_bounds`; a later
+    call with the same tensor, unmodified, returns the same ``Documents``."""
+    if isinstance(cu_seqlens, Documents):
+        document_bounds(cu_seqlens, seq_len)
+        return cu_seqlens if device is None else cu_seqlens.to(device)
+    bounds = document_bounds(cu_seqlens, seq_len)
+    if bounds is None:
+        return None
+    device = cu_seqlens.device if device is None else torch.device(device)
+    return _remembered(cu_seqlens, ("documents", seq_len, device), lambda: _documents(cu_seqlens, bounds, device))
+
+
+def _documents(cu_seqlens: torch.Tensor, bounds: tuple[int, ...], device: torch.device) -> Documents:
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    positions = torch.arange(seq_len, device=device, dtype=torch.int32)
+    positions = torch.arange(bounds[-1], device=device, dtype=torch.int32)
     ids = torch.searchsorted(cu[1:-1].contiguous(), positions, right=True).to(torch.int32)
-    return Documents(cu, cu[ids.long()], ids, tuple(int(b) for b in bounds))
+    return Documents(cu, cu[ids.long()], ids, bounds)
 
 
 def check_documents(name: str, documents: Documents | None, seq_len: int) -> None:

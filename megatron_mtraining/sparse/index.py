@@ -628,11 +628,16 @@ class VerticalSlashPart(SparseIndex):
         return self.index._part_area(rows, keys, self.part)
 
     def block_areas(self, block: int) -> torch.Tensor:
-        if block != self.index.block_size or self.documents is not None:
+        if block != self.index.block_size or (self.part != "tiles" and self.documents is not None):
             return super().block_areas(block)
         n, bs, s = self.index.num_blocks, block, self.seq_len
         qb = torch.arange(n, device=self.device).view(-1, 1)
         kb = torch.arange(n, device=self.device).view(1, -1)
+        if self.documents is not None:
+            # An attended tile's rows see their document's keys in it: the pairs that
+            # block-diagonal causal attention has there (none where no row's document reaches).
+            hits = self.index._document_in_tile(qb.view(1, 1, n, 1), kb.view(1, 1, 1, n)).double().sum((0, 1))
+            return hits * DenseIndex(1, 1, s, device=self.device, documents=self.documents).block_areas(block)
         diag = qb - kb
         rows = torch.clamp(s - qb * bs, max=bs).double()
         active = self.index.active_diagonals()

@@ -24,14 +24,8 @@ def attention_recall(
     """Share of the dense causal attention mass of the last ``num_rows`` queries that
     falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost); with the
     index's packed documents, the dense mass within each row's document."""
-    check_qk(q, k)
-    bsz, seq, hq, d = q.shape
-    index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
-    check_recall_rows(num_rows, seq)
-    scale = check_softmax_scale(softmax_scale, d)
-    if index.complete:
-        return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
-    return recall_from_parts(q[:, seq - num_rows :], k, torch.arange(seq, device=q.device), index, scale)
+    check_recall_rows(num_rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, num_rows=num_rows)
 
 
 @torch.no_grad()
@@ -45,16 +39,20 @@ def heldout_recall(
     """``attention_recall`` of the queries at positions ``rows`` (ascending int64 on the
     host, as :func:`heldout_rows` draws them) rather than of the last ones, ``[B, Hq]``
     float32: drawn from rows that did not build the index, it is the out-of-sample recall."""
+    check_rows(rows, q.shape[1])
+    return _recall(q, k, index, softmax_scale, rows=rows)
+
+
+def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 0) -> torch.Tensor:
+    """The recall of the rows at ``rows`` (host positions), else of the last ``num_rows``."""
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
-    check_rows(rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     if index.complete:
         return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
-    return recall_from_parts(
-        q[:, rows.to(q.device, non_blocking=True)], k, torch.arange(seq, device=q.device), index, scale, rows
-    )
+    q_rows = q[:, seq - num_rows :] if rows is None else q[:, rows.to(q.device, non_blocking=True)]
+    return recall_from_parts(q_rows, k, torch.arange(seq, device=q.device), index, scale, rows)
 
 
 def heldout_rows(
@@ -198,14 +196,21 @@ def msa_recall(
     check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, d)
     positions = torch.arange(seq, device=q.device)
+    starts = document_starts(index)
     if isinstance(index, BlockTopKIndex):
         index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
         selected = index_window_selection(index, num_rows)
     elif index is None or isinstance(index, DenseIndex):
-        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config)
+        selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config, doc_starts=starts)
     else:
         fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
-    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale)
+    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale, doc_starts=starts)
+
+
+def document_starts(index: SparseIndex | None) -> torch.Tensor | None:
+    """``[S]`` the document start of each position of a packed index, or None (one document,
+    or no index)."""
+    return None if index is None or index.documents is None else index.documents.starts
 
 
 def msa_window_selection(
@@ -215,16 +220,18 @@ def msa_window_selection(
     seq: int,
     config: MSAConfig,
     all_reduce_max=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks MSA's index selects for the window (the last ``R`` of ``seq`` queries),
     bool ``[B, Hkv, R, n_blocks]``: own block plus the top ``topk - 1`` visible others by
     block score, ties to the lower block id. ``k_idx`` holds *some* of the index keys, at
     the given global positions; ``all_reduce_max`` combines the block maxima across the
-    holders of the others (identity on one device)."""
+    holders of the others (identity on one device). ``doc_starts``: packed documents'
+    starts by global position (a key before its row's document start is not visible)."""
     rows = q_idx_window.shape[1]
     window = torch.arange(seq - rows, seq, device=k_idx.device)
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
-    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs)
+    scores = block_max_scores(q_idx_window, window, k_idx, key_positions, n_blocks, bs, doc_starts)
     scores = all_reduce_max(scores)
     own = (window // bs).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
     return _top_blocks(scores.scatter(-1, own, float("inf")), config.topk)
@@ -251,12 +258,14 @@ def msa_recall_from_parts(
     scale: float,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
+    doc_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``msa_recall`` from the window queries (the last ``R`` of ``seq``), *some* of the
     keys at their global positions, and the index's selection ``selected`` (bool ``[B, Hs,
     R, n_blocks]``, ``Hs`` dividing Hq). ``all_reduce_max`` combines the rows' logit maxima
     and ``all_reduce_sum`` the block sums ``[B, Hq, R, n_blocks]`` across the holders of the
-    other keys (identity on one device)."""
+    other keys (identity on one device). ``doc_starts``: packed documents' starts by global
+    position; a row's softmax and its visible blocks stay inside its document."""
     bsz, rows, hq, _ = q_window.shape
     hkv = k.shape[2]
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
@@ -264,14 +273,20 @@ def msa_recall_from_parts(
     window = torch.arange(seq - rows, seq, device=k.device)
     qr = q_window.to(dt).unflatten(2, (hkv, hq // hkv))
     logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.to(dt)).flatten(1, 2) * scale
-    logits.masked_fill_(key_positions.view(1, -1) > window.view(-1, 1), float("-inf"))
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees key 0: finite
+    hidden = key_positions.view(1, -1) > window.view(-1, 1)
+    first = torch.zeros_like(window) if doc_starts is None else doc_starts[window].long()
+    if doc_starts is not None:
+        hidden |= key_positions.view(1, -1) < first.view(-1, 1)
+    logits.masked_fill_(hidden, float("-inf"))
+    # Every row sees itself on one of the holders: the reduced maximum is finite.
+    row_max = all_reduce_max(logits.amax(-1, keepdim=True))
     weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
     sums = weights.new_zeros(bsz, hq, rows, n_blocks).index_add_(3, key_positions // bs, weights)
     mass = all_reduce_sum(sums)
     mass = mass / mass.sum(-1, keepdim=True)  # P_b
     # Invisible blocks rank last; a visible block of mass 0 (underflow) still counts.
-    visible = torch.arange(n_blocks, device=k.device).view(1, -1) <= (window // bs).view(-1, 1)
+    block_ids = torch.arange(n_blocks, device=k.device).view(1, -1)
+    visible = (block_ids <= (window // bs).view(-1, 1)) & (block_ids >= (first // bs).view(-1, 1))
     best = _top_blocks(torch.where(visible, mass, float("-inf")), config.topk)
     hit = best & selected.repeat_interleave(hq // selected.shape[1], dim=1)
     block = hit.sum(-1).to(dt) / best.sum(-1)

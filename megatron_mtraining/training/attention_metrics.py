@@ -136,8 +136,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         # Runs before _attend, which marks the micro-batch measured.
         flag = self._measuring()
-        if flag is None or flag.evaluation or index.documents is not None:
-            # The recall's dense reference does not take packed documents yet: not recorded.
+        if flag is None or flag.evaluation:
             return
         cfg, scale = self.attention_config.msa, self.softmax_scale
         with part_range("metrics"):

@@ -14,6 +14,7 @@ import os
 import re
 from unittest import mock
 
+from ..context_parallel.layout import STRIPED_KINDS
 from ..planning.hardware import gpu
 from .yaml_config import ConfigError, RunConfig, culprits, explain_rejection, load_config
 
@@ -89,7 +90,7 @@ def layout_report(args, run_config: RunConfig) -> str:
         f"[mtraining] parallel layout: world {args.world_size} = TP {args.tensor_model_parallel_size} x "
         f"PP {args.pipeline_model_parallel_size} x CP {cp} x DP {args.data_parallel_size}",
         f"  attention: {attention.type}; CP layout {attention.layout}"
-        + (f" (stripe {attention.stripe})" if attention.layout == "striped" else ""),
+        + (f" (stripe {attention.stripe})" if attention.layout in STRIPED_KINDS else ""),
         f"  sequence {args.seq_length} tokens, {args.seq_length // cp} per CP rank; micro-batch "
         f"{args.micro_batch_size}, global batch {args.global_batch_size} "
         f"({args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)} accumulation steps)",

@@ -101,14 +101,21 @@ def _get_batch(data_iterator) -> dict:
     )
     packed = None
     if args.reset_attention_mask:
-        # Global boundaries from the whole sample, before the CP split scatters its tokens.
+        # Global boundaries from the whole sample, before the CP split scatters its tokens;
+        # the split reads them too (Megatron's key), where the layout places tokens by them.
         packed = packed_seq_params(batch["tokens"], get_tokenizer().eod, args.reset_position_ids)
         batch["attention_mask"] = None
+        batch["cu_seqlens"] = packed.cu_seqlens_q
     # Looked up at call time: the patches replace the function in megatron.core.utils.
     from megatron.core import utils as core_utils
 
+    # One sequence, documents and all, as Megatron's own split does with per-sequence
+    # balancing (without it, cu_seqlens in the batch would ask for its per-document zigzag).
     batch = core_utils.get_batch_on_this_cp_rank(
-        batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+        batch,
+        is_hybrid_cp=False,
+        cp_group=parallel_state.get_context_parallel_group(),
+        use_per_sequence_balancing=True,
     )
     batch["packed_seq_params"] = packed
     return batch
