@@ -475,15 +475,33 @@ def test_int64_boundaries_and_none():
     assert docs.ids.tolist() == [0] * 3 + [1] * 7 and docs.ends().tolist() == [3] * 3 + [10] * 7
 
 
+def count_host_reads(monkeypatch, *tensors) -> list:
+    """The ``tolist`` calls on ``tensors`` (only theirs: other threads of the process may read
+    their own), listed as they happen. A call that a torch-function mode re-dispatches (the
+    CPU runs' ``CudaToCpu``, installed for the rest of the process by a Megatron test) reaches
+    the patched method twice: the inner call is the same read and is not counted again."""
+    reads, original, inside = [], torch.Tensor.tolist, []
+
+    def tolist(t):
+        if inside:
+            return original(t)
+        inside.append(t)
+        try:
+            reads.extend([t] if any(t is x for x in tensors) else [])
+            return original(t)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return reads
+
+
 def test_boundaries_are_read_once_per_tensor(monkeypatch):
     """Every layer of a micro-batch gets the same cu_seqlens: one host read, one Documents;
     a modified or another tensor is read again."""
-    cu, tolist = torch.tensor([0, 5, 16], dtype=torch.int32), torch.Tensor.tolist
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     copy = cu.clone()
-    reads = []  # host reads of these two tensors only (other threads of the process may read theirs)
-    monkeypatch.setattr(
-        torch.Tensor, "tolist", lambda t: reads.extend([t] if t is cu or t is copy else []) or tolist(t)
-    )
+    reads = count_host_reads(monkeypatch, cu, copy)
     first = packed_documents(cu, 16)
     again = packed_documents(cu, 16)
     assert again is first, "the same tensor gave a new Documents"
@@ -499,9 +517,8 @@ def test_boundaries_are_read_once_per_tensor(monkeypatch):
 def test_a_freed_tensors_entry_does_not_evict_the_new_one(monkeypatch):
     """Tensor ids are reused: an entry left by a freed tensor under the same key must not
     keep its place first in line, or the full memo evicts the new tensor's bounds at once."""
-    cu, tolist = torch.tensor([0, 7, 16], dtype=torch.int32), torch.Tensor.tolist
-    reads = []
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.extend([t] if t is cu else []) or tolist(t))
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+    reads = count_host_reads(monkeypatch, cu)
     dead = weakref.ref(torch.zeros(1))
     assert dead() is None
     monkeypatch.setattr(documents_module, "_RECENT", OrderedDict())
