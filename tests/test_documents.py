@@ -11,6 +11,8 @@ on each document alone (vertical-slash) and against brute force (MSA, MoBA).
 
 import dataclasses
 import os
+import weakref
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ from megatron_mtraining.sparse import (
     dispatch,
     packed_documents,
 )
+from megatron_mtraining.sparse import documents as documents_module
 from megatron_mtraining.sparse.index import VerticalSlashPart, compact
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables, transpose_sorted, transpose_tiles
 
@@ -472,15 +475,33 @@ def test_int64_boundaries_and_none():
     assert docs.ids.tolist() == [0] * 3 + [1] * 7 and docs.ends().tolist() == [3] * 3 + [10] * 7
 
 
+def count_host_reads(monkeypatch, *tensors) -> list:
+    """The ``tolist`` calls on ``tensors`` (only theirs: other threads of the process may read
+    their own), listed as they happen. A call that a torch-function mode re-dispatches (the
+    CPU runs' ``CudaToCpu``, installed for the rest of the process by a Megatron test) reaches
+    the patched method twice: the inner call is the same read and is not counted again."""
+    reads, original, inside = [], torch.Tensor.tolist, []
+
+    def tolist(t):
+        if inside:
+            return original(t)
+        inside.append(t)
+        try:
+            reads.extend([t] if any(t is x for x in tensors) else [])
+            return original(t)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return reads
+
+
 def test_boundaries_are_read_once_per_tensor(monkeypatch):
     """Every layer of a micro-batch gets the same cu_seqlens: one host read, one Documents;
     a modified or another tensor is read again."""
-    cu, tolist = torch.tensor([0, 5, 16], dtype=torch.int32), torch.Tensor.tolist
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     copy = cu.clone()
-    reads = []  # host reads of these two tensors only (other threads of the process may read theirs)
-    monkeypatch.setattr(
-        torch.Tensor, "tolist", lambda t: reads.extend([t] if t is cu or t is copy else []) or tolist(t)
-    )
+    reads = count_host_reads(monkeypatch, cu, copy)
     first = packed_documents(cu, 16)
     again = packed_documents(cu, 16)
     assert again is first, "the same tensor gave a new Documents"
@@ -491,6 +512,22 @@ def test_boundaries_are_read_once_per_tensor(monkeypatch):
     assert packed_documents(cu, 16).bounds == (0, 9, 16) and len(reads) == 3
     with pytest.raises(ValueError, match="the sequence length 20"):
         packed_documents(cu, 20)  # another length is checked, not served from the first read
+
+
+def test_a_freed_tensors_entry_does_not_evict_the_new_one(monkeypatch):
+    """Tensor ids are reused: an entry left by a freed tensor under the same key must not
+    keep its place first in line, or the full memo evicts the new tensor's bounds at once."""
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+    reads = count_host_reads(monkeypatch, cu)
+    dead = weakref.ref(torch.zeros(1))
+    assert dead() is None
+    monkeypatch.setattr(documents_module, "_RECENT", OrderedDict())
+    documents_module._RECENT[(id(cu), cu._version, "bounds", 16)] = (dead, (0, 16))
+    for i in range(documents_module.RECENT_SIZE - 1):  # full: the stale entry first, others after
+        documents_module._RECENT[("other", i)] = (dead, None)
+    first = packed_documents(cu, 16)
+    assert first.bounds == (0, 7, 16) and packed_documents(cu, 16) is first
+    assert len(reads) == 1, f"{len(reads)} host reads"
 
 
 def test_api_errors_name_the_argument(rng):

@@ -381,8 +381,10 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
 
     config = load_config(CONFIG)
     seq, vocab = config.megatron["seq_length"], config.megatron["vocab_size"]
-    train = torch.randint(0, vocab, (64, 300), generator=rng)
-    held_out = torch.randint(0, vocab, (seq,), generator=rng)
+    # Training text from 4 token ids, which three steps start to learn; held-out text from the
+    # others, whose loss so rises above the training loss: the two cannot be confused.
+    train = torch.randint(0, 4, (64, 300), generator=rng)
+    held_out = torch.randint(4, vocab, (seq,), generator=rng)
     _write_indexed(tmp_path / "train", train.tolist())
     _write_indexed(tmp_path / "valid", [held_out.tolist()] * 8)
     ckpt = tmp_path / "ckpt"
@@ -420,7 +422,7 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
     want = torch.nn.functional.cross_entropy(logits[0], labels).item()
     assert got == pytest.approx(want, rel=1e-5), (got, want)
     # Not the training data's loss: the held-out sequence is what was evaluated.
-    assert abs(float(metrics(output)[3]["lm_loss"]) - want) > 1e-3
+    assert want > float(metrics(output)[3]["lm_loss"]) + 0.1, (want, metrics(output)[3])
     if world == 1:
         import json
 
