@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from megatron_mtraining.examples.synthetic import rope
+from megatron_mtraining.planning import workload
 from megatron_mtraining.sparse import (
     DenseIndex,
     MoBAConfig,
@@ -76,33 +77,9 @@ def fwd_bwd_ms(forward, q, k, v, rep_ms):
 
 
 def natural_index(seq: int, block: int, density: float, gen: torch.Generator, device) -> VerticalSlashIndex:
-    """A vertical-slash index shaped like the paper's (slash lines dominate): per head
-    the local block diagonals, a few far ones, sink columns and scattered columns,
-    grown until the attended fraction reaches ``density``."""
-    n_blocks = seq // block
-    causal = seq * (seq + 1) / 2
-    slash, vertical = [], []
-    for _ in range(HQ):
-        diags, cols = list(range(4)), list(range(64))
-        tiles = sum(n_blocks - d for d in diags) * block * block  # approximate areas, good enough to aim
-        bars = sum(seq - c for c in cols)
-        far = torch.randperm(n_blocks - 4, generator=gen)[: n_blocks // 8].add(4).tolist()
-        scattered = iter(torch.randperm(seq - 64, generator=gen).add(64).tolist())
-        while tiles + bars < density * causal:
-            if far and tiles < 0.7 * density * causal:
-                diags.append(far.pop())
-                tiles += (n_blocks - diags[-1]) * block * block
-            else:
-                cols.append(next(scattered))
-                bars += seq - cols[-1]
-        slash.append(sorted(diags))
-        vertical.append(sorted(cols))
-
-    def pad(rows):
-        width = max(map(len, rows))
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).unsqueeze(0)
-
-    return VerticalSlashIndex(pad(vertical), pad(slash), seq_len=seq, block_size=block).to(device)
+    """The benchmark's vertical-slash index (``planning.workload.natural_index``, which the
+    capacity planner's calibration is measured on) on ``device``."""
+    return workload.natural_index(seq, block, density, gen, HQ).to(device)
 
 
 def structured_qk(seq: int, gen: torch.Generator):

@@ -37,6 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_mtraining.planning.flops import model_flops  # noqa: E402
+from megatron_mtraining.planning.hardware import gpu_of_device  # noqa: E402
+
 ROWS = {
     "cudnn": ["attention.type=dense", "attention.backend=sdpa"],
     "dense": ["attention.type=dense"],
@@ -62,8 +66,6 @@ RECOMPUTE = {
     ],
     "none": ["megatron.recompute_granularity=null"],
 }
-# Dense bf16 peak of the tensor cores (datasheets; no sparsity).
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 # The metric steps are logging, not the layer's work: counted apart (``metrics_ms``).
 ATTENTION_PARTS = ("attention", "index", "msa_index", "msa_kl")
 LAYER_PARTS = ("matmuls", "norms", "elementwise")
@@ -136,25 +138,7 @@ def matmul_tflops() -> float | None:
     return 2 * 8192**3 / (times[len(times) // 2] * 1e-3) / 1e12
 
 
-def model_flops(shape: dict, seq: int, attended_fraction: float) -> dict:
-    """Useful FLOPs of one sample: per layer matmuls and attention (forward; the backward is
-    2x the matmuls' and 2.5x the attention's), and the output layer."""
-    h, ffn, d = shape["hidden_size"], shape["ffn_hidden_size"], shape["kv_channels"]
-    hq, hkv = shape["num_attention_heads"], shape["num_query_groups"]
-    per_token = 2 * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * ffn)
-    matmul_fwd = per_token * seq
-    attention_fwd = 4 * attended_fraction * seq * (seq + 1) / 2 * d * hq
-    output_fwd = 2 * h * shape["padded_vocab_size"] * seq
-    return {
-        "matmul_fwd_per_layer": matmul_fwd,
-        "attention_fwd_per_layer": attention_fwd,
-        "output_layer_fwd": output_fwd,
-        "per_layer_useful": 3 * matmul_fwd + 3.5 * attention_fwd,
-    }
-
-
 def _shape(config: str, overrides: list[str]) -> dict:
-    sys.path.insert(0, str(ROOT))
     from megatron_mtraining.training.yaml_config import load_config
 
     m = load_config(config, overrides).megatron
@@ -228,7 +212,10 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
             summary[f"{part}_{phase}_ms_per_layer"] = parts.get(part, {}).get(phase, 0.0) / layers
     seconds = row.get("steady_s_per_iteration")
     device = row.get("device", "")
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    try:
+        peak = gpu_of_device(device).bf16_peak_tflops
+    except ValueError:  # a device the planner's hardware table does not hold
+        peak = None
     if seconds and fraction is not None:
         useful = layers * flops["per_layer_useful"] + 3 * flops["output_layer_fwd"]
         summary["model_tflops"] = useful / seconds / 1e12

@@ -11,6 +11,8 @@ from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
     RingStats,
     ring_attention,
+    ring_work,
+    simulate_ring_areas,
 )
 from megatron_mtraining.context_parallel.hierarchy import new_hierarchy
 from megatron_mtraining.patterns.dense import DensePattern
@@ -96,6 +98,9 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             ring_area, local_area = stats.gather()
             total = ring_area.sum() + local_area.sum()
             assert total == float(index.attended_area().sum()), (where, total)
+            if ring_area.shape[1] == world:  # the ring, step by step (flat or hierarchical order)
+                simulated = simulate_ring_areas(ring_work(index), layout, 16, inner=inner_size)
+                assert torch.equal(ring_area, simulated), (where, ring_area, simulated)
             # Timed: every piece with work has forward and backward time. A rank's column
             # piece runs whenever the index has columns, even where none is visible to its
             # queries outside their tiles (area 0): telling would read the index on the host.

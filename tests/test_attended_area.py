@@ -171,3 +171,14 @@ def test_correlation_is_exact_at_large_counts(rng):
     a, b = torch.randint(0, 129, (2, n), generator=rng)
     shifted = torch.nn.functional.pad(b, (n - 1, 0)).unfold(0, n, 1).flip(0)  # [d, j] = b[j - d]
     assert torch.equal(_correlate(a, b), (shifted * a).sum(-1))
+
+
+@pytest.mark.parametrize("seq", SEQ_LENS)
+def test_part_block_areas_closed_form(seq, rng):
+    """The tiles' and the bars' per-block areas (closed forms at the index's block) equal the
+    generic count over the kernels' key lists."""
+    for _ in range(3):
+        index = random_vertical_slash(rng, 2, 3, seq, 16)
+        for part in ("tiles", "bars"):
+            piece = VerticalSlashPart(index, part)
+            assert torch.equal(piece.block_areas(16), super(VerticalSlashPart, piece).block_areas(16)), part

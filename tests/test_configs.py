@@ -143,7 +143,8 @@ def test_activations_scale_with_the_local_sequence():
     assert layer_activation_bytes(args, 16384) == pytest.approx(2 * one)
     # The whole estimate's activations, for each recompute mode: halving CP doubles the local
     # sequence and the activations (the attention's index state excepted, which is global).
-    for mode in ({}, {"recompute_granularity": None}, {"recompute_granularity": "selective"}):
+    block = {"recompute_method": "block", "recompute_num_layers": 18}  # half the layers kept
+    for mode in (block, {"recompute_granularity": None}, {"recompute_granularity": "selective"}):
         parts = []
         for cp in (32, 16):
             changed = vars(args) | mode | {"context_parallel_size": cp, "data_parallel_size": 32 // cp}

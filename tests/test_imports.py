@@ -24,7 +24,15 @@ LAYERS = (
     ("context_parallel", ("megatron_mtraining.context_parallel",)),
     ("patterns", ("megatron_mtraining.patterns",)),
     ("megatron adapter and patches", ("megatron_mtraining.megatron", "megatron_mtraining.patches")),
-    ("training program", ("megatron_mtraining.training", "megatron_mtraining.pretrain")),
+    (
+        "training program and planner",
+        (
+            "megatron_mtraining.training",
+            "megatron_mtraining.pretrain",
+            "megatron_mtraining.planning",
+            "megatron_mtraining.plan",
+        ),
+    ),
     ("examples, data and conversion", ("megatron_mtraining",)),
 )
 

@@ -1,5 +1,6 @@
-"""The package installed from a wheel, not editable: the quickstart's configs and the recipes
-resolve from the installed copy, with no source checkout on the path.
+"""The package installed from a wheel, not editable: the quickstart's configs, the recipes and
+the planner's calibration tables resolve from the installed copy, with no source checkout on
+the path.
 
 The wheel is built from a copy of the sources: setuptools writes ``build/`` and ``*.egg-info``
 into the tree it builds, and a ``build/`` left in the checkout would ship stale modules.
@@ -24,6 +25,7 @@ PROBE = """
 import json
 from megatron_mtraining import configs
 from megatron_mtraining.examples import quickstart
+from megatron_mtraining.planning import tables
 
 args = quickstart._parse_cli(["--workdir", "w"])
 print(json.dumps({
@@ -32,6 +34,7 @@ print(json.dumps({
     "mix_config": str(quickstart.MIX_CONFIG),
     "recipe": str(configs.find("qwen2.5-3b/512k.yaml")),
     "recipes": configs.recipes(),
+    "calibration": {name: len(tables.table(name)) for name in tables.TABLES},
 }))
 """
 
@@ -64,6 +67,7 @@ def test_configs_resolve_from_a_non_editable_install(tmp_path):
         path = Path(found[key])
         assert path.is_relative_to(installed / "configs") and path.is_file(), (key, found)
     assert Path(found["default_config"]).name == "quickstart.yaml"
+    assert all(found["calibration"].values()), found["calibration"]
     # Every recipe of the checkout is packaged, and so is the base: file each one names.
     checkout = REPO / "configs"
     names = (p.relative_to(checkout) for p in checkout.rglob("*.yaml"))

@@ -327,6 +327,12 @@ class DenseIndex(SparseIndex):
         n, seq = -(-self.seq_len // block), self.seq_len
         first = torch.arange(n, device=self.device) * block
         last = torch.clamp(first + block, max=seq) - 1
+        if self.documents is None:
+            # Whole blocks below the diagonal, a triangle on it: O(n^2), not O(S n).
+            size = (last - first + 1).double()
+            area = torch.tril(size.view(-1, 1) * size.view(1, -1), -1)
+            area.diagonal().copy_(size * (size + 1) / 2)
+            return area * (self.batch_size * self.num_heads)
         area = torch.zeros(n, n, dtype=torch.float64, device=self.device)
         for r0 in range(0, seq, 8192):
             rows = torch.arange(r0, min(r0 + 8192, seq), device=self.device)
@@ -622,9 +628,8 @@ class VerticalSlashPart(SparseIndex):
         return self.index._part_area(rows, keys, self.part)
 
     def block_areas(self, block: int) -> torch.Tensor:
-        if self.part != "tiles" or block != self.index.block_size:
+        if block != self.index.block_size or (self.part != "tiles" and self.documents is not None):
             return super().block_areas(block)
-        # Tiles are whole blocks: area = active diagonal x the tile's pairs (causal on the diagonal).
         n, bs, s = self.index.num_blocks, block, self.seq_len
         qb = torch.arange(n, device=self.device).view(-1, 1)
         kb = torch.arange(n, device=self.device).view(1, -1)
@@ -634,11 +639,34 @@ class VerticalSlashPart(SparseIndex):
             hits = self.index._document_in_tile(qb.view(1, 1, n, 1), kb.view(1, 1, 1, n)).double().sum((0, 1))
             return hits * DenseIndex(1, 1, s, device=self.device, documents=self.documents).block_areas(block)
         diag = qb - kb
-        hits = (self.index.active_diagonals()[..., diag.clamp(min=0)] & (diag >= 0)).double().sum((0, 1))
         rows = torch.clamp(s - qb * bs, max=bs).double()
+        active = self.index.active_diagonals()
+        if self.part == "bars":
+            return self._bar_block_areas(active, diag, rows)
+        # Tiles are whole blocks: area = active diagonal x the tile's pairs (causal on the diagonal).
+        hits = (active[..., diag.clamp(min=0)] & (diag >= 0)).double().sum((0, 1))
         cols = torch.clamp(s - kb * bs, max=bs).double()
         pairs = torch.where(diag == 0, rows * (rows + 1) / 2, rows * cols)
         return hits * pairs
+
+    def _bar_block_areas(self, active: torch.Tensor, diag: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The bars per block pair, as ``_part_area`` counts them: a column of key block kb is a
+        bar for every row of a later block kb + d whose diagonal d is no tile, and for the rows
+        of its own block at or after it where diagonal 0 is none. O(heads n^2), not O(pairs)."""
+        bs, s, n = self.index.block_size, self.seq_len, self.index.num_blocks
+        v = self.index.vertical.long()
+        present = (v >= 0).double()
+        vb = v.clamp(min=0) // bs
+        columns = torch.zeros(*v.shape[:-1], n, dtype=torch.float64, device=v.device).scatter_add_(-1, vb, present)
+        after = (torch.clamp((vb + 1) * bs, max=s) - v).double() * present
+        own = torch.zeros_like(columns).scatter_add_(-1, vb, after) * ~active[..., :1]
+        later = diag >= 1
+        area = torch.zeros(n, n, dtype=torch.float64, device=v.device)
+        for count, not_tile in zip(columns.flatten(0, -2), (~active).flatten(0, -2), strict=True):
+            area += torch.where(later, not_tile[diag.clamp(min=0)] * count.view(1, -1), 0.0)
+        area *= rows
+        area.diagonal().add_(own.sum(tuple(range(own.dim() - 1))))
+        return area
 
 
 @dataclass

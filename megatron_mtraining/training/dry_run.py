@@ -15,11 +15,8 @@ import re
 from unittest import mock
 
 from ..context_parallel.layout import STRIPED_KINDS
+from ..planning.hardware import gpu
 from .yaml_config import ConfigError, RunConfig, culprits, explain_rejection, load_config
-
-# Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS rule
-# for TP / CP > 1); a dry run answers for the recipe's GPU.
-_ARCH = {"A100-40GB": 8, "A100-80GB": 8, "H100-80GB": 9, "H200-141GB": 9}
 
 
 def world_size_of(run_config: RunConfig) -> int:
@@ -59,7 +56,10 @@ def resolve(run_config: RunConfig, world_size: int | None = None):
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size {world_size}: not a number of ranks (accepted: a positive integer)")
     world_size = world_size or world_size_of(run_config)
-    arch = _ARCH.get(run_config.cluster.get("gpu"), 8)
+    # Megatron's validate_args asks the GPU's compute capability (CUDA_DEVICE_MAX_CONNECTIONS
+    # rule for TP / CP > 1); a dry run answers for the recipe's GPU (an sm80 one without).
+    name = run_config.cluster.get("gpu")
+    arch = gpu(name).compute_capability // 10 if name else 8
     with (
         mock.patch.object(arguments, "get_device_arch_version", lambda: arch),
         mock.patch.dict(os.environ, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
@@ -119,7 +119,12 @@ def dry_run(config_path, overrides=(), world_size: int | None = None) -> tuple[s
     run_config = load_config(config_path, overrides)
     args = resolve(run_config, world_size)
     try:
-        estimate = estimate_memory(args, run_config.attention, GPU_MEMORY_GIB.get(run_config.cluster.get("gpu")))
+        estimate = estimate_memory(
+            args,
+            run_config.attention,
+            GPU_MEMORY_GIB.get(run_config.cluster.get("gpu")),
+            run_config.cluster.get("gpus_per_node"),
+        )
     except ValueError as err:
         raise ConfigError(f"{run_config.path}: {err}") from None
     # A recipe names the paths of the machines it is written for; a real run here stops on them.

@@ -32,6 +32,9 @@ Sources of the formulas:
 * Attention's own memory: sparse attention keeps O(S) state plus its index; the MSA / MoBA
   top-k index rows span the whole sequence on every rank (docs/ARCHITECTURE.md, "Current
   limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
+* All-gathered K/V: where the attention gathers the whole sequence's K/V (``kv_exchange``;
+  ``auto`` on a flat CP group inside a node), one layer at a time holds them in the compute
+  dtype and, in its backward, their gradients in fp32 before the reduce-scatter.
 * Logits and loss: at TP 1 (no MuP) the training step takes the fused linear + cross entropy
   (``linear_cross_entropy``, chosen by ``chunked_loss``): one chunk's logits in the compute
   dtype (2 bytes per element, overwritten by their gradient) with fp32 row statistics, and the
@@ -55,18 +58,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..planning.hardware import gpu, gpu_names
 from .chunked_loss import fused_loss_bytes, fused_loss_settings, logits_elements
 
 GIB = 1024**3
 # Allocator fragmentation (3.0 GiB measured with expandable segments, which the entry point
 # turns on: 12.6 GiB without) plus the CUDA context, NCCL buffers and kernel workspaces.
 OVERHEAD_GIB = 4.0
-GPU_MEMORY_GIB = {
-    "A100-40GB": 40 * 1e9 / GIB,
-    "A100-80GB": 80 * 1e9 / GIB,
-    "H100-80GB": 80 * 1e9 / GIB,
-    "H200-141GB": 141 * 1e9 / GIB,
-}
+# The GPUs a recipe's ``cluster.gpu`` may name (planning/calibration/hardware.json).
+GPU_MEMORY_GIB = {name: gpu(name).memory_gb * 1e9 / GIB for name in gpu_names()}
 
 
 def padded_vocab_size(args) -> int:
@@ -200,8 +200,25 @@ def loss_bytes(args, local_seq: int) -> float:
     return logits_elements(local_seq // sp, b, vocab // t, sp) * 10
 
 
-def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> MemoryEstimate:
-    """Per-GPU memory of a training step under ``args`` (validated Megatron arguments)."""
+def kv_exchange(attention, cp: int, tp: int, gpus_per_node: int | None) -> str:
+    """How K/V reach the queries: ``single`` (no CP), ``hierarchical``, ``ring`` or
+    ``allgather``: ``ring_attention``'s ``auto`` takes the all-gather on a flat group whose
+    ranks share a host (a CP group spans ``cp x tp`` consecutive ranks); without
+    ``gpus_per_node`` only an explicit ``allgather`` counts."""
+    if cp == 1:
+        return "single"
+    if attention.hierarchy and attention.hierarchy < cp:
+        return "hierarchical"
+    if attention.kv_exchange != "auto":
+        return attention.kv_exchange
+    return "allgather" if gpus_per_node and cp * tp <= gpus_per_node else "ring"
+
+
+def estimate_memory(
+    args, attention, gpu_memory_gib: float | None = None, gpus_per_node: int | None = None
+) -> MemoryEstimate:
+    """Per-GPU memory of a training step under ``args`` (validated Megatron arguments) on
+    nodes of ``gpus_per_node`` GPUs (which decides whether K/V are all-gathered)."""
     params = count_parameters(args, attention)
     n = params.per_rank
     cp, t = args.context_parallel_size, args.tensor_model_parallel_size
@@ -242,6 +259,11 @@ def estimate_memory(args, attention, gpu_memory_gib: float | None = None) -> Mem
         f"activations (local seq {local_seq})": activations,
         "logits + loss": logits,
     }
+    if kv_exchange(attention, cp, t, gpus_per_node) == "allgather":
+        # One layer's whole-sequence K/V (compute dtype) and, in its backward, their dK/dV
+        # summed in fp32 before the reduce-scatter (context_parallel/kv_allgather.py).
+        hkv = (args.num_query_groups or args.num_attention_heads) // t
+        parts["all-gathered K/V (whole sequence)"] = args.seq_length * b * 2 * hkv * args.kv_channels * (2 + 4)
     notes.append(f"attention index state per layer: {attn_state / GIB:.3f} GiB ({attention.type})")
     return MemoryEstimate(params, parts, gpu_memory_gib, notes)
 

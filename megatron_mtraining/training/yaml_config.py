@@ -45,9 +45,10 @@ import yaml
 from ..megatron.config import MTrainingAttentionConfig
 
 SECTIONS = ("megatron", "attention", "cluster")
-# The ``cluster:`` section: the world size of a dry run, the hierarchy check and the GPU whose
-# memory the estimate is compared with. A launcher's actual world size wins in a real run.
-CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu": str}
+# The ``cluster:`` section: the world size of a dry run, the hierarchy check, the GPU whose
+# memory the estimate is compared with, and the network across nodes that the capacity planner
+# assumes (``python -m megatron_mtraining.plan``). A launcher's actual world size wins in a real run.
+CLUSTER_KEYS = {"nodes": int, "gpus_per_node": int, "gpu": str, "network": str}
 # Megatron arguments whose parser accepts any number but whose values out of range fail only
 # later (a division in the model's init, a dropout or seed torch refuses, a loop that never
 # runs, NaN from the first step) or in an assertion that names nothing: dest -> (test, what is
@@ -439,6 +440,7 @@ def _read_sections(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str,
 
 
 def _check_cluster(cluster: dict, sources: dict[str, str]) -> None:
+    from ..planning.hardware import network_names
     from .memory import GPU_MEMORY_GIB
 
     for key, value in cluster.items():
@@ -451,6 +453,10 @@ def _check_cluster(cluster: dict, sources: dict[str, str]) -> None:
         if key == "gpu" and value not in GPU_MEMORY_GIB:
             raise ConfigError(
                 f"{where}: bad value for 'cluster.gpu': {value!r} (accepted: {', '.join(GPU_MEMORY_GIB)})"
+            )
+        if key == "network" and value not in network_names():
+            raise ConfigError(
+                f"{where}: bad value for 'cluster.network': {value!r} (accepted: {', '.join(network_names())})"
             )
 
 
