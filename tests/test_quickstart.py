@@ -90,6 +90,9 @@ def test_summary_names_the_outputs(run):
     last = parse_metrics((workdir / "logs/phase2.log").read_text())[4]["lm_loss"]
     assert rows["loss"] == f"{float(first):.4f} at iteration 1 -> {float(last):.4f} at iteration 4"
     assert "megatron.ckpt_step=2" in rows["resume"] and "--fresh" in rows["rerun"]
+    # The evaluation reads the last checkpoint: the workdir's, with no phase's ckpt_step.
+    assert "megatron_mtraining.evaluate" in rows["evaluate"] and "ckpt_step" not in rows["evaluate"]
+    assert f"cd {workdir.resolve()} " in rows["evaluate"] and "--checkpoint checkpoints" in rows["evaluate"]
 
 
 def test_second_call_reuses_every_stage(run):

@@ -268,6 +268,12 @@ class Quickstart:
         overrides = [*self.overrides, f"megatron.train_iters={self.steps}", *phase_overrides]
         return pretrain_command(self.launch.processes, self.config, overrides)
 
+    def evaluate_command(self) -> list[str]:
+        """``megatron_mtraining.evaluate`` on the run's last checkpoint, in the workdir: the run's
+        config and overrides, none of a phase's (phase 2's ``ckpt_step`` would load the half)."""
+        args = ["--config", str(self.config), *self.overrides, "--checkpoint", str(CHECKPOINTS)]
+        return module_command(self.launch.processes, "megatron_mtraining.evaluate", args)
+
     def phase1(self) -> None:
         from ..training.metrics_line import parse_metrics
 
@@ -340,6 +346,7 @@ class Quickstart:
             ("view", f"tensorboard --logdir {self.path(TENSORBOARD)}" + (f"  |  upload to W&B: wandb sync {self.path(WANDB / 'wandb')}/offline-run-*" if self.wandb else "")),
             ("rerun", f"{shlex.join(rerun)} [--fresh]  (without --fresh, finished stages are reused)"),
             ("resume", f"{resume}{shlex.join(self.command(self.phase2_overrides()))}  (phase 2 by hand, from iteration {self.half})"),
+            ("evaluate", f"{resume}{shlex.join(self.evaluate_command())}  (the last checkpoint, iteration {self.steps}; attention.type=... evaluates it as another type)"),
         ]  # fmt: skip
         width = max(len(name) for name, _ in rows)
         for name, value in rows:
