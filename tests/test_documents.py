@@ -11,6 +11,8 @@ on each document alone (vertical-slash) and against brute force (MSA, MoBA).
 
 import dataclasses
 import os
+import weakref
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ from megatron_mtraining.sparse import (
     dispatch,
     packed_documents,
 )
+from megatron_mtraining.sparse import documents as documents_module
 from megatron_mtraining.sparse.index import VerticalSlashPart, compact
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables, transpose_sorted, transpose_tiles
 
@@ -491,6 +494,23 @@ def test_boundaries_are_read_once_per_tensor(monkeypatch):
     assert packed_documents(cu, 16).bounds == (0, 9, 16) and len(reads) == 3
     with pytest.raises(ValueError, match="the sequence length 20"):
         packed_documents(cu, 20)  # another length is checked, not served from the first read
+
+
+def test_a_freed_tensors_entry_does_not_evict_the_new_one(monkeypatch):
+    """Tensor ids are reused: an entry left by a freed tensor under the same key must not
+    keep its place first in line, or the full memo evicts the new tensor's bounds at once."""
+    cu, tolist = torch.tensor([0, 7, 16], dtype=torch.int32), torch.Tensor.tolist
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.extend([t] if t is cu else []) or tolist(t))
+    dead = weakref.ref(torch.zeros(1))
+    assert dead() is None
+    monkeypatch.setattr(documents_module, "_RECENT", OrderedDict())
+    documents_module._RECENT[(id(cu), cu._version, "bounds", 16)] = (dead, (0, 16))
+    for i in range(documents_module.RECENT_SIZE - 1):  # full: the stale entry first, others after
+        documents_module._RECENT[("other", i)] = (dead, None)
+    first = packed_documents(cu, 16)
+    assert first.bounds == (0, 7, 16) and packed_documents(cu, 16) is first
+    assert len(reads) == 1, f"{len(reads)} host reads"
 
 
 def test_api_errors_name_the_argument(rng):

@@ -96,6 +96,9 @@ def _remembered(tensor: torch.Tensor, key: tuple, make):
         _RECENT.move_to_end(full)
         return kept[1]
     value = make()
+    # A freed tensor's entry may hold this key (ids are reused): pop it, so the new entry goes
+    # to the end rather than keep the old one's place first in line for eviction.
+    _RECENT.pop(full, None)
     _RECENT[full] = (weakref.ref(tensor), value)
     while len(_RECENT) > RECENT_SIZE:
         _RECENT.popitem(last=False)
