@@ -166,8 +166,8 @@ def kl_backward(
 
 
 def kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables: TileTables, scale: float, grad, rows: int) -> dict:
-    """What :func:`kl_dq`, :func:`kl_dk` and :func:`kl_fused` take (``kl_backward``'s arguments, made
-    contiguous, and the kernels' scalars)."""
+    """What :func:`kl_dq`, :func:`kl_dk` and :func:`kl_fused` take (``kl_backward``'s
+    arguments, made contiguous, and the kernels' scalars)."""
     q, k, q_idx, k_idx = (t.contiguous() for t in (q, k, q_idx, k_idx))
     lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
     hq, d = q.shape[2], q.shape[3]
