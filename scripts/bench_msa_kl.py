@@ -1,6 +1,6 @@
 """MSA's fused KL kernels (``sparse/kernels/msa_kl``) timed on one GPU, with a config sweep.
 
-    python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;dk:64,64,8,1" ...]
+    python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;fused:32,128,8,1" ...]
                                    [--kl-order both|union|kv-outer] [--kv-configs "bwd:64,128,8,1,8" ...]
                                    [--runs 5] [--check-seq 4096] [--out kl.json]
 
@@ -11,12 +11,16 @@ from structured index queries/keys, so neighbouring rows pick similar blocks, as
 trained indexer does; union-of-tiles tables). The main LSE is the sparse forward's on the
 same index (the teacher is normalised as in training). Per config (``MTRAINING_KL_CONFIG``
 syntax, see ``msa_kl.loss.parse_configs``; the empty config is the built-in table) and
-index it times ``_index_lse_kernel``, ``_dq_kl_kernel`` and ``_dk_kl_kernel`` (median of
-``--runs`` runs, CUDA events), and prints them against cuDNN's dense causal forward (SDPA,
-``enable_gqa``) of the same layer, the yardstick. Before timing a config it checks, at
-``--check-seq`` tokens on both indices, dq_idx / dk_idx / the KL value against
-``msa_kl_loss`` (PyTorch, fp32 of the same values): a config outside tolerance is
-reported WRONG; one that fails to compile or launch is reported with its error.
+index it times ``_index_lse_kernel`` (``lse``) and both forms of the backward (median of
+``--runs`` runs, CUDA events): the two passes ``_dq_kl_kernel`` (``dq``) and
+``_dk_kl_kernel`` (``dk``), which deterministic mode runs, and the one pass
+``_dk_kl_kernel`` with ``FUSE_DQ`` (``fused``: dq_idx and the KL rows by atomics, zeroing
+and the cast of dq_idx included), which runs otherwise; ``dq+dk`` is the two passes' sum,
+printed beside it. They go against cuDNN's dense causal forward (SDPA, ``enable_gqa``) of
+the same layer, the yardstick. Before timing a config it checks, at ``--check-seq`` tokens
+on both indices, dq_idx / dk_idx / the KL value of both forms against ``msa_kl_loss``
+(PyTorch, fp32 of the same values): a config outside tolerance is reported WRONG; one that
+fails to compile or launch is reported with its error.
 
 ``--kl-order`` picks the loop orders timed on the top-k index: the union of tiles (the
 kernels above; the dense index has no other) and KV-outer (``msa_kl.kv_loss``, what
@@ -58,11 +62,11 @@ HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
 # Built-in sweep: "" is the default table; the others vary rows, key steps, warps, stages.
 SWEEP = [
     "",
-    "dq:16,64,4,2;dk:64,64,8,1",
-    "dq:32,128,8,2;dk:64,128,8,1",
-    "dq:64,64,8,2;dk:64,64,8,2",
-    "dq:32,64,4,3;dk:32,64,4,2",
-    "dq:64,128,8,1;dk:128,64,8,1",
+    "dq:16,64,4,2;dk:64,64,8,1;fused:32,128,8,1",
+    "dq:32,128,8,2;dk:64,128,8,1;fused:64,128,4,1",
+    "dq:64,64,8,2;dk:64,64,8,2;fused:64,64,8,1",
+    "dq:32,64,4,3;dk:32,64,4,2;fused:32,64,4,1",
+    "dq:64,128,8,1;dk:128,64,8,1;fused:128,64,8,1",
 ]
 
 
@@ -152,9 +156,10 @@ def check(small, orders) -> tuple[bool, str]:
     for name, (index, _, args, tensors, lse) in small.items():
         if "union" in orders:
             dq, kl = loss.kl_dq(args)
-            good, errs = _errors(name, *tensors, index, dq, loss.kl_dk(args), kl)
-            ok &= good
-            worst += errs
+            for form, outputs in (("two-pass", (dq, loss.kl_dk(args), kl)), ("fused", loss.kl_fused(args))):
+                good, errs = _errors(f"{name} {form}", *tensors, index, *outputs)
+                ok &= good
+                worst += errs
         if "kv-outer" in orders and isinstance(index, BlockTopKIndex):
             good, errs = _errors(f"{name} kv-outer", *tensors, index, *kv_outer_calls(index, tensors, lse)[1]())
             ok &= good
@@ -224,7 +229,7 @@ def main():
             "config": config,
             "kv_config": kv_config,
             "order": order,
-            "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in ("lse", "dq", "dk")},
+            "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in loss.DEFAULT_CONFIGS},
             "kv_effective": {n: vars(kv_loss.OVERRIDES.get(n, c)) for n, c in kv_loss.DEFAULTS.items()},
         }
         try:
@@ -243,6 +248,7 @@ def main():
                     ("lse", lambda q_idx=q_idx, k_idx=k_idx, tables=tables: loss.index_lse(q_idx, k_idx, tables)),
                     ("dq", lambda kargs=kargs: loss.kl_dq(kargs)),
                     ("dk", lambda kargs=kargs: loss.kl_dk(kargs)),
+                    ("fused", lambda kargs=kargs: loss.kl_fused(kargs)),
                 ]
             if order == "kv-outer" and isinstance(index, BlockTopKIndex):
                 calls += list(zip(("kv-lse", "kv-bwd"), kv_outer_calls(index, tensors, lse), strict=True))
@@ -255,6 +261,10 @@ def main():
                 entry[f"{name} {kernel} ms"] = ms
                 shown = f"{ms:9.2f}" if ms is not None else "   FAILED"
                 print(f"{label:<34} {name:<16} {kernel:<7} {shown}  {'ok' if entry['ok'] else 'WRONG'}")
+            two = [entry.get(f"{name} {kernel} ms") for kernel in ("dq", "dk")]
+            if order == "union" and None not in two:
+                entry[f"{name} dq+dk ms"] = sum(two)
+                print(f"{label:<34} {name:<16} {'dq+dk':<7} {sum(two):9.2f}  (the two passes, beside fused)")
         rows.append(entry)
         if args.out:  # after each config, so a timeout keeps what ran
             with open(args.out, "w") as f:

@@ -679,8 +679,10 @@ def check_msa_cp_parity_on_kl_kernels(rank, world, path):
         return Decision("msa_kl", "forced by the test") if whole_blocks else decide(*args, **kwargs)
 
     msa_kl.kl_kernel = forced
-    calls, launch = [], fused.kl_dk
-    fused.kl_dk = lambda *args, **kwargs: calls.append(1) or launch(*args, **kwargs)
+    calls = []
+    for name in ("kl_fused", "kl_dk"):  # a step's backward in one pass or two (deterministic mode)
+        launch = getattr(fused, name)
+        setattr(fused, name, lambda *args, _launch=launch, **kwargs: calls.append(1) or _launch(*args, **kwargs))
     check_cp_parity(rank, world, path, [("msa", "striped", False), ("msa", "zigzag", False)])
     assert calls, "no ring step ran the fused KL kernels"
 

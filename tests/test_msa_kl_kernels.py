@@ -3,10 +3,14 @@
 The index LSE, the KL value handed to the logger, dq_idx and dk_idx, for top-k selections
 (rows of a query block choosing different blocks, a ragged last block, one and several
 heads per group) and the warmup's dense index; and the pieces a context-parallel ring
-would call per step. Without CUDA the kernels run in Triton's interpreter (fp32, fp16); on
-a GPU in bf16 too. Kernel outputs are poisoned with NaN before each run.
+would call per step. The union-of-tiles backward runs in one pass (dq_idx by atomics) by
+default and in two under torch's deterministic mode (``kl_passes``). Without CUDA the
+kernels run in Triton's interpreter (fp32, fp16); on a GPU in bf16 too. Kernel outputs are
+poisoned with NaN before each run.
 """
 
+import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -77,6 +81,47 @@ def _index(kind, q_idx, k_idx, hq, block, topk, shared=False):
     )
 
 
+@pytest.fixture
+def kl_launches(monkeypatch):
+    """Counts the union-of-tiles backward's launches (``kl_fused``, ``kl_dq``, ``kl_dk``)."""
+    loss = _loss_module()
+    calls = collections.Counter()
+    for name in ("kl_fused", "kl_dq", "kl_dk"):
+        real = getattr(loss, name)
+        monkeypatch.setattr(
+            loss, name, lambda *a, _real=real, _name=name, **kw: calls.update([_name]) or _real(*a, **kw)
+        )
+    return calls
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """Torch's deterministic mode on or off inside, restored after. Warn-only: the dispatch
+    reads only whether it is on, and the tests' own CUDA ops need not all have a
+    deterministic kernel."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+@pytest.fixture(params=["one_pass", "two_pass"])
+def kl_passes(request, kl_launches):
+    """The union-of-tiles backward in one pass (the default) or, under torch's deterministic
+    mode, in two; yields (the mode's name, the launches counted)."""
+    with _deterministic(request.param == "two_pass"):
+        assert dispatch.kl_backward_passes().kernel == request.param
+        yield request.param, kl_launches
+
+
+def _ran(passes, launches, backwards):
+    """Each of ``backwards`` backward calls ran the launches of ``passes``, and only those."""
+    want = {"kl_fused": backwards} if passes == "one_pass" else {"kl_dq": backwards, "kl_dk": backwards}
+    assert dict(launches) == want, launches
+
+
 def _reference(q, k, q_idx, k_idx, index, scale):
     """fp64 (per-row KL, index LSE, main LSE, KL value, dq_idx and dk_idx of 3 * KL) on the CPU."""
     s = q.shape[1]
@@ -108,7 +153,8 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-shared" if c[9] else ""))
-def test_kernels_match_fp64(case, dtype, rng, kdevice):
+def test_kernels_match_fp64(case, dtype, rng, kdevice, kl_launches):
+    """The default backward, in one pass."""
     kind, b, s, hq, hkv, d, di, block, topk, shared = case
     if dtype == torch.bfloat16 and kdevice.type == "cpu":
         pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
@@ -141,9 +187,60 @@ def test_kernels_match_fp64(case, dtype, rng, kdevice):
         q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, torch.ones(1, device=kdevice), 1
     )
     torch.testing.assert_close(kl_rows.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+    _ran("one_pass", kl_launches, 2)
 
 
-def test_main_queries_and_keys_get_no_gradient(rng, kdevice):
+TWO_PASS_CASES = [CASES[4], CASES[5]]  # the smallest: top-k with G = 16, warmup with G = 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", TWO_PASS_CASES, ids=lambda c: "-".join(map(str, c[:9])))
+def test_two_passes_in_deterministic_mode_match_fp64(case, dtype, rng, kdevice, kl_launches):
+    """Under torch's deterministic mode the backward runs the dQ and dK kernels (no atomics):
+    dq_idx, dk_idx and the per-row KL against fp64, and the same bits on a second run."""
+    kind, b, s, hq, hkv, d, di, block, topk, shared = case
+    if dtype == torch.bfloat16 and kdevice.type == "cpu":
+        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    loss = _loss_module()
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
+    index = _index(kind, q_idx, k_idx, hq, block, topk, shared)
+    tables = tile_tables(index, dense_block=block)
+    scale = 0.8 / math.sqrt(d)
+    rows, _, lse_main, _, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    rtol, atol = TOLERANCE[dtype]
+    lse_idx = loss.index_lse(q_idx, k_idx, tables)
+    grad = torch.full((1,), 3.0, device=kdevice)
+    with _deterministic(True):
+        decision = dispatch.kl_backward_passes()
+        runs = [
+            loss.kl_backward(
+                q, k, lse_main.float().to(kdevice), q_idx, k_idx, lse_idx, tables, scale, grad, rows.numel()
+            )
+            for _ in range(2)
+        ]
+    assert decision.kernel == "two_pass" and "deterministic mode" in decision.reason, decision
+    _ran("two_pass", kl_launches, 2)
+    dq, dk, kl = runs[0]
+    assert dq.dtype == dtype and dk.dtype == dtype
+    _close(dq, dq_want, rtol, what="dq_idx")
+    _close(dk, dk_want, rtol, what="dk_idx")
+    torch.testing.assert_close(kl.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+    for first, second in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(first, second)
+
+
+def test_kl_backward_passes_follow_deterministic_mode():
+    """One pass by default; two, each element written once, under torch's deterministic mode."""
+    with _deterministic(False):
+        fast = dispatch.kl_backward_passes()
+    with _deterministic(True):
+        exact = dispatch.kl_backward_passes()
+    assert fast.kernel == "one_pass" and "atomics" in fast.reason, fast
+    assert exact.kernel == "two_pass" and "deterministic mode" in exact.reason, exact
+    assert {fast.kernel, exact.kernel} == set(dispatch.KL_BACKWARDS)
+
+
+def test_main_queries_and_keys_get_no_gradient(rng, kdevice, kl_passes):
     b, s, hq, hkv, d, di = 1, 64, 4, 2, 16, 16
     q, k, q_idx, k_idx = (t.requires_grad_() for t in _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice))
     index = _index("topk", q_idx.detach(), k_idx.detach(), hq, 16, 2)
@@ -151,6 +248,7 @@ def test_main_queries_and_keys_get_no_gradient(rng, kdevice):
     lse = lse_main.float().to(kdevice).requires_grad_()
     kl = msa_kl_objective(q, k, q_idx, k_idx, index, lse, backend="triton")
     kl.backward()
+    _ran(*kl_passes, 1)
     assert q.grad is None and k.grad is None and lse.grad is None
     for g in (q_idx.grad, k_idx.grad):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
@@ -352,10 +450,11 @@ def test_kv_outer_kl_matches_fp64(case, dtype, rng, kdevice, small_kv_work):
 
 
 @pytest.mark.parametrize("kind", ["topk", "dense"])
-def test_ring_steps(kind, rng, kdevice):
+def test_ring_steps(kind, rng, kdevice, kl_passes):
     """A context-parallel rank's rows against each rank's chunk of keys (a ring's steps,
-    global positions through the step tables): the steps' LSEs merged per row, then the dQ
-    and dK kernels per step, add up to the rows' share of the whole sequence's KL."""
+    global positions through the step tables): the steps' LSEs merged per row, then the
+    backward per step in fp32 (one pass, or the dQ and dK kernels), add up to the rows'
+    share of the whole sequence's KL, and to one device's backward of the whole sequence."""
     b, s, hq, hkv, d, di, block, cp, rank = 1, 128, 4, 2, 16, 16, 16, 2, 1
     loss = _loss_module()
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
@@ -383,14 +482,24 @@ def test_ring_steps(kind, rng, kdevice):
     grad = torch.ones(1, device=kdevice)
     for keys, tables in chunks:
         dq_s, dk_s, kl_s = loss.kl_backward(
-            q_r, k[:, keys], lse_r, qi_r, k_idx[:, keys], merged, tables, scale, grad, rows.numel()
+            q_r, k[:, keys], lse_r, qi_r, k_idx[:, keys], merged, tables, scale, grad, rows.numel(), torch.float32
         )
+        assert dq_s.dtype == dk_s.dtype == torch.float32
         dq += dq_s
         dk[:, keys] += dk_s
         kl += kl_s
     torch.testing.assert_close(kl.cpu().double(), local, rtol=1e-4, atol=1e-5)
     _close(dq, dq_want[:, mine.cpu()], 2e-4, what="dq_idx")
     _close(dk, dk_want, 2e-4, what="dk_idx")
+    # One device, the whole sequence (this rank's rows' dq_idx; dk_idx of every row's share).
+    whole = tile_tables(index, dense_block=block)
+    lse_whole = loss.index_lse(q_idx, k_idx, whole)
+    dq_one, _, kl_one = loss.kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, lse_whole, whole, scale, grad, rows.numel()
+    )
+    _ran(kl_passes[0], kl_passes[1], cp + 1)
+    torch.testing.assert_close(dq, dq_one[:, mine], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(kl, kl_one[:, :, mine], rtol=1e-4, atol=1e-6)
 
 
 def test_launch_config_table_and_override(monkeypatch):
@@ -402,14 +511,21 @@ def test_launch_config_table_and_override(monkeypatch):
     assert loss.launch_config("dq", 128) == loss.LaunchConfig(64, 128, 4, 3)
     assert loss.launch_config("dk", 128) == loss.LaunchConfig(128, 64, 8, 1)
     assert loss.launch_config("lse", 128) == loss.DEFAULT_CONFIGS["lse"]
-    for bad in ("dq:64,64,8", "dx:64,64,8,2", "dk:48,64,8,2"):
+    assert loss.launch_config("fused", 128) == loss.DEFAULT_CONFIGS["fused"]
+    monkeypatch.setenv(loss.CONFIG_ENV, "fused:32,64,4,2")
+    assert loss.launch_config("fused", 128) == loss.LaunchConfig(32, 64, 4, 2)
+    assert loss.launch_config("dk", 128) == loss.DEFAULT_CONFIGS["dk"]
+    for bad in ("dq:64,64,8", "dx:64,64,8,2", "dk:48,64,8,2", "fused:64,128,8"):
         with pytest.raises(ValueError, match=loss.CONFIG_ENV):
             loss.parse_configs(bad)
 
 
-@pytest.mark.parametrize("config", ["dq:16,16,4,1;dk:16,32,4,1;lse:16,16,4,1", "dq:32,16,4,2;dk:32,16,4,2"])
-def test_overridden_configs_match(config, rng, kdevice, monkeypatch):
-    """Other rows / keys per step (``MTRAINING_KL_CONFIG``) give the same results."""
+@pytest.mark.parametrize(
+    "config", ["dq:16,16,4,1;dk:16,32,4,1;lse:16,16,4,1;fused:16,32,4,1", "dq:32,16,4,2;dk:32,16,4,2;fused:32,16,4,2"]
+)
+def test_overridden_configs_match(config, rng, kdevice, monkeypatch, kl_passes):
+    """Other rows / keys per step (``MTRAINING_KL_CONFIG``) give the same results, in one
+    pass and in two."""
     loss = _loss_module()
     b, s, hq, hkv, d, di, block = 1, 96, 8, 2, 16, 16, 32
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
@@ -424,6 +540,7 @@ def test_overridden_configs_match(config, rng, kdevice, monkeypatch):
     dq, dk, kl = loss.kl_backward(
         q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, grad, rows.numel()
     )
+    _ran(*kl_passes, 1)
     _close(dq, dq_want, 2e-4, what="dq_idx")
     _close(dk, dk_want, 2e-4, what="dk_idx")
     torch.testing.assert_close(kl.cpu().double(), rows, rtol=1e-4, atol=1e-5)

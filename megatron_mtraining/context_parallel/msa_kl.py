@@ -79,11 +79,10 @@ class _Step:
         """(the rows' dq_idx, the chunk's dk_idx, the rows' KL terms) of this step."""
         if self.step_tables is None:
             return kl_backward_partial(q, k, lse, q_idx, k_idx, lse_idx, self.view, scale, grad, rows)
-        from ..sparse.kernels.msa_kl.loss import kl_arguments, kl_dk, kl_dq  # imports Triton
+        from ..sparse.kernels.msa_kl.loss import kl_backward  # imports Triton
 
-        args = kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, self.tables, scale, grad, rows)
-        dq_idx, kl = kl_dq(args, torch.float32)
-        return dq_idx, kl_dk(args, torch.float32), kl
+        # fp32: dq_idx adds up over the steps, dk_idx in the accumulator travelling to its owner.
+        return kl_backward(q, k, lse, q_idx, k_idx, lse_idx, self.tables, scale, grad, rows, torch.float32)
 
 
 @dataclass

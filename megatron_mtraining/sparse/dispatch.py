@@ -27,7 +27,8 @@ with ``logging.getLogger("megatron_mtraining.dispatch")`` at DEBUG every single-
 and every ring call logs it. The other kernel families follow the same setting:
 :func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
 (the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
-the fused kernels (``kernels/msa_kl``) or the PyTorch reference.
+the fused kernels (``kernels/msa_kl``) or the PyTorch reference; the union-of-tiles KL
+backward takes one pass or two as :func:`kl_backward_passes` says.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
 # MSA's KL loss in training (:func:`kl_kernel`): the fused kernels in the KV-outer order or
 # over the union of tiles, or msa_kl_loss's PyTorch.
 KL_KERNELS = ("msa_kl_kv_outer", "msa_kl", "reference")
+# The union-of-tiles KL backward (:func:`kl_backward_passes`): the dK kernel adding dq_idx
+# and the KL rows by atomics, or the dQ and dK kernels.
+KL_BACKWARDS = ("one_pass", "two_pass")
 
 # The loop order of a top-k index on the kernels, by measurement (docs/benchmarks.md,
 # "KV-outer kernels for top-k indexes" and "Kernels at 256K on one H100"): KV-outer programs
@@ -67,7 +71,8 @@ logger = logging.getLogger("megatron_mtraining.dispatch")
 
 @dataclass(frozen=True)
 class Decision:
-    """The implementation that runs a call (one of :data:`KERNELS`) and why."""
+    """The implementation that runs a call (one of :data:`KERNELS`, :data:`KL_KERNELS` or
+    :data:`KL_BACKWARDS`) and why."""
 
     kernel: str
     reason: str
@@ -168,6 +173,26 @@ def kl_kernel(
             "msa_kl", f"{share}: {fused}, over the union of tiles (too dense or wide for KV-outer, as the attention)"
         )
     return Decision("msa_kl", f"a {type(index).__name__} on CUDA: {fused}, over the union of tiles")
+
+
+def kl_backward_passes() -> Decision:
+    """How the union-of-tiles KL backward (``kernels/msa_kl/loss.kl_backward``, on one device
+    and per ring step) runs: one of :data:`KL_BACKWARDS`. Each pass recomputes the teacher,
+    the group's G main products per (row, key), which bound it; ``one_pass`` computes it once
+    but adds dq_idx and the KL rows in fp32 atomics whose order varies, so torch's
+    deterministic mode (Megatron's ``deterministic_mode``) takes ``two_pass``, whose kernels
+    write each element once."""
+    if torch.are_deterministic_algorithms_enabled():
+        return Decision(
+            "two_pass",
+            "deterministic mode: the dQ and dK passes write each element once (bitwise reproducible); "
+            "the one pass adds dq_idx and the KL rows by fp32 atomics in a varying order",
+        )
+    return Decision(
+        "one_pass",
+        "the teacher once per (rows, keys) step: dk_idx in registers, dq_idx and the KL rows added by "
+        "fp32 atomics (not bitwise reproducible; deterministic mode takes two passes)",
+    )
 
 
 def log_decision(decision: Decision, where: str) -> None:

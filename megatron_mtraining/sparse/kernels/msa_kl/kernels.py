@@ -8,7 +8,7 @@ keys, filtered by its own selection ``rowsel`` and causality):
   tokens, or every visible token in warmup);
 * student ``s[i, t] = exp(z[i, t] - LSE_idx[i, r])``, ``z = q_idx . k_idx / sqrt(d_idx)``.
 
-Three kernels, none with atomics:
+Three kernels:
 
 * ``_index_lse_kernel``: ``LSE_idx`` by an online logsumexp over the row's tiles, one
   program per (``BLOCK_M`` rows of a query block, batch x group).
@@ -20,6 +20,15 @@ Three kernels, none with atomics:
   program loops over (each dK row has one writer); per group it walks the query blocks
   reading the block, ``BLOCK_M`` rows a step (64 by default, so the dK product
   ``(s - p)^T [BLOCK_N, BLOCK_M] @ q_idx [BLOCK_M, d_idx]`` has K = 64).
+
+The backward runs in one pass or two (``dispatch.kl_backward_passes``). Each recomputes the
+teacher, ``G`` main products per (row, key), which bound it. Two passes, ``_dq_kl_kernel``
+then ``_dk_kl_kernel``, write each output element once, with no atomics: bitwise
+reproducible, for torch's deterministic mode. One pass, ``_dk_kl_kernel`` with
+``FUSE_DQ``, computes the teacher once: besides dK in registers each step adds its rows'
+share of ``dq_idx`` (``(s - p) @ k_idx`` of the program's keys, one more product on
+operands the step holds) and of their KL terms into zeroed fp32 buffers with atomic adds,
+whose order, so the last bits, varies from run to run.
 
 Teacher: a head loop. Per key step (dQ) or row step (dK), for each of the group's ``G``
 heads (``tl.static_range``, ``G`` a constexpr), the product ``q_h @ k^T`` of the program's
@@ -45,9 +54,9 @@ Context parallelism: every kernel takes a ring step's tables (``query_blocks`` /
 ``key_blocks``: global block ids of the rank's rows and the chunk's keys; selections hold
 global block ids) through ``block_bar``'s position helpers. A CP version runs the LSE
 kernel per step and merges the per-step LSEs per row (``logaddexp``; a row with nothing
-visible in a step has -inf), then runs the dQ kernel per step with the merged LSEs
-(adding the steps' dq_idx and KL rows) and the dK kernel per step for the chunk's keys
-(returned to their owner and added), each step dividing by the whole sequence's rows.
+visible in a step has -inf), then the backward per step, in one pass or two, with the
+merged LSEs: the steps' dq_idx and KL rows are added up, the chunk's dk_idx returned to
+its owner and added; each step divides by the whole sequence's rows.
 """
 
 from __future__ import annotations
@@ -116,6 +125,13 @@ def _teacher_t(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale,
 
 
 @triton.jit
+def _kl_terms(p, log_s, visible, AXIS: tl.constexpr):
+    """Per row, ``sum_t p (log p - log s)`` in log2 units over ``AXIS`` (0 where p is: p > 0
+    only on visible keys, where log s is finite)."""
+    return tl.sum(p * (tl.log2(tl.where(p > 0.0, p, 1.0)) - tl.where(visible, log_s, 0.0)), AXIS)
+
+
+@triton.jit
 def _index_lse_kernel(
     QI, KI, LSE_IDX, TILES, TILE_CNT, ROWSEL, QBLK, KBLK,
     S, SK, HKV, TB, TH, NQB, T_MAX, K_SEL, RATIO, idx_scale,
@@ -177,22 +193,24 @@ def _dq_kl_kernel(
         z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
         log_s = tl.where(visible, z - lse_i[:, None], float("-inf"))
         dq += tl.dot((tl.exp2(log_s) - p).to(ki.dtype), ki, input_precision=PRECISION)
-        # p log(p / s), 0 where p is (p > 0 only on visible keys, where log s is finite).
-        kl += tl.sum(p * (tl.log2(tl.where(p > 0.0, p, 1.0)) - tl.where(visible, log_s, 0.0)), 1)
+        kl += _kl_terms(p, log_s, visible, 1)
     _store_rows(DQI + qi_off, rows, row_ok, HKV * DI, di, di_ok, dq * (tl.load(GRAD) * grad_scale))
     tl.store(KL + (b * HKV + r) * S + rows, kl * LN2, mask=row_ok)
 
 
 @triton.jit
 def _dk_kl_kernel(
-    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DKI, TILES_T, TILE_T_CNT, ROWSEL, QBLK, KBLK,
+    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DKI, DQI, KL, TILES_T, TILE_T_CNT, ROWSEL, QBLK, KBLK,
     S, SK, HQ, HKV, TB, TH, NKB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
 ):  # fmt: skip
     """``dk_idx`` of ``BLOCK_N`` keys of KV block ``kb``, summed over the groups (times
-    ``GRAD * grad_scale``)."""
+    ``GRAD * grad_scale``). With ``FUSE_DQ`` (the one pass) also each step's rows' share of
+    ``dq_idx`` (times the same) and of their KL terms, added into the zeroed fp32 ``DQI``
+    and ``KL [B, Hkv, S]``: every program whose keys a row sees adds to it."""
     sub = tl.program_id(0)
     kb = sub // (BLOCK // BLOCK_N)
     b = tl.program_id(1)
@@ -205,11 +223,13 @@ def _dk_kl_kernel(
     di_ok = di < DI
     ki_base = KI + b * SK * DI
     ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
+    g_scale = tl.load(GRAD) * grad_scale
     dk = tl.zeros([BLOCK_N, DI_PAD], tl.float32)
     for r in range(HKV):
         k = _load_rows(K + b * SK * HKV * HEAD_DIM + r * HEAD_DIM, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
         q_base = Q + (b * S * HQ + r * G) * HEAD_DIM
         lse_base = LSE + (b * HQ + r * G) * S
+        qi_off = b * S * HKV * DI + r * DI
         trow, th = _table_row(b, r, HKV, TB, TH, NKB, kb)
         for j in range(tl.load(TILE_T_CNT + trow) * (BLOCK // BLOCK_M)):
             _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
@@ -219,9 +239,19 @@ def _dk_kl_kernel(
             p = _teacher_t(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                            BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
-            qi = _load_rows(QI + b * S * HKV * DI + r * DI, rows, row_ok, HKV * DI, di, di_ok)
+            qi = _load_rows(QI + qi_off, rows, row_ok, HKV * DI, di, di_ok)
             lse_i = _row_stats(LSE_IDX, (b * HKV + r) * S + rows, row_ok)
             z = tl.dot(ki, tl.trans(qi), input_precision=PRECISION) * idx_scale
-            s = tl.exp2(tl.where(visible, z - lse_i[None, :], float("-inf")))
-            dk += tl.dot((s - p).to(qi.dtype), qi, input_precision=PRECISION)
-    _store_rows(DKI + b * SK * DI, cols, col_ok, DI, di, di_ok, dk * (tl.load(GRAD) * grad_scale))
+            log_s = tl.where(visible, z - lse_i[None, :], float("-inf"))
+            ds = (tl.exp2(log_s) - p).to(qi.dtype)
+            if FUSE_DQ:
+                # Before the dK product: with these after it, ptxas (Triton 3.7's, sm80) built the
+                # kernel with 32 registers and 13-15 KB of spills a thread, against 255 and 2.8 KB
+                # here (dK alone: 2.6 KB). Relaxed atomics: nothing reads the sums before the end.
+                kl_rows = _kl_terms(p, log_s, visible, 0) * LN2
+                tl.atomic_add(KL + (b * HKV + r) * S + rows, kl_rows, mask=row_ok, sem="relaxed")
+                dq = tl.dot(tl.trans(ds), ki, input_precision=PRECISION) * g_scale
+                dq_ptrs = DQI + qi_off + rows[:, None] * (HKV * DI) + di[None, :]
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & di_ok[None, :], sem="relaxed")
+            dk += tl.dot(ds, qi, input_precision=PRECISION)
+    _store_rows(DKI + b * SK * DI, cols, col_ok, DI, di, di_ok, dk * g_scale)

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..kv_outer.kernels import _add_block_grad, _key_rows, _tile, _work_item
 from ..shared.kernels import _load_rows, _scores, _store_rows
-from .kernels import LN2, _lse_final, _lse_step, _row_stats, _teacher, _teacher_t
+from .kernels import LN2, _kl_terms, _lse_final, _lse_step, _row_stats, _teacher, _teacher_t
 
 
 @triton.jit
@@ -89,13 +89,6 @@ def _kl_lse_kernel(
                 m_i, l_i = _lse_step(m_i, l_i, z)
             tl.store(LSE_BUF + slot_row, _lse_final(m_i, l_i), mask=ok)
             q_row, ok, row_pos, slot_row = n_row, n_ok, n_pos, n_slot
-
-
-@triton.jit
-def _kl_terms(p, log_s, visible, AXIS: tl.constexpr):
-    """Per row, ``sum_t p (log p - log s)`` in log2 units over ``AXIS`` (0 where p is: p > 0
-    only on visible keys, where log s is finite)."""
-    return tl.sum(p * (tl.log2(tl.where(p > 0.0, p, 1.0)) - tl.where(visible, log_s, 0.0)), AXIS)
 
 
 @triton.jit(do_not_specialize=["chunk"])

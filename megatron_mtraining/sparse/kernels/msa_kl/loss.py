@@ -2,7 +2,7 @@
 
 :class:`FusedMSAKL` computes only ``LSE_idx`` in its forward and returns a zero scalar
 that carries the graph: the loss is there to be differentiated, and its value, which the
-dQ kernel computes for free from the same probabilities, is handed to ``on_value`` in
+backward computes for free from the same probabilities, is handed to ``on_value`` in
 the backward (a 0-dim fp32 tensor on the device, never read by the host here). It runs a
 :class:`KLOrder`: :class:`UnionOfTiles` (this module's launches) or the KV-outer order of a
 sparse top-k index (``kv_loss.KVOuterKL``); ``dispatch.kl_kernel`` picks.
@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import triton
 
+from ...dispatch import kl_backward_passes, log_decision
 from ..block_bar.attention import _positions, _row_selection
 from ..block_bar.tables import TileTables
 from ..shared import buffers
@@ -30,8 +31,8 @@ CONFIG_ENV = "MTRAINING_KL_CONFIG"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """``block_m`` query rows per program (LSE, dQ) or per step (dK); ``block_n`` keys per
-    step (LSE, dQ) or per program (dK); each is capped at the tile size."""
+    """``block_m`` query rows per program (LSE, dQ) or per step (dK, fused); ``block_n`` keys
+    per step (LSE, dQ) or per program (dK, fused); each is capped at the tile size."""
 
     block_m: int
     block_n: int
@@ -47,15 +48,23 @@ class LaunchConfig:
 #   [32, D] @ [D, 128] with the head's queries loop-invariant (in registers or L1).
 # * dk: 128 keys a program, 64 query rows a step, the G heads' products streamed; one
 #   stage (unpipelined): a pipelined stage would hold all G heads' queries.
+# * fused (the one-pass backward, the dK kernel adding dq_idx by atomics): dk's shape, not
+#   swept yet. Its step adds the product ds^T [64, 128] @ k_idx [128, d_idx] on operands the
+#   step holds already (ds, the program's index keys) and the atomics' [64, d_idx] fp32
+#   tile; one stage for dk's reason. Compiled ahead of time (Triton 3.7, bf16, head dims 128,
+#   G = 8) it takes 112 KiB of shared memory on sm80 and sm90 (dk: 96 / 80). fp32 inputs of
+#   head dim 128 take twice that, beyond an H100's 227 KiB (dk's beyond an A100's): they need
+#   64-key programs (MTRAINING_KL_CONFIG).
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),
     "dq": LaunchConfig(32, 128, 8, 2),
     "dk": LaunchConfig(64, 128, 8, 1),
+    "fused": LaunchConfig(64, 128, 8, 1),
 }
 
 
 def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
-    """``"dq:64,64,8,3;dk:64,64,8,1"`` (any of ``lse``, ``dq``, ``dk``; each
+    """``"dq:64,64,8,3;dk:64,64,8,1"`` (any of ``lse``, ``dq``, ``dk``, ``fused``; each
     ``block_m,block_n,num_warps,num_stages``) as a table; an empty text is no override."""
     out: dict[str, LaunchConfig] = {}
     for part in (text or "").replace(" ", "").split(";"):
@@ -65,7 +74,8 @@ def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
         fields = values.split(",")
         if name not in DEFAULT_CONFIGS or len(fields) != 4:
             raise ValueError(
-                f"{CONFIG_ENV}: {part!r} is not kernel:block_m,block_n,num_warps,num_stages (kernel lse|dq|dk)"
+                f"{CONFIG_ENV}: {part!r} is not kernel:block_m,block_n,num_warps,num_stages "
+                f"(kernel {'|'.join(DEFAULT_CONFIGS)})"
             )
         cfg = LaunchConfig(*(int(f) for f in fields))
         for n in (cfg.block_m, cfg.block_n):
@@ -76,7 +86,7 @@ def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
 
 
 def launch_config(kernel: str, block: int) -> LaunchConfig:
-    """The table's entry for ``kernel`` (``lse``, ``dq`` or ``dk``), overridden by
+    """The table's entry for ``kernel`` (``lse``, ``dq``, ``dk`` or ``fused``), overridden by
     ``MTRAINING_KL_CONFIG`` (read at each launch, so a sweep can change it in one process;
     see :func:`parse_configs`), with the blocks capped at the tile size ``block`` (and then
     at most 4 warps)."""
@@ -135,20 +145,29 @@ def kl_backward(
     scale: float,
     grad: torch.Tensor,
     rows: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq_idx, dk_idx, per-row KL ``[B, Hkv, S]`` fp32) of ``grad * sum_rows KL / rows``.
+    """(dq_idx, dk_idx, per-row KL ``[B, Hkv, S]`` fp32) of ``grad * sum_rows KL / rows``, in
+    one pass (:func:`kl_fused`) or two (:func:`kl_dq`, :func:`kl_dk`) as
+    ``dispatch.kl_backward_passes`` says.
 
     q ``[B, S, Hq, D]`` and its main-pass ``lse [B, Hq, S]``; k ``[B, SK, Hkv, D]``;
     q_idx ``[B, S, Hkv, d_idx]`` with ``lse_idx`` from :func:`index_lse` (merged over the
-    steps of a ring); k_idx ``[B, SK, 1, d_idx]``; ``grad`` a one-element tensor."""
+    steps of a ring); k_idx ``[B, SK, 1, d_idx]``; ``grad`` a one-element tensor. The
+    gradients in ``dtype``, default the inputs'; a ring step asks for fp32, which it adds up
+    over the steps (dq_idx here, dk_idx at the chunk's owner)."""
     args = kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, scale, grad, rows)
-    dq_idx, kl = kl_dq(args)
-    return dq_idx, kl_dk(args), kl
+    decision = kl_backward_passes()
+    log_decision(decision, "msa_kl backward over the union of tiles")
+    if decision.kernel == "one_pass":
+        return kl_fused(args, dtype)
+    dq_idx, kl = kl_dq(args, dtype)
+    return dq_idx, kl_dk(args, dtype), kl
 
 
 def kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables: TileTables, scale: float, grad, rows: int) -> dict:
-    """What :func:`kl_dq` and :func:`kl_dk` take (``kl_backward``'s arguments, made
-    contiguous, and the kernels' scalars)."""
+    """What :func:`kl_dq`, :func:`kl_dk` and :func:`kl_fused` take (``kl_backward``'s
+    arguments, made contiguous, and the kernels' scalars)."""
     q, k, q_idx, k_idx = (t.contiguous() for t in (q, k, q_idx, k_idx))
     lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
     hq, d = q.shape[2], q.shape[3]
@@ -188,17 +207,35 @@ def kl_dq(args: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, t
 
 
 def kl_dk(args: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The dK kernel's launch: dk_idx in ``dtype`` (default k_idx's; fp32 for a ring step,
-    whose part travels on to the chunk's owner and is added there)."""
+    """The dK kernel's launch: dk_idx in ``dtype`` (default k_idx's)."""
+    return _kv_major(args, "dk", dtype, None, None)
+
+
+def kl_fused(args: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-pass backward, the dK kernel with ``FUSE_DQ``: (dq_idx, dk_idx in ``dtype``,
+    default the index inputs', per-row KL ``[B, Hkv, S]`` fp32). dq_idx and the KL rows are
+    fp32 sums of atomic adds, so their last bits vary from run to run."""
+    q_idx = args["tensors"][3]
+    b, s, hkv, _ = q_idx.shape
+    # Zeroed here, not by new_buffer: the kernel adds into them.
+    dq_idx = torch.zeros(q_idx.shape, dtype=torch.float32, device=q_idx.device)
+    kl = torch.zeros((b, hkv, s), dtype=torch.float32, device=q_idx.device)
+    dk_idx = _kv_major(args, "fused", dtype, dq_idx, kl)
+    return dq_idx.to(dtype or q_idx.dtype), dk_idx, kl
+
+
+def _kv_major(args: dict, kernel: str, dtype, dq_idx: torch.Tensor | None, kl: torch.Tensor | None) -> torch.Tensor:
+    """``_dk_kl_kernel``'s launch with ``kernel``'s config: dk_idx in ``dtype`` (default
+    k_idx's); with ``dq_idx`` and ``kl`` (fp32, zeroed) it adds into them too."""
     q, k, lse, q_idx, k_idx, lse_idx, grad = args["tensors"]
     tables = args["tables"]
     dk_idx = buffers.new_buffer(k_idx.shape, dtype or k_idx.dtype, q.device)
-    cfg = launch_config("dk", tables.block)
+    cfg = launch_config(kernel, tables.block)
     n_kb = tables.tiles_t.shape[2]
     _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), q_idx.shape[0])](
-        q, k, lse, q_idx, k_idx, lse_idx, grad, dk_idx, tables.tiles_t, tables.tile_t_count,
+        q, k, lse, q_idx, k_idx, lse_idx, grad, dk_idx, dq_idx, kl, tables.tiles_t, tables.tile_t_count,
         NKB=n_kb, T_MAX=tables.tiles_t.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, FUSE_DQ=dq_idx is not None, **args["scalars"],
     )  # fmt: skip
     return dk_idx
 
