@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from documents_reference import block_diagonal, random_boundaries
 from msa_reference import kl_parts
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
@@ -70,15 +71,15 @@ def _inputs(rng, b, s, hq, hkv, d, di, dtype, device):
     return t(b, s, hq, d), t(b, s, hkv, d), t(b, s, hkv, di), t(b, s, 1, di)
 
 
-def _index(kind, q_idx, k_idx, hq, block, topk, shared=False):
+def _index(kind, q_idx, k_idx, hq, block, topk, shared=False, cu_seqlens=None):
+    """The warmup's DenseIndex or MSA's selection (``cu_seqlens``: within packed documents)."""
     b, s, hkv, di = q_idx.shape
     if kind == "dense":
-        return DenseIndex(b, hq, s, device=q_idx.device)
+        return DenseIndex(b, hq, s, device=q_idx.device, documents=packed_documents(cu_seqlens, s, q_idx.device))
     if shared:  # one selection for every group
         q_idx = q_idx.float().mean(2, keepdim=True)
-    return msa_select_blocks(
-        q_idx.float(), k_idx.float(), MSAConfig(block_size=block, topk=topk, index_head_dim=di), hq
-    )
+    config = MSAConfig(block_size=block, topk=topk, index_head_dim=di)
+    return msa_select_blocks(q_idx.float(), k_idx.float(), config, hq, cu_seqlens=cu_seqlens)
 
 
 @pytest.fixture
@@ -227,6 +228,52 @@ def test_two_passes_in_deterministic_mode_match_fp64(case, dtype, rng, kdevice, 
     torch.testing.assert_close(kl.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
     for first, second in zip(runs[0], runs[1], strict=True):
         assert torch.equal(first, second)
+
+
+DOCUMENT_CASES = [
+    # kind, length, query heads, KV heads, block, MTRAINING_KL_CONFIG
+    ("dense", 100, 4, 2, 16, ""),  # warmup, G = 2, ragged last block
+    ("topk", 160, 4, 2, 32, "lse:16,16,4,1;dq:16,16,4,1;dk:16,16,4,1;fused:16,16,4,1"),  # 16-row / key steps
+]
+
+
+@pytest.mark.parametrize("case", DOCUMENT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-block{c[4]}")
+def test_kernels_with_documents_match_fp64(case, rng, kdevice, monkeypatch, kl_passes):
+    """Packed documents on fresh random boundaries (one token, ending on a block edge,
+    exactly one block, short runs, long documents spanning blocks): the kernels with the
+    document starts (tables built with documents) give the index LSE, the KL value, the
+    per-row KL, dq_idx and dk_idx of fp64 under the index's mask, which keeps every row in
+    its document; the teacher's LSE is the main pass's within the document. In one pass and
+    in two; ``topk`` is selected within the documents and walks 32-token tiles in 16-row /
+    16-key steps, so document starts fall inside a step."""
+    kind, s, hq, hkv, block, config = case
+    loss = _loss_module()
+    monkeypatch.setenv(loss.CONFIG_ENV, config)
+    d = di = 16
+    q, k, q_idx, k_idx = _inputs(rng, 1, s, hq, hkv, d, di, torch.float32, kdevice)
+    cu = random_boundaries(rng, s, block=block)
+    index = _index(kind, q_idx, k_idx, hq, block, 3, cu_seqlens=cu.to(kdevice))
+    assert index.documents is not None
+    assert not (index.to_dense_mask(s).cpu() & ~block_diagonal(cu, s)).any(), "a row selects outside its document"
+    tables = tile_tables(index, dense_block=block)
+    assert tables.doc_start is not None
+    scale = 0.8 / math.sqrt(d)
+    rows, lse_idx, lse_main, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    rtol, atol = TOLERANCE[torch.float32]
+
+    got_lse = loss.index_lse(q_idx, k_idx, tables)
+    torch.testing.assert_close(got_lse.cpu().double(), lse_idx, rtol=0, atol=atol)
+    qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    recorded = []
+    (3.0 * loss.fused_kl(q, k, lse_main.float().to(kdevice), qi, ki, tables, scale, recorded.append)).backward()
+    torch.testing.assert_close(recorded[0].cpu().double(), value, rtol=10 * atol, atol=atol)
+    _close(qi.grad, dq_want, rtol, what="dq_idx")
+    _close(ki.grad, dk_want, rtol, what="dk_idx")
+    _, _, kl_rows = loss.kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, torch.ones(1, device=kdevice), 1
+    )
+    torch.testing.assert_close(kl_rows.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+    _ran(*kl_passes, 2)
 
 
 def test_kl_backward_passes_follow_deterministic_mode():
