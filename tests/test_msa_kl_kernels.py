@@ -301,19 +301,24 @@ def test_main_queries_and_keys_get_no_gradient(rng, kdevice, kl_passes):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer"])
+@pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer", "topk-kv-outer-documents"])
 def test_recorded_value_is_the_kl(kind, rng, kdevice, monkeypatch):
     """As the layer runs it: the main pass's own LSE (``sparse_attention``'s) normalises the
     teacher; the value reaches ``on_value`` once, in the backward, and equals the fp64 KL and
     ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s. ``topk-kv-outer``: the density
-    rule moved so that the top-k index takes the KV-outer order (attention and KL)."""
+    rule moved so that the top-k index takes the KV-outer order (attention and KL); with
+    ``documents`` (fresh random packed documents, the selection within them) both take the
+    union of tiles instead."""
     b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
     v = torch.randn(k.shape, generator=rng).to(kdevice)
-    index = _index(kind.split("-")[0], q_idx, k_idx, hq, 16, 2)
-    want = {"topk": "msa_kl", "dense": "msa_kl", "topk-kv-outer": "msa_kl_kv_outer"}[kind]
-    if kind == "topk-kv-outer":
+    cu = random_boundaries(rng, s).to(kdevice) if kind.endswith("documents") else None
+    index = _index(kind.split("-")[0], q_idx, k_idx, hq, 16, 2, cu_seqlens=cu)
+    want = {"topk": "msa_kl", "dense": "msa_kl", "topk-kv-outer": "msa_kl_kv_outer"}.get(kind, "msa_kl")
+    if kind.startswith("topk-kv-outer"):
         monkeypatch.setattr(dispatch, "KV_OUTER_MAX_SHARE", float("inf"))
+        attention = dispatch.attention_kernel(q, index, backend="triton").kernel
+        assert attention == ("kv_outer" if cu is None else "block_bar"), attention
     assert kl_kernel(q, q_idx, index, backend="triton").kernel == want
     _, lse = sparse_attention(q, k, v, index, backend="triton")
     qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
@@ -364,8 +369,8 @@ def test_dispatch_decision(rng):
         kl_kernel(q, q_idx, vs, backend="triton")
     assert kl_kernel(q, q_idx.double(), dense, backend="auto").kernel == "reference"
     packed = DenseIndex(1, 4, 32, documents=packed_documents(torch.tensor([0, 9, 32], dtype=torch.int32), 32))
-    with pytest.raises(ValueError, match="packed documents"):
-        kl_kernel(q, q_idx, packed, backend="triton")
+    decision = kl_kernel(q, q_idx, packed, backend="triton")
+    assert decision.kernel == "msa_kl" and "document start" in decision.reason, decision
     if torch.cuda.is_available():
         topk = BlockTopKIndex(blocks=torch.zeros(1, 32, 2, 1, dtype=torch.int32), block_size=16, num_heads=4)
         decision = kl_kernel(q.cuda().half(), q_idx.cuda().half(), topk.to("cuda"))
@@ -380,7 +385,8 @@ def _topk_of(s, block, topk, documents=None):
 def test_kl_dispatch_follows_the_attention_order(rng):
     """The KL of a top-k index takes the loop order the attention takes
     (``kv_outer_preferred``): KV-outer where it selects a small share of the keys, the union
-    of tiles where not; packed documents stay on the reference."""
+    of tiles where not, and with packed documents (the KV-outer kernels take no document
+    bounds), saying so."""
     s = 1024
     q = torch.randn(1, s, 4, 16, generator=rng)
     q_idx = torch.randn(1, s, 2, 16, generator=rng)
@@ -399,12 +405,15 @@ def test_kl_dispatch_follows_the_attention_order(rng):
             assert f"{dispatch._share(index):.4f}" in decision.reason
     assert kl_kernel(q, q_idx, sparse).kernel == "reference"  # CPU tensors under auto
     packed = _topk_of(s, 16, 2, packed_documents(torch.tensor([0, 300, s], dtype=torch.int32), s))
-    with pytest.raises(ValueError, match="packed documents"):
-        kl_kernel(q, q_idx, packed, backend="triton")
+    assert dispatch.kv_outer_preferred(packed)  # as sparse as the index that runs KV-outer
+    decision = kl_kernel(q, q_idx, packed, backend="triton")
+    assert decision.kernel == "msa_kl" and "packed documents" in decision.reason, decision
+    assert "KV-outer kernels take no document bounds" in decision.reason, decision
+    assert dispatch.attention_kernel(q, packed, backend="triton").kernel == "block_bar"
     if torch.cuda.is_available():
         on_gpu = (q.cuda().half(), q_idx.cuda().half())
         assert kl_kernel(*on_gpu, sparse.to("cuda")).kernel == "msa_kl_kv_outer"
-        assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "reference"
+        assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "msa_kl"
 
 
 def _fresh_topk(rng, b, s, hs, topk, block):
