@@ -147,12 +147,12 @@ def _kl_terms(p, log_s, visible, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _visible(row_ok, col_ok, col_pos, seen, row_first, HAS_DOCS: tl.constexpr):
+def _visible(in_range, col_pos, seen, row_first, HAS_DOCS: tl.constexpr):
     """Where a row sees a key, on operands broadcast to the scores' shape (rows x keys, or
-    keys x rows): the key in range, at or before ``seen`` (``_tile_rows``: the row's
-    position, -1 where it did not select the tile), and with ``HAS_DOCS`` at or after
-    ``row_first``, the start of the row's document."""
-    visible = row_ok & col_ok & (col_pos <= seen)
+    keys x rows): the pairs ``in_range`` whose key lies at or before ``seen``
+    (``_tile_rows``: the row's position, -1 where it did not select the tile) and, with
+    ``HAS_DOCS``, at or after ``row_first``, the start of the row's document."""
+    visible = in_range & (col_pos <= seen)
     if HAS_DOCS:
         visible = visible & (col_pos >= row_first)
     return visible
@@ -216,9 +216,8 @@ def _dq_kl_kernel(
         k = _load_rows(k_base, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
-        visible = _visible(
-            row_ok[:, None], col_ok[None, :], col_pos[None, :], seen[:, None], row_first[:, None], HAS_DOCS
-        )
+        in_range = row_ok[:, None] & col_ok[None, :]
+        visible = _visible(in_range, col_pos[None, :], seen[:, None], row_first[:, None], HAS_DOCS)
         p = _teacher(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                      BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
         p = tl.where(visible, p, 0.0) * inv_g
@@ -268,8 +267,8 @@ def _dk_kl_kernel(
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
             row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
-            visible = _visible(row_ok[None, :], col_ok[:, None], col_pos[:, None], seen[None, :], row_first[None, :],
-                               HAS_DOCS)  # fmt: skip
+            in_range = col_ok[:, None] & row_ok[None, :]
+            visible = _visible(in_range, col_pos[:, None], seen[None, :], row_first[None, :], HAS_DOCS)
             p = _teacher_t(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                            BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
