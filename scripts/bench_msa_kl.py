@@ -2,7 +2,7 @@
 
     python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;fused:32,128,8,1" ...]
                                    [--kl-order both|union|kv-outer] [--kv-configs "bwd:64,128,8,1,8" ...]
-                                   [--runs 5] [--check-seq 4096] [--out kl.json]
+                                   [--documents N] [--runs 5] [--check-seq 4096] [--out kl.json]
 
 Qwen2.5-3B's attention shape (16 query heads, 2 KV heads, head dim 128), index head dim
 128, bf16, batch 1, random RoPE-free inputs. Two indices: the dense warmup index
@@ -30,6 +30,11 @@ dk_idx, dq_idx and the KL terms, the slot sums: the whole backward, to set besid
 union's dq + dk), each checked as above at ``--check-seq`` tokens. ``--kv-configs`` sets its
 launch parameters (``pass:block_m,block_n,num_warps,num_stages,tiles_per_item`` for the
 passes ``lse``, ``bwd``, ``dq``, ``;``-separated; '' = its defaults), one timing per string.
+
+``--documents N`` packs ``N`` documents into each sequence (the timed one and the checked
+one; ``documents_of``): both indices carry them (the top-k one selected within them), so the
+main pass and the KL kernels mask each row by its document start. The KV-outer order takes
+no documents, so it needs ``--kl-order union``.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from megatron_mtraining.sparse import (
     MSAConfig,
     msa_kl_loss,
     msa_select_blocks,
+    packed_documents,
     sparse_attention,
 )
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
@@ -84,10 +90,21 @@ def inputs(seq: int, gen: torch.Generator):
     return [x.to(torch.bfloat16).cuda() for x in (q, k, v, q_idx, k_idx)]
 
 
-def indices(q_idx, k_idx, seq):
+def documents_of(seq: int, n: int | None, device) -> torch.Tensor | None:
+    """``cu_seqlens`` of ``n`` documents of about ``seq / n`` tokens, each boundary 37 tokens
+    past a multiple of ``seq // n``, so documents start inside a block; None for one."""
+    if not n or n < 2:
+        return None
+    cuts = [i * (seq // n) + 37 for i in range(1, n)]
+    return torch.tensor([0, *cuts, seq], dtype=torch.int32, device=device)
+
+
+def indices(q_idx, k_idx, seq, cu_seqlens=None):
+    documents = packed_documents(cu_seqlens, seq, q_idx.device)
+    config = MSAConfig(BLOCK, TOPK, DI)
     return {
-        "dense": DenseIndex(1, HQ, seq, device=q_idx.device),
-        f"top-k k{TOPK} b{BLOCK}": msa_select_blocks(q_idx.float(), k_idx.float(), MSAConfig(BLOCK, TOPK, DI), HQ),
+        "dense": DenseIndex(1, HQ, seq, device=q_idx.device, documents=documents),
+        f"top-k k{TOPK} b{BLOCK}": msa_select_blocks(q_idx.float(), k_idx.float(), config, HQ, cu_seqlens),
     }
 
 
@@ -104,12 +121,12 @@ def events_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def prepared(seq, gen):
+def prepared(seq, gen, documents=None):
     """Per index: (index, tables, the kernels' arguments, inputs, the main LSE) for the KL of
-    the mean over rows."""
+    the mean over rows; ``documents``: how many packed documents (``documents_of``)."""
     q, k, v, q_idx, k_idx = inputs(seq, gen)
     out = {}
-    for name, index in indices(q_idx, k_idx, seq).items():
+    for name, index in indices(q_idx, k_idx, seq, documents_of(seq, documents, q.device)).items():
         _, lse = sparse_attention(q, k, v, index, backend="triton")
         tables = tile_tables(index, dense_block=BLOCK)
         lse_idx = loss.index_lse(q_idx, k_idx, tables)
@@ -192,25 +209,29 @@ def main():
     parser.add_argument("--configs", nargs="*", default=None, help="MTRAINING_KL_CONFIG strings ('' = defaults)")
     parser.add_argument("--kl-order", choices=("both", "union", "kv-outer"), default="both")
     parser.add_argument("--kv-configs", nargs="*", default=[""], help="KV-outer launch parameters ('' = defaults)")
+    parser.add_argument("--documents", type=int, default=None, help="packed documents per sequence")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--check-seq", type=int, default=4096)
     parser.add_argument("--out", default=None, help="JSON results")
     args = parser.parse_args()
+    if args.documents and args.kl_order != "union":
+        parser.error(f"--documents {args.documents} takes --kl-order union (the KV-outer kernels take no documents)")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     configs = (
         args.configs if args.configs is not None else (SWEEP if args.sweep else [os.environ.get(loss.CONFIG_ENV, "")])
     )
     gen = torch.Generator().manual_seed(0)
-    results = {"seq": args.seq, "shape": {"hq": HQ, "hkv": HKV, "d": D, "d_idx": DI, "block": BLOCK, "topk": TOPK}}
+    shape = {"hq": HQ, "hkv": HKV, "d": D, "d_idx": DI, "block": BLOCK, "topk": TOPK}
+    results = {"seq": args.seq, "documents": args.documents, "shape": shape}
     try:
         results["cudnn_dense_forward_ms"] = cudnn_forward_ms(args.seq, gen, args.runs)
     except Exception as e:  # noqa: BLE001
         results["cudnn_dense_forward_ms"] = None
         print(f"cuDNN forward FAILED: {type(e).__name__}: {e}")
     print(f"seq {args.seq}: cuDNN dense causal forward {results['cudnn_dense_forward_ms']} ms (the yardstick)")
-    small = prepared(args.check_seq, gen)
-    big = prepared(args.seq, gen)
+    small = prepared(args.check_seq, gen, args.documents)
+    big = prepared(args.seq, gen, args.documents)
     for name, (_, tables, _, _, _) in big.items():
         print(f"  {name}: {int(tables.tile_count.sum())} query-block x tile pairs")
     orders = ("union", "kv-outer") if args.kl_order == "both" else (args.kl_order,)

@@ -441,6 +441,11 @@ MSA_KL_DOCUMENT_CASES = [
     ("topk", "striped", 1, (0, 37, 80, 128)),
     ("dense", "zigzag", 1, (0, 50, 51, 128)),
 ]
+# Fresh random boundaries per run (``documents_reference.random_boundaries``).
+MSA_KL_RANDOM_DOCUMENT_CASES = [
+    ("topk", "balanced", 1, "random"),
+    ("dense", "zigzag", 1, "random"),
+]
 
 
 def check_msa_kl_ring(rank, world, seed, backend, dtype, cases, ring_lse=False):
@@ -449,7 +454,11 @@ def check_msa_kl_ring(rank, world, seed, backend, dtype, cases, ring_lse=False):
     summed over the ranks and the gradients of q_idx / k_idx (each rank's rows and keys)
     equal ``msa_kl_loss`` on the whole sequence. Inside the KL no collective runs and no
     message exceeds this rank's keys (``ring_traffic_only``). ``ring_lse``: the teacher's
-    LSE from ``ring_attention`` (fp32), else the fp64/fp32 whole-sequence one, sharded."""
+    LSE from ``ring_attention`` (fp32), else the fp64/fp32 whole-sequence one, sharded.
+    A case's documents ``"random"``: fresh random boundaries; the layout gets the documents
+    (the balanced one places its stripes by them)."""
+    from documents_reference import random_boundaries
+
     from megatron_mtraining.context_parallel.msa_kl import ring_msa_kl
     from megatron_mtraining.sparse import msa_kl_loss
     from megatron_mtraining.sparse.documents import packed_documents
@@ -462,8 +471,10 @@ def check_msa_kl_ring(rank, world, seed, backend, dtype, cases, ring_lse=False):
     exact = dtype == torch.float64 and not ring_lse
     rtol = 1e-9 if exact else 2e-4
     for kind, layout_kind, b, cu in cases:
+        if cu == "random":
+            cu = tuple(random_boundaries(gen, seq).tolist())
         where = f"cp={world} rank={rank} {backend} {kind} {layout_kind} b={b} documents={cu}"
-        layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+        layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, documents=cu)
         q, k, v = (torch.randn(b, seq, h, d, generator=gen, dtype=dtype).to(device) for h in (hq, hkv, hkv))
         q_idx = torch.randn(b, seq, hkv, di, generator=gen, dtype=dtype).to(device)
         k_idx = torch.randn(b, seq, 1, di, generator=gen, dtype=dtype).to(device)

@@ -94,7 +94,8 @@ def test_a_call_logs_its_decision_at_debug(caplog, rng):
 def test_the_kl_under_context_parallelism_needs_whole_kernel_blocks():
     """``kl_kernel`` with ``whole_blocks`` (the ring's steps): the kernels where the layout's
     tokens are whole kernel blocks (``StepTables.whole_blocks``), else PyTorch; forcing the
-    kernels then fails. Packed documents go to PyTorch either way."""
+    kernels then fails. Packed documents too: the kernels mask each row by its document
+    start."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
     from megatron_mtraining.context_parallel.step_tables import StepTables
     from megatron_mtraining.sparse.documents import packed_documents
@@ -107,7 +108,9 @@ def test_the_kl_under_context_parallelism_needs_whole_kernel_blocks():
     with pytest.raises(ValueError, match=r"backend='triton'.*layout the KL kernels serve"):
         dispatch.kl_kernel(q, q_idx, index, "triton", whole_blocks=False)
     docs = DenseIndex(1, 4, 256, documents=packed_documents(torch.tensor([0, 100, 256], dtype=torch.int32), 256))
-    assert dispatch.kl_kernel(q, q_idx, docs, whole_blocks=True).kernel == "reference"
+    documented = dispatch.kl_kernel(q, q_idx, docs, whole_blocks=True)
+    assert documented.kernel == "msa_kl" and "document start" in documented.reason, documented
+    assert dispatch.kl_kernel(q, q_idx, docs, whole_blocks=False).kernel == "reference"
     assert dispatch.kl_kernel(cuda_q(seq=256, dtype=torch.float64), q_idx, index, whole_blocks=True).kernel == (
         "reference"
     )

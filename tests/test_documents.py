@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from cp_workers import check_ring_with_documents
+from cp_workers import MSA_KL_RANDOM_DOCUMENT_CASES, check_msa_kl_ring, check_ring_with_documents
 from dense_reference import check_index_attention
 from documents_reference import block_diagonal, random_boundaries
 from gloo import run, run_on_device
@@ -597,3 +597,14 @@ def test_context_parallel_kernels(kv_exchange, rng):
     """CP 2, the ring steps (and the column piece) or the all-gathered piece on the kernels."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run_on_device(2, check_ring_with_documents, seed, 192, True, kv_exchange)
+
+
+@KERNELS
+def test_context_parallel_msa_kl_kernels(rng):
+    """MSA's KL under CP 2 with fresh random documents on the fused KL kernels per ring step
+    (the step tables carry the document starts; fp32, interpreted without CUDA): the ranks'
+    values and q_idx / k_idx gradients equal ``msa_kl_loss`` on the whole sequence, for a
+    top-k index selected within the documents on the balanced layout and the warmup's dense
+    index on zigzag."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run_on_device(2, check_msa_kl_ring, seed, "triton", torch.float32, MSA_KL_RANDOM_DOCUMENT_CASES)

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from documents_reference import block_diagonal, random_boundaries
 from msa_reference import kl_parts
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
@@ -70,15 +71,15 @@ def _inputs(rng, b, s, hq, hkv, d, di, dtype, device):
     return t(b, s, hq, d), t(b, s, hkv, d), t(b, s, hkv, di), t(b, s, 1, di)
 
 
-def _index(kind, q_idx, k_idx, hq, block, topk, shared=False):
+def _index(kind, q_idx, k_idx, hq, block, topk, shared=False, cu_seqlens=None):
+    """The warmup's DenseIndex or MSA's selection (``cu_seqlens``: within packed documents)."""
     b, s, hkv, di = q_idx.shape
     if kind == "dense":
-        return DenseIndex(b, hq, s, device=q_idx.device)
+        return DenseIndex(b, hq, s, device=q_idx.device, documents=packed_documents(cu_seqlens, s, q_idx.device))
     if shared:  # one selection for every group
         q_idx = q_idx.float().mean(2, keepdim=True)
-    return msa_select_blocks(
-        q_idx.float(), k_idx.float(), MSAConfig(block_size=block, topk=topk, index_head_dim=di), hq
-    )
+    config = MSAConfig(block_size=block, topk=topk, index_head_dim=di)
+    return msa_select_blocks(q_idx.float(), k_idx.float(), config, hq, cu_seqlens=cu_seqlens)
 
 
 @pytest.fixture
@@ -229,6 +230,52 @@ def test_two_passes_in_deterministic_mode_match_fp64(case, dtype, rng, kdevice, 
         assert torch.equal(first, second)
 
 
+DOCUMENT_CASES = [
+    # kind, length, query heads, KV heads, block, MTRAINING_KL_CONFIG
+    ("dense", 100, 4, 2, 16, ""),  # warmup, G = 2, ragged last block
+    ("topk", 160, 4, 2, 32, "lse:16,16,4,1;dq:16,16,4,1;dk:16,16,4,1;fused:16,16,4,1"),  # 16-row / key steps
+]
+
+
+@pytest.mark.parametrize("case", DOCUMENT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-block{c[4]}")
+def test_kernels_with_documents_match_fp64(case, rng, kdevice, monkeypatch, kl_passes):
+    """Packed documents on fresh random boundaries (one token, ending on a block edge,
+    exactly one block, short runs, long documents spanning blocks): the kernels with the
+    document starts (tables built with documents) give the index LSE, the KL value, the
+    per-row KL, dq_idx and dk_idx of fp64 under the index's mask, which keeps every row in
+    its document; the teacher's LSE is the main pass's within the document. In one pass and
+    in two; ``topk`` is selected within the documents and walks 32-token tiles in 16-row /
+    16-key steps, so document starts fall inside a step."""
+    kind, s, hq, hkv, block, config = case
+    loss = _loss_module()
+    monkeypatch.setenv(loss.CONFIG_ENV, config)
+    d = di = 16
+    q, k, q_idx, k_idx = _inputs(rng, 1, s, hq, hkv, d, di, torch.float32, kdevice)
+    cu = random_boundaries(rng, s, block=block)
+    index = _index(kind, q_idx, k_idx, hq, block, 3, cu_seqlens=cu.to(kdevice))
+    assert index.documents is not None
+    assert not (index.to_dense_mask(s).cpu() & ~block_diagonal(cu, s)).any(), "a row selects outside its document"
+    tables = tile_tables(index, dense_block=block)
+    assert tables.doc_start is not None
+    scale = 0.8 / math.sqrt(d)
+    rows, lse_idx, lse_main, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    rtol, atol = TOLERANCE[torch.float32]
+
+    got_lse = loss.index_lse(q_idx, k_idx, tables)
+    torch.testing.assert_close(got_lse.cpu().double(), lse_idx, rtol=0, atol=atol)
+    qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    recorded = []
+    (3.0 * loss.fused_kl(q, k, lse_main.float().to(kdevice), qi, ki, tables, scale, recorded.append)).backward()
+    torch.testing.assert_close(recorded[0].cpu().double(), value, rtol=10 * atol, atol=atol)
+    _close(qi.grad, dq_want, rtol, what="dq_idx")
+    _close(ki.grad, dk_want, rtol, what="dk_idx")
+    _, _, kl_rows = loss.kl_backward(
+        q, k, lse_main.float().to(kdevice), q_idx, k_idx, got_lse, tables, scale, torch.ones(1, device=kdevice), 1
+    )
+    torch.testing.assert_close(kl_rows.cpu().double(), rows, rtol=10 * atol, atol=10 * atol)
+    _ran(*kl_passes, 2)
+
+
 def test_kl_backward_passes_follow_deterministic_mode():
     """One pass by default; two, each element written once, under torch's deterministic mode."""
     with _deterministic(False):
@@ -254,19 +301,24 @@ def test_main_queries_and_keys_get_no_gradient(rng, kdevice, kl_passes):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer"])
+@pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer", "topk-kv-outer-documents"])
 def test_recorded_value_is_the_kl(kind, rng, kdevice, monkeypatch):
     """As the layer runs it: the main pass's own LSE (``sparse_attention``'s) normalises the
     teacher; the value reaches ``on_value`` once, in the backward, and equals the fp64 KL and
     ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s. ``topk-kv-outer``: the density
-    rule moved so that the top-k index takes the KV-outer order (attention and KL)."""
+    rule moved so that the top-k index takes the KV-outer order (attention and KL); with
+    ``documents`` (fresh random packed documents, the selection within them) both take the
+    union of tiles instead."""
     b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
     v = torch.randn(k.shape, generator=rng).to(kdevice)
-    index = _index(kind.split("-")[0], q_idx, k_idx, hq, 16, 2)
-    want = {"topk": "msa_kl", "dense": "msa_kl", "topk-kv-outer": "msa_kl_kv_outer"}[kind]
-    if kind == "topk-kv-outer":
+    cu = random_boundaries(rng, s).to(kdevice) if kind.endswith("documents") else None
+    index = _index(kind.split("-")[0], q_idx, k_idx, hq, 16, 2, cu_seqlens=cu)
+    want = {"topk": "msa_kl", "dense": "msa_kl", "topk-kv-outer": "msa_kl_kv_outer"}.get(kind, "msa_kl")
+    if kind.startswith("topk-kv-outer"):
         monkeypatch.setattr(dispatch, "KV_OUTER_MAX_SHARE", float("inf"))
+        attention = dispatch.attention_kernel(q, index, backend="triton").kernel
+        assert attention == ("kv_outer" if cu is None else "block_bar"), attention
     assert kl_kernel(q, q_idx, index, backend="triton").kernel == want
     _, lse = sparse_attention(q, k, v, index, backend="triton")
     qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
@@ -317,8 +369,8 @@ def test_dispatch_decision(rng):
         kl_kernel(q, q_idx, vs, backend="triton")
     assert kl_kernel(q, q_idx.double(), dense, backend="auto").kernel == "reference"
     packed = DenseIndex(1, 4, 32, documents=packed_documents(torch.tensor([0, 9, 32], dtype=torch.int32), 32))
-    with pytest.raises(ValueError, match="packed documents"):
-        kl_kernel(q, q_idx, packed, backend="triton")
+    decision = kl_kernel(q, q_idx, packed, backend="triton")
+    assert decision.kernel == "msa_kl" and "document start" in decision.reason, decision
     if torch.cuda.is_available():
         topk = BlockTopKIndex(blocks=torch.zeros(1, 32, 2, 1, dtype=torch.int32), block_size=16, num_heads=4)
         decision = kl_kernel(q.cuda().half(), q_idx.cuda().half(), topk.to("cuda"))
@@ -333,7 +385,8 @@ def _topk_of(s, block, topk, documents=None):
 def test_kl_dispatch_follows_the_attention_order(rng):
     """The KL of a top-k index takes the loop order the attention takes
     (``kv_outer_preferred``): KV-outer where it selects a small share of the keys, the union
-    of tiles where not; packed documents stay on the reference."""
+    of tiles where not, and with packed documents (the KV-outer kernels take no document
+    bounds), saying so."""
     s = 1024
     q = torch.randn(1, s, 4, 16, generator=rng)
     q_idx = torch.randn(1, s, 2, 16, generator=rng)
@@ -352,12 +405,15 @@ def test_kl_dispatch_follows_the_attention_order(rng):
             assert f"{dispatch._share(index):.4f}" in decision.reason
     assert kl_kernel(q, q_idx, sparse).kernel == "reference"  # CPU tensors under auto
     packed = _topk_of(s, 16, 2, packed_documents(torch.tensor([0, 300, s], dtype=torch.int32), s))
-    with pytest.raises(ValueError, match="packed documents"):
-        kl_kernel(q, q_idx, packed, backend="triton")
+    assert dispatch.kv_outer_preferred(packed)  # as sparse as the index that runs KV-outer
+    decision = kl_kernel(q, q_idx, packed, backend="triton")
+    assert decision.kernel == "msa_kl" and "packed documents" in decision.reason, decision
+    assert "KV-outer kernels take no document bounds" in decision.reason, decision
+    assert dispatch.attention_kernel(q, packed, backend="triton").kernel == "block_bar"
     if torch.cuda.is_available():
         on_gpu = (q.cuda().half(), q_idx.cuda().half())
         assert kl_kernel(*on_gpu, sparse.to("cuda")).kernel == "msa_kl_kv_outer"
-        assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "reference"
+        assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "msa_kl"
 
 
 def _fresh_topk(rng, b, s, hs, topk, block):

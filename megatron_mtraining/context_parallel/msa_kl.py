@@ -24,10 +24,11 @@ Each rank holds its rows' main queries q ``[B, L, Hq, D]``, index queries q_idx
 No rank holds a tensor of the whole sequence's size: its own tokens, one visiting chunk (and
 in the backward one travelling dk_idx accumulator), its rows' LSEs, and the global index,
 which every rank holds already. ``dispatch.kl_kernel`` decides the backend once per call
-(the kernels where they serve the inputs and the layout's tokens are whole kernel blocks);
-packed documents take the PyTorch steps, which mask each row by its document start (the KL
-kernels take no document bounds). The ring is flat over the whole group, hierarchical
-context-parallel groups included.
+(the kernels where they serve the inputs and the layout's tokens are whole kernel blocks).
+Packed documents: both backends mask each row by its document start at its global position
+(the kernels through the step's tables, which carry the whole sequence's start vector; the
+PyTorch steps through the ``StepIndex``), as the ring attention does. The ring is flat over
+the whole group, hierarchical context-parallel groups included.
 """
 
 from __future__ import annotations

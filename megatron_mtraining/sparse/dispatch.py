@@ -100,19 +100,9 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
         return Decision("reference", f"no kernel serves a {type(index).__name__}")
     if piece:
         return Decision("block_bar", "a context-parallel piece: keys at global positions, an fp32 running result")
-    if kv_outer_preferred(index):
-        share = f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
-        if index.documents is not None:
-            return Decision(
-                "block_bar",
-                f"{share} with packed documents: the KV-outer kernels take no document bounds, "
-                "the union of tiles masks each row by its document start",
-            )
-        return Decision("kv_outer", share)
     if isinstance(index, BlockTopKIndex):
-        return Decision(
-            "block_bar", f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
-        )
+        kv_outer, why = _top_k_order(index)
+        return Decision("kv_outer" if kv_outer else "block_bar", why)
     if isinstance(index, DenseIndex) and torch.are_deterministic_algorithms_enabled():
         return Decision("block_bar", "a DenseIndex on CUDA in deterministic mode (cuDNN's backward is not)")
     return Decision("block_bar", f"a {type(index).__name__} on CUDA")
@@ -132,12 +122,12 @@ def kl_kernel(
     Triton kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
     computed in the backward), where the kernels serve both the main and the index queries.
     On one device in the loop order the main attention takes (:func:`kv_outer_preferred`,
-    the same density rule): ``msa_kl_kv_outer`` (``msa_kl.kv_loss``: per key block, the
-    rows that chose it) for a top-k index selecting a small share of the keys, ``msa_kl``
-    (the union of tiles) for the others and the warmup's ``DenseIndex``; per ring step
-    ``msa_kl`` on the step's tile tables. Else ``reference``, the chunked PyTorch of
-    ``msa_kl_loss`` (per ring step under context parallelism); packed documents too (no KL
-    kernel takes document bounds; the PyTorch steps mask each row by its document start)."""
+    the same density rule, and packed documents, as :func:`attention_kernel`):
+    ``msa_kl_kv_outer`` (``msa_kl.kv_loss``: per key block, the rows that chose it) for a
+    top-k index selecting a small share of the keys without documents, ``msa_kl`` (the union
+    of tiles, which masks each row by its document start) for the others and the warmup's
+    ``DenseIndex``; per ring step ``msa_kl`` on the step's tile tables. Else ``reference``,
+    the chunked PyTorch of ``msa_kl_loss`` (per ring step under context parallelism)."""
     setting = _backend_setting(backend)
     if backend_choice(q, backend) == "reference":
         return Decision("reference", _reference_reason(q, setting))
@@ -149,30 +139,24 @@ def kl_kernel(
         if setting == "triton":
             fail("backend", "triton", f"a BlockTopKIndex or DenseIndex for the KL kernels, got {type(index).__name__}")
         return Decision("reference", f"no KL kernel serves a {type(index).__name__}")
-    if index.documents is not None:
-        if setting == "triton":
-            fail(
-                "backend",
-                "triton",
-                "an index without packed documents for the KL kernels (they take no document bounds)",
-            )
-        return Decision("reference", "packed documents: the KL kernels take no document bounds")
     if whole_blocks is False:
         why = "context-parallel tokens that are not whole kernel blocks (no ring-step tile tables)"
         if setting == "triton":
             fail("backend", "triton", f"a layout the KL kernels serve, got {why}")
         return Decision("reference", why)
+    documents = "" if index.documents is None else ", each row masked by its document start"
     if whole_blocks:
-        return Decision("msa_kl", f"a {type(index).__name__} under context parallelism: fused KL kernels per ring step")
+        return Decision(
+            "msa_kl",
+            f"a {type(index).__name__} under context parallelism: fused KL kernels per ring step{documents}",
+        )
     fused = "fused KL kernels, the teacher from the main LSE"
     if isinstance(index, BlockTopKIndex):
-        share = f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
-        if kv_outer_preferred(index):
-            return Decision("msa_kl_kv_outer", f"{share}: {fused}, KV-outer (per key block, the rows that chose it)")
-        return Decision(
-            "msa_kl", f"{share}: {fused}, over the union of tiles (too dense or wide for KV-outer, as the attention)"
-        )
-    return Decision("msa_kl", f"a {type(index).__name__} on CUDA: {fused}, over the union of tiles")
+        kv_outer, why = _top_k_order(index)
+        if kv_outer:
+            return Decision("msa_kl_kv_outer", f"{why}; {fused}, KV-outer (per key block, the rows that chose it)")
+        return Decision("msa_kl", f"{why}; {fused}, over the union of tiles, as the attention")
+    return Decision("msa_kl", f"a {type(index).__name__} on CUDA: {fused}, over the union of tiles{documents}")
 
 
 def kl_backward_passes() -> Decision:
@@ -202,6 +186,21 @@ def log_decision(decision: Decision, where: str) -> None:
 
 def _share(index: BlockTopKIndex) -> float:
     return index.blocks.shape[-1] * index.block_size / index.seq_len
+
+
+def _top_k_order(index: BlockTopKIndex) -> tuple[bool, str]:
+    """(whether a top-k index's attention and KL run KV-outer on one device, why): where
+    :func:`kv_outer_preferred`, unless the index has packed documents, which the KV-outer
+    kernels do not take; the union of tiles masks each row by its document start."""
+    share = f"a top-k index selecting {_share(index):.4f} of the keys in blocks of {index.block_size}"
+    if index.documents is not None:
+        share += " with packed documents"
+    if not kv_outer_preferred(index):
+        return False, f"{share} (too dense or wide for KV-outer)"
+    if index.documents is not None:
+        why = "the KV-outer kernels take no document bounds, the union of tiles masks each row by its document start"
+        return False, f"{share}: {why}"
+    return True, share
 
 
 def kv_outer_preferred(index: SparseIndex) -> bool:

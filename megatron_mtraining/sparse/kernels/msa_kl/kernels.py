@@ -57,6 +57,13 @@ kernel per step and merges the per-step LSEs per row (``logaddexp``; a row with 
 visible in a step has -inf), then the backward per step, in one pass or two, with the
 merged LSEs: the steps' dq_idx and KL rows are added up, the chunk's dk_idx returned to
 its owner and added; each step divides by the whole sequence's rows.
+
+Packed documents (``HAS_DOCS``, tables built with documents): a row sees no key before its
+document's start, ``DOC_START[row position]`` (``block_bar``'s ``_row_starts``, global
+positions under context parallelism), so the teacher and the student are both restricted to
+the row's document; the main pass's LSE already is. The tables list no tile wholly before
+the document start of a query block's first row; inside the listed ones the start is one
+more compare in the visibility mask (``_visible``), which every step applies anyway.
 """
 
 from __future__ import annotations
@@ -64,7 +71,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..block_bar.kernels import _block_step, _positions, _program_rows, _row_selection, _table_row, _tile_rows
+from ..block_bar.kernels import (
+    _block_step,
+    _positions,
+    _program_rows,
+    _row_selection,
+    _row_starts,
+    _table_row,
+    _tile_rows,
+)
 from ..shared.kernels import LOG2E, _load_rows, _scores, _store_rows
 
 # Globals a jitted function reads must be constexpr (the interpreter does not check it).
@@ -132,16 +147,29 @@ def _kl_terms(p, log_s, visible, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _visible(in_range, col_pos, seen, row_first, HAS_DOCS: tl.constexpr):
+    """Where a row sees a key, on operands broadcast to the scores' shape (rows x keys, or
+    keys x rows): the pairs ``in_range`` whose key lies at or before ``seen``
+    (``_tile_rows``: the row's position, -1 where it did not select the tile) and, with
+    ``HAS_DOCS``, at or after ``row_first``, the start of the row's document."""
+    visible = in_range & (col_pos <= seen)
+    if HAS_DOCS:
+        visible = visible & (col_pos >= row_first)
+    return visible
+
+
+@triton.jit
 def _index_lse_kernel(
-    QI, KI, LSE_IDX, TILES, TILE_CNT, ROWSEL, QBLK, KBLK,
+    QI, KI, LSE_IDX, TILES, TILE_CNT, ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, HKV, TB, TH, NQB, T_MAX, K_SEL, RATIO, idx_scale,
     DI: tl.constexpr, DI_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``LSE_idx [B, Hkv, S]`` (natural log, -inf for a row with no visible selected key)."""
     qb, b, r, _, rows, row_ok, di, di_ok = _program_rows(BLOCK, BLOCK_M, DI, DI_PAD, S, HKV, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
+    row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
     qi = _load_rows(QI + b * S * HKV * DI + r * DI, rows, row_ok, HKV * DI, di, di_ok)
     ki_base = KI + b * SK * DI
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -152,22 +180,24 @@ def _index_lse_kernel(
         kb, cols, col_ok, col_pos = _block_step(TILES, trow, T_MAX, j, KBLK, SK, BLOCK, BLOCK_N, HAS_KPOS)
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
-        z = _scores(qi, ki, col_pos, col_ok, seen, seen, idx_scale, True, False, PRECISION)
+        z = _scores(qi, ki, col_pos, col_ok, seen, row_first, idx_scale, True, HAS_DOCS, PRECISION)
         m_i, l_i = _lse_step(m_i, l_i, z)
     tl.store(LSE_IDX + (b * HKV + r) * S + rows, _lse_final(m_i, l_i), mask=row_ok)
 
 
 @triton.jit
 def _dq_kl_kernel(
-    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DQI, KL, TILES, TILE_CNT, ROWSEL, QBLK, KBLK,
+    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DQI, KL, TILES, TILE_CNT, ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, HQ, HKV, TB, TH, NQB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``dq_idx`` (times ``GRAD * grad_scale``) and each row's KL term ``KL [B, Hkv, S]``."""
     qb, b, r, _, rows, row_ok, di, di_ok = _program_rows(BLOCK, BLOCK_M, DI, DI_PAD, S, HKV, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
+    row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     q_base = Q + (b * S * HQ + r * G) * HEAD_DIM
@@ -186,7 +216,8 @@ def _dq_kl_kernel(
         k = _load_rows(k_base, cols, col_ok, HKV * HEAD_DIM, d, d_ok)
         ki = _load_rows(ki_base, cols, col_ok, DI, di, di_ok)
         seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
-        visible = row_ok[:, None] & col_ok[None, :] & (col_pos[None, :] <= seen[:, None])
+        in_range = row_ok[:, None] & col_ok[None, :]
+        visible = _visible(in_range, col_pos[None, :], seen[:, None], row_first[:, None], HAS_DOCS)
         p = _teacher(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                      BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
         p = tl.where(visible, p, 0.0) * inv_g
@@ -200,12 +231,12 @@ def _dq_kl_kernel(
 
 @triton.jit
 def _dk_kl_kernel(
-    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DKI, DQI, KL, TILES_T, TILE_T_CNT, ROWSEL, QBLK, KBLK,
+    Q, K, LSE, QI, KI, LSE_IDX, GRAD, DKI, DQI, KL, TILES_T, TILE_T_CNT, ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, HQ, HKV, TB, TH, NKB, T_MAX, K_SEL, RATIO, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
-    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, PRECISION: tl.constexpr,
-    FUSE_DQ: tl.constexpr,
+    K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr,
 ):  # fmt: skip
     """``dk_idx`` of ``BLOCK_N`` keys of KV block ``kb``, summed over the groups (times
     ``GRAD * grad_scale``). With ``FUSE_DQ`` (the one pass) also each step's rows' share of
@@ -235,7 +266,9 @@ def _dk_kl_kernel(
             _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS)
-            visible = col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= seen[None, :])
+            row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
+            in_range = col_ok[:, None] & row_ok[None, :]
+            visible = _visible(in_range, col_pos[:, None], seen[None, :], row_first[None, :], HAS_DOCS)
             p = _teacher_t(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
                            BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from ...dispatch import kl_backward_passes, log_decision
-from ..block_bar.attention import _positions, _row_selection
+from ..block_bar.attention import _documents, _positions, _row_selection
 from ..block_bar.tables import TileTables
 from ..shared import buffers
 from ..shared.kernels import LOG2E
@@ -114,6 +114,7 @@ def _common(q_idx: torch.Tensor, k_idx: torch.Tensor, tables: TileTables) -> dic
         "PRECISION": "ieee" if q_idx.dtype == torch.float32 else "tf32",
         **_row_selection(tables),
         **_positions(tables),
+        **_documents(tables),
     }
 
 
