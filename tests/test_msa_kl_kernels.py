@@ -152,20 +152,25 @@ CASES = [
 ]
 
 
+def _case(case, dtype, rng, kdevice):
+    """A case's fresh inputs, index and tile tables: (kind, topk, q, k, q_idx, k_idx, index,
+    tables, scale); bf16 only on a GPU (the interpreter's bf16 is broken)."""
+    kind, b, s, hq, hkv, d, di, block, topk, shared = case
+    if dtype == torch.bfloat16 and kdevice.type == "cpu":
+        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
+    index = _index(kind, q_idx, k_idx, hq, block, topk, shared)
+    return kind, topk, q, k, q_idx, k_idx, index, tile_tables(index, dense_block=block), 0.8 / math.sqrt(d)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-shared" if c[9] else ""))
 def test_kernels_match_fp64(case, dtype, rng, kdevice, kl_launches):
     """The default backward, in one pass."""
-    kind, b, s, hq, hkv, d, di, block, topk, shared = case
-    if dtype == torch.bfloat16 and kdevice.type == "cpu":
-        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    kind, topk, q, k, q_idx, k_idx, index, tables, scale = _case(case, dtype, rng, kdevice)
     loss = _loss_module()
-    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
-    index = _index(kind, q_idx, k_idx, hq, block, topk, shared)
-    tables = tile_tables(index, dense_block=block)
     if kind == "topk":  # rows of a query block chose different blocks: the union is wider than k
         assert tables.tile_count.max() > topk
-    scale = 0.8 / math.sqrt(d)
     rows, lse_idx, lse_main, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
     rtol, atol = TOLERANCE[dtype]
 
@@ -199,14 +204,8 @@ TWO_PASS_CASES = [CASES[4], CASES[5]]  # the smallest: top-k with G = 16, warmup
 def test_two_passes_in_deterministic_mode_match_fp64(case, dtype, rng, kdevice, kl_launches):
     """Under torch's deterministic mode the backward runs the dQ and dK kernels (no atomics):
     dq_idx, dk_idx and the per-row KL against fp64, and the same bits on a second run."""
-    kind, b, s, hq, hkv, d, di, block, topk, shared = case
-    if dtype == torch.bfloat16 and kdevice.type == "cpu":
-        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    _, _, q, k, q_idx, k_idx, index, tables, scale = _case(case, dtype, rng, kdevice)
     loss = _loss_module()
-    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
-    index = _index(kind, q_idx, k_idx, hq, block, topk, shared)
-    tables = tile_tables(index, dense_block=block)
-    scale = 0.8 / math.sqrt(d)
     rows, _, lse_main, _, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
     rtol, atol = TOLERANCE[dtype]
     lse_idx = loss.index_lse(q_idx, k_idx, tables)
