@@ -80,12 +80,9 @@ class StatsLaunch:
 LAUNCH = StatsLaunch()
 
 # The rows of the documents table (``WindowKernels.tables``), one entry per document: its
-# first position, length, window rows, first window row, first and end local key, its first
-# key chunk of the row passes and their number, and its first mass-pass item, run slot,
-# pooling item and output diagonal.
-_START, _LENGTH, _ROWS, _ROW0, _KEY_LO, _KEY_HI, _CHUNK0, _CHUNKS, _ITEM0, _RUN0, _POOL0, _DIAG0 = map(
-    tl.constexpr, range(12)
-)
+# first position, length, window rows, first window row, first and end local key, and its
+# first key chunk of the row passes, mass-pass item, run slot, pooling item and output diagonal.
+_START, _LENGTH, _ROWS, _ROW0, _KEY_LO, _KEY_HI, _CHUNK0, _ITEM0, _RUN0, _POOL0, _DIAG0 = map(tl.constexpr, range(11))
 
 
 @triton.jit
@@ -339,8 +336,14 @@ class WindowKernels:
             for counts in (chunks, n_blocks, regions, pool_items, n_diagonals)
         )
         table = [[a for a, _ in windows.bounds], windows.lengths, windows.rows, windows.row_offsets,
-                 *zip(*windows.key_ranges, strict=True), chunk0, chunks, item0, run0, pool0, diag0]  # fmt: skip
-        self.tables = torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True)
+                 *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0]  # fmt: skip
+        # One copy to the device: the table, then the chunks' offsets for the row passes' reduction.
+        flat = torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32)
+        flat = flat.to(dev, non_blocking=True)
+        self.tables, self.chunk_offsets = (
+            flat[: len(table) * self.n_docs].view(len(table), -1),
+            flat[-self.n_docs - 1 :],
+        )
 
     def _row_stats(self, row_max: torch.Tensor | None) -> torch.Tensor:
         """``[M, B, Hq, longest window]``: each document's partials, one per key chunk,
@@ -356,7 +359,7 @@ class WindowKernels:
             CHUNK=self.chunk, SUM=row_max is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages,
             **self.dims,
         )  # fmt: skip
-        return torch.segment_reduce(out, "max" if row_max is None else "sum", lengths=self.tables[_CHUNKS.value])
+        return torch.segment_reduce(out, "max" if row_max is None else "sum", offsets=self.chunk_offsets)
 
     def row_max(self) -> torch.Tensor:
         return self._row_stats(None)
