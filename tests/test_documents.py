@@ -230,6 +230,17 @@ def test_document_statistics_are_each_documents_alone(backend, rng, kdevice, mon
         assert not got_vertical[:, b - a :].any() and not got_slash[:, slash.shape[1] :].any()
 
 
+def test_observation_windows_need_ascending_key_positions():
+    """A rank's keys must ascend by position (each document's keys one run of them): the
+    error names the first entry out of order and its value."""
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows
+
+    windows = ObservationWindows.of_documents([(0, 5), (9, 12)], 4, 12, torch.tensor([1, 3, 4, 10, 11]))
+    assert windows.key_ranges == ((0, 3), (3, 5)) and windows.rows == (4, 3)
+    with pytest.raises(ValueError, match=r"key_positions\[2\]=3 .*key_positions\[1\] = 4"):
+        ObservationWindows.of_documents([(0, 12)], 4, 12, torch.tensor([1, 4, 3]))
+
+
 def test_mask_is_block_diagonal_for_every_index_type(rng):
     """Hand-made indexes that list keys before the documents: the rows never see them."""
     seq, block = 96, 16

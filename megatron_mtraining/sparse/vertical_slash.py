@@ -120,8 +120,11 @@ class ObservationWindows:
         if key_positions is None:
             key_ranges = bounds
         else:
-            if (key_positions[1:] <= key_positions[:-1]).any():
-                fail("key_positions", key_positions.tolist()[:8], "strictly ascending global positions")
+            descending = torch.nonzero(key_positions[1:] <= key_positions[:-1]).flatten()
+            if len(descending):
+                i = int(descending[0]) + 1
+                fail(f"key_positions[{i}]", int(key_positions[i]), f"a position after key_positions[{i - 1}] = "
+                     f"{int(key_positions[i - 1])}: strictly ascending, so that each document's keys are one run")  # fmt: skip
             edges = torch.searchsorted(key_positions, torch.tensor(bounds, dtype=key_positions.dtype))
             key_ranges = tuple((int(lo), int(hi)) for lo, hi in edges.tolist())
         return cls(seq_len, bounds, tuple(min(last_q, b - a) for a, b in bounds), key_ranges)
@@ -146,7 +149,7 @@ class ObservationWindows:
 
 def _offsets(counts) -> list[int]:
     """Where each of ``counts`` consecutive runs starts."""
-    return [sum(counts[:m]) for m in range(len(counts))]
+    return list(itertools.accumulate([0, *counts[:-1]]))
 
 
 def window_statistics(

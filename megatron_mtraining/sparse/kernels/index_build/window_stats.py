@@ -8,8 +8,8 @@ only, up to its position. Three passes recompute the same fp32 logits (16-bit pr
 are exact in fp32; fp32 inputs get exact fp32 products), in log2 units
 (``logit * log2 e``), each one launch for every document:
 
-1. row maxima: per (document x row tile, key chunk of the document, batch x KV head),
-   the chunk's maximum;
+1. row maxima: per (row tile, chunk of a document's keys, batch x KV head), the chunk's
+   maximum for the document's rows, the chunks' partials reduced per document in order;
 2. row normalisers: the same programs sum ``2^(logit - global row max)``;
 3. mass: per (block of a document's key *positions*, batch x KV head), found through a
    position -> local key map (-1 where another device holds the key), each head's window
@@ -27,15 +27,15 @@ runs once and writes ``[B, Hq, n_blocks]`` (the documents' one after the other);
 the sum wrote the ``[B, Hq, S]`` fp64 token profile (16 MiB at 128K) and the pooling read
 it twice through two temporaries of its size.
 
-A grid over documents of different lengths would leave most programs idle, so the mass
-and pooling passes number their work items document after document and a program finds
-its document by binary search over the documents' first items (a table built on the host,
-``WindowKernels.tables``); the row passes give every document the same row tiles (those
-of the longest window) and key chunks up to its longest's.
+A grid of documents x their longest's work would leave most programs idle where the
+lengths differ, so each pass numbers its work items (key chunks, key blocks, diagonal
+spans) document after document and a program finds its document by binary search over
+the documents' first items (a table built on the host, ``WindowKernels.tables``); every
+document gets the row tiles of the longest window (padding rows see no key).
 
 Determinism: every output element has one writer that adds in a fixed order (runs
-that overlap go to separate buffers, added by the pooling), so results are bitwise
-independent of launch order. Sums over keys, tiles or devices add fp32 terms in
+that overlap go to separate buffers, added by the pooling; the row partials are reduced
+without atomics), so results are bitwise independent of launch order. Sums over keys, tiles or devices add fp32 terms in
 fp64, and no term depends on how the keys are split (exponents use the global row
 maxima, not running ones), so a context-parallel split moves the statistics only
 at fp64 rounding, far below their final fp32 rounding.
@@ -139,8 +139,8 @@ def _row_stats_kernel(
     CHUNK: tl.constexpr, SUM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per row of the tile, over one chunk of its document's keys: the maximum logit, or
-    (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``. Work item ``c0`` is chunk ``c`` of a
-    document, its keys ``[lo + c CHUNK, lo + (c + 1) CHUNK)`` (a document's own split,
+    (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``. A work item is chunk ``c`` of one
+    document's keys, ``[lo + c CHUNK, lo + (c + 1) CHUNK)`` (the document's own split,
     whatever precedes it; a document with no key here has one empty chunk). A document's
     rows are (head of the group, window row), ``G x W`` of them (rows past its window,
     padding, see no key); the row tiles of a chunk are neighbours in the grid, so they
@@ -187,7 +187,7 @@ def _mass_kernel(
     sk_s, sk_h, qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Work item ``p0`` is block ``p`` of a document's positions: the keys at its positions
+    """A work item is key block ``p`` of one document: the keys at its positions
     ``[p * BLOCK, (p + 1) * BLOCK)`` (from its start) that this device holds (``KEY_AT``:
     local index of a global position, -1 elsewhere) against each ``BLOCK``-row tile ``j`` of
     each head's window of that document: the probability mass per key (``VERT``, fp32) and
@@ -247,7 +247,7 @@ def _mass_kernel(
 @triton.jit
 def _pool_kernel(RUNS, OUT, DOCS, n_docs, n_out, run_len, N_RUNS: tl.constexpr, BS: tl.constexpr,
                  DB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Work item ``i0``: ``DB`` block diagonals ``d`` of one document of one (batch, head)
+    """A work item is ``DB`` block diagonals ``d`` of one document, of one (batch, head),
     from the mass pass's runs (``BLOCK``: its tile): the token-diagonal mass ``x[o]``, slot
     ``start + o`` of the document's region of every run summed, pooled as
     ``vertical_slash._pool_diagonals`` does (its maths of record):
