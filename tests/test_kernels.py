@@ -317,10 +317,8 @@ def test_window_statistics_kernels_add_up_over_a_key_split(documents, rng, stats
     """Partial statistics of a striped 2-way key split (stripes of 4: every mass block half
     held), reduced as the context-parallel builder does, equal those of all keys: no term
     depends on the split and the sums across tiles and devices are fp64. With documents
-    (random boundaries, documents shorter than the window among them), each rank finds
-    each document's keys among its own."""
-    from documents_reference import random_boundaries
-
+    (one of one token, one shorter than the window ending on a stripe edge, random cuts),
+    each rank finds each document's keys among its own (none, for some)."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
     from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
     from megatron_mtraining.sparse.vertical_slash import ObservationWindows
@@ -331,8 +329,8 @@ def test_window_statistics_kernels_add_up_over_a_key_split(documents, rng, stats
     layout = ContextParallelLayout("striped", 2, seq, stripe=4)
     bounds = [(0, seq)]
     if documents:
-        cu = random_boundaries(rng, seq, block=8).tolist()
-        bounds = list(zip(cu[:-1], cu[1:], strict=True))
+        cuts = sorted(set(torch.randint(9, seq - 1, (3,), generator=rng).tolist()))
+        bounds = list(zip([0, 1, 8, *cuts], [1, 8, *cuts, seq], strict=True))
 
     def parts(keys, positions):
         windows = ObservationWindows.of_documents(bounds, w, seq, positions)
