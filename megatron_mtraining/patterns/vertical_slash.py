@@ -5,11 +5,12 @@ sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]`` buff
 row maxima, normalisers and column / diagonal mass are reduced, and every rank runs the
 single-device selection on them (``window_statistics_from_parts``).
 
-With packed documents the documents of at least ``dense_below`` tokens have their statistics
-built so all at once: their last ``last_q`` rows gathered by one sum, the statistics of each
-rank's keys in each of them computed in one batched pass and reduced together (five
-collectives in all, whatever the number of documents); every rank then selects all
-documents' indexes at once (``document_index``), which equals the single-device build.
+With packed documents, the statistics of every document of at least ``dense_below`` tokens
+are built at once: their last ``last_q`` rows gathered by one sum, the statistics of this
+rank's keys in each document computed in one batched pass (``document_statistics_from_parts``)
+and reduced together (five collectives in all, whatever the number of documents); every rank
+then selects all documents' indexes at once (``document_index``), which equals the
+single-device build.
 """
 
 from __future__ import annotations
