@@ -473,9 +473,10 @@ def build_document_index(
     Cost: the sparse documents' window rows gathered (one gather), their statistics in one
     batched pass (``document_statistics_from_parts``: each document's window against its
     own keys only, together no more than one window over the whole sequence reads; on CUDA
-    ~15 launches whatever the number of documents), then one selection for all of them and
-    the dense ones (``document_index``: ~40 launches). The bounds were read on the host
-    once, with ``cu_seqlens``."""
+    about two dozen launches, the Triton passes and the small operations around them,
+    whatever the number of documents), then one selection for all of them and the dense
+    ones (``document_index``: ~40 launches). The bounds were read on the host once, with
+    ``cu_seqlens``."""
 
     def statistics(bounds) -> WindowStatistics:
         windows = ObservationWindows.of_documents(bounds, config.last_q, q.shape[1])
