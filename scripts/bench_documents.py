@@ -12,8 +12,11 @@ One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``ex
   where this PyTorch has it: the library answer for document-masked dense attention;
 * the plugin's dense attention with and without the documents (``DenseIndex``);
 * the plugin's vertical-slash attention with and without the documents, its index built from
-  the inputs (``build_vertical_slash_index``; per document with ``cu_seqlens``), the build timed
-  apart; and the whole-sequence index with the documents' mask (the same lists, like for like).
+  the inputs (``build_vertical_slash_index``; per document with ``cu_seqlens``: every sparse
+  document's statistics in one batched pass, ``document_statistics_from_parts``, then one
+  selection for all), the build timed apart; and the whole-sequence index with the
+  documents' mask (the same lists, like for like). The per-document index is checked against
+  each sparse document's index built alone (printed: how many of them have the same lists).
 
 The plugin's rows run its Triton kernels (``backend="triton"``: ``auto`` sends a dense index
 without documents to SDPA). Each row's tile tables are built once, timed apart ("tables"), and
@@ -100,6 +103,24 @@ def varlen_flash(cu_seqlens: torch.Tensor, longest: int):
     return run
 
 
+@torch.no_grad()
+def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
+    """How many of the sparse documents have the lists, in the per-document ``index``, of the
+    index built on the document alone (``q[:, a:b]``, ``k[:, a:b]``), of how many."""
+    same = sparse = 0
+    bounds = index.documents.bounds
+    for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if b - a < config.dense_below:
+            continue
+        sparse += 1
+        alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], config, scale)
+        columns = [c[(c >= a) & (c < b)] - a for c in index.vertical[0]]
+        same += all(torch.equal(c, w[w >= 0]) for c, w in zip(columns, alone.vertical[0], strict=True)) and all(
+            torch.equal(d[d >= 0], w[w >= 0]) for d, w in zip(index.slash[0, :, m], alone.slash[0], strict=True)
+        )
+    return same, sparse
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=131072)
@@ -166,6 +187,10 @@ def main() -> None:
         )
         rows[-1]["index_build_ms"] = builds[name]
         print(f"{'':<40} index build {builds[name]:.2f} ms (its tables included: it keeps them)")
+        if bounds is not None:
+            same, sparse = documents_alone_agree(q, k, config, scale, index)
+            rows[-1]["documents_equal_alone"] = [same, sparse]
+            print(f"{'':<40} {same} of {sparse} sparse documents' lists equal their index built alone")
         if bounds is None:
             # Like for like: the same lists with the documents' mask, which only removes work.
             per_document = index.slash.unsqueeze(2).expand(-1, -1, docs.count, -1).contiguous()

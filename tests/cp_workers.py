@@ -368,6 +368,36 @@ def check_ring_with_documents(
             assert ring_area.sum() + local_area.sum() == float(index.attended_area().sum()), where
 
 
+def check_document_statistics_reduced_once(rank, world, seed, seq):
+    """The per-document vertical-slash index over ``world`` ranks with every document sparse
+    (``dense_below`` 0: documents of one token, shorter than the window, of one block) equals
+    the single-device one in every layout, and takes five collectives (the windows' gather,
+    the row maxima and normalisers, the column and diagonal mass) whatever the number of
+    documents."""
+    from documents_reference import random_boundaries
+
+    gen = torch.Generator().manual_seed(seed)
+    cu = random_boundaries(gen, seq)
+    config = VerticalSlashConfig(
+        last_q=16, vertical_topp=0.5, slash_topp=0.5, block_size=16, sink_tokens=2, local_window=24, dense_below=0
+    )
+    q, k = (torch.randn(1, seq, h, 16, generator=gen, dtype=torch.float64) for h in (4, 2))
+    pattern = VerticalSlashPattern(config)
+    want = pattern.local_index(q, k, 0.25, cu)
+    collectives = []
+    reduce = dist.all_reduce
+    dist.all_reduce = lambda t, *args, **kwargs: collectives.append(t.shape) or reduce(t, *args, **kwargs)
+    try:
+        for kind in ("contiguous", "zigzag", "striped", "balanced"):
+            layout = ContextParallelLayout(kind, world, seq, stripe=16, documents=cu)
+            collectives.clear()
+            got = pattern.distributed_index(layout.shard(q, rank), layout.shard(k, rank), layout, None, 0.25, cu)
+            assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash), kind
+            assert len(collectives) == 5, (kind, len(cu) - 1, collectives)
+    finally:
+        dist.all_reduce = reduce
+
+
 @contextlib.contextmanager
 def ring_traffic_only(limit: int):
     """Inside: every collective fails, and each point-to-point message (``batch_isend_irecv``,

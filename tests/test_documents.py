@@ -9,6 +9,7 @@ area agrees with the mask. The per-document builders are checked against the sam
 on each document alone (vertical-slash) and against brute force (MSA, MoBA).
 """
 
+import collections
 import dataclasses
 import os
 import weakref
@@ -16,7 +17,12 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from cp_workers import MSA_KL_RANDOM_DOCUMENT_CASES, check_msa_kl_ring, check_ring_with_documents
+from cp_workers import (
+    MSA_KL_RANDOM_DOCUMENT_CASES,
+    check_document_statistics_reduced_once,
+    check_msa_kl_ring,
+    check_ring_with_documents,
+)
 from dense_reference import check_index_attention
 from documents_reference import block_diagonal, random_boundaries
 from gloo import run, run_on_device
@@ -135,8 +141,12 @@ def test_kernel_sub_tiles_within_documents(kind, rng, kdevice, monkeypatch):
 
 
 @KERNELS
-def test_vertical_slash_statistics_kernels_per_document(rng, kdevice, monkeypatch):
-    """The per-document build on the statistics kernels equals the reference build."""
+@pytest.mark.parametrize("config", [VS_CONFIG, dataclasses.replace(VS_CONFIG, dense_below=0)],
+                         ids=["dense-below-32", "all-sparse"])  # fmt: skip
+def test_vertical_slash_statistics_kernels_per_document(config, rng, kdevice, monkeypatch):
+    """The per-document build on the statistics kernels (every document's statistics in one
+    batched pass) equals the reference build; with ``dense_below=0`` documents of one token
+    and shorter than the window too."""
     from megatron_mtraining.sparse.kernels.index_build import window_stats
 
     seq = 192
@@ -144,13 +154,96 @@ def test_vertical_slash_statistics_kernels_per_document(rng, kdevice, monkeypatc
     q, k, _ = inputs(rng, seq, device=kdevice)
     q, k = q.detach(), k.detach()
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
-    want = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu)
+    want = build_vertical_slash_index(q, k, config, cu_seqlens=cu)
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(
         window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2, block_mass=16)
     )
-    got = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu.to(kdevice))
+    got = build_vertical_slash_index(q, k, config, cu_seqlens=cu.to(kdevice))
     assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)
+
+
+class CountedLaunches:
+    """A Triton kernel that counts its launches in ``counts[name]``."""
+
+    def __init__(self, kernel, counts, name):
+        self.kernel, self.counts, self.name = kernel, counts, name
+
+    def __getitem__(self, grid):
+        self.counts[self.name] += 1
+        return self.kernel[grid]
+
+
+def document_statistics_fp64(q, k, a: int, b: int, last_q: int, block: int, scale: float):
+    """Document ``[a, b)``'s window statistics alone in fp64, from its dense causal softmax:
+    the column mass, and the block-diagonal mass (token diagonal ``o = d * block + t`` gives
+    ``(block - t) / block`` of its mass to ``d`` and the rest to ``d + 1``, or all of it to
+    ``d`` when ``d`` is the document's last), each divided by the window's rows."""
+    n, w = b - a, min(last_q, b - a)
+    qw = q[0, b - w : b].double()
+    keys = k[0, a:b].double().repeat_interleave(q.shape[2] // k.shape[2], 1)
+    rows, cols = torch.arange(n - w, n).view(-1, 1), torch.arange(n).view(1, -1)
+    logits = torch.einsum("whd,nhd->hwn", qw, keys) * scale
+    probs = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), -1)
+    offset = (rows - cols).expand(w, n)
+    seen = offset >= 0
+    d, t = offset[seen] // block, offset[seen] % block
+    n_diagonals = -(-n // block)
+    slash = torch.zeros(q.shape[2], n_diagonals, dtype=torch.float64)
+    slash.index_add_(1, d, probs[:, seen] * (block - t) / block)
+    slash.index_add_(1, (d + 1).clamp(max=n_diagonals - 1), probs[:, seen] * t / block)
+    return probs.sum(1) / w, slash / w
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=KERNELS)])
+def test_document_statistics_are_each_documents_alone(backend, rng, kdevice, monkeypatch):
+    """Every document's window statistics in one batched pass (all of them sparse: documents
+    of one token, shorter than the window, of exactly one block, ending on a block edge, two
+    long ones) against each document's fp64 statistics alone; the padding is zero. On the
+    kernels each pass is one launch whatever the number of documents."""
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows, document_statistics_from_parts
+
+    seq, last_q, scale = 192, 16, 0.25
+    cu = random_boundaries(rng, seq).tolist()
+    bounds = list(zip(cu[:-1], cu[1:], strict=True))
+    q = torch.randn(1, seq, 4, 16, generator=rng).half()
+    k = torch.randn(1, seq, 2, 16, generator=rng).half()
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", backend)
+    monkeypatch.setattr(
+        window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2, block_mass=16)
+    )
+    launches = collections.Counter()
+    for name in ("_row_stats_kernel", "_mass_kernel", "_pool_kernel"):
+        monkeypatch.setattr(window_stats, name, CountedLaunches(getattr(window_stats, name), launches, name))
+    windows = ObservationWindows.of_documents(bounds, last_q, seq)
+    rows = torch.tensor(windows.row_positions())
+    config = VerticalSlashConfig(last_q=last_q, block_size=BLOCK)
+    stats = document_statistics_from_parts(
+        q.index_select(1, rows).to(kdevice), k.to(kdevice), None, windows, config, scale
+    )
+    assert launches == (
+        {} if backend == "reference" else {"_row_stats_kernel": 2, "_mass_kernel": 1, "_pool_kernel": 1}
+    )
+    longest, most = max(windows.lengths), -(-max(windows.lengths) // BLOCK)
+    assert stats.vertical.shape == (1, 4, len(bounds), longest) and stats.slash.shape == (1, 4, len(bounds), most)
+    for m, (a, b) in enumerate(bounds):
+        vertical, slash = document_statistics_fp64(q, k, a, b, last_q, BLOCK, scale)
+        got_vertical, got_slash = stats.vertical[0, :, m].cpu(), stats.slash[0, :, m].cpu()
+        torch.testing.assert_close(got_vertical[:, : b - a], vertical.float(), rtol=2e-5, atol=1e-8, msg=f"{m}")
+        torch.testing.assert_close(got_slash[:, : slash.shape[1]], slash.float(), rtol=2e-5, atol=1e-8, msg=f"{m}")
+        assert not got_vertical[:, b - a :].any() and not got_slash[:, slash.shape[1] :].any()
+
+
+def test_observation_windows_need_ascending_key_positions():
+    """A rank's keys must ascend by position (each document's keys one run of them): the
+    error names the first entry out of order and its value."""
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows
+
+    windows = ObservationWindows.of_documents([(0, 5), (9, 12)], 4, 12, torch.tensor([1, 3, 4, 10, 11]))
+    assert windows.key_ranges == ((0, 3), (3, 5)) and windows.rows == (4, 3)
+    with pytest.raises(ValueError, match=r"key_positions\[2\]=3 .*key_positions\[1\] = 4"):
+        ObservationWindows.of_documents([(0, 12)], 4, 12, torch.tensor([1, 4, 3]))
 
 
 def test_mask_is_block_diagonal_for_every_index_type(rng):
@@ -582,6 +675,13 @@ def test_recall_is_dense_mass_within_documents(rng):
     probs = torch.softmax(logits * q.shape[-1] ** -0.5 + torch.where(allowed, 0.0, float("-inf")), -1)
     want = (probs * index.to_dense_mask(seq)[:, :, -rows:]).sum(-1).mean(-1)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_context_parallel_document_statistics_reduced_once(rng):
+    """CP 2 on gloo: the per-document vertical-slash index, every document sparse, equals the
+    single-device one in every layout with five collectives in all."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run(2, check_document_statistics_reduced_once, seed, 192)
 
 
 @pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])

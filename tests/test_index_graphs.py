@@ -160,7 +160,9 @@ def test_mass_pass_rewrites_its_buffers_without_clearing(rng, monkeypatch):
 
     def mass(positions, out=None):
         q, k = qk(rng, seq=seq, heads=(4, 2), d=16, device="cpu", dtype=torch.float16)
-        parts = window_stats.WindowKernels(q[:, -w:], k if positions is None else k[:, positions], positions, seq, 0.3)
+        keys = k if positions is None else k[:, positions]
+        windows = vertical_slash.ObservationWindows.whole(seq, w, keys.shape[1])
+        parts = window_stats.WindowKernels(q[:, -w:], keys, positions, windows, 0.3, 16)
         row_max = parts.row_max()
         return parts, parts.mass(row_max, parts.row_sum(row_max), out)
 

@@ -312,48 +312,74 @@ def test_window_statistics_kernels_match_fp64_reference(keys, hq, hkv, d, dtype,
         torch.testing.assert_close(a, e, rtol=2e-5, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_window_statistics_kernels_add_up_over_a_key_split(rng, stats_kernels):
+@pytest.mark.parametrize("documents", [False, True], ids=["one-window", "documents"])
+def test_window_statistics_kernels_add_up_over_a_key_split(documents, rng, stats_kernels):
     """Partial statistics of a striped 2-way key split (stripes of 4: every mass block half
     held), reduced as the context-parallel builder does, equal those of all keys: no term
-    depends on the split and the sums across tiles and devices are fp64."""
+    depends on the split and the sums across tiles and devices are fp64. With documents
+    (one of one token, one shorter than the window ending on a stripe edge, random cuts),
+    each rank finds each document's keys among its own (none, for some)."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
     from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 
     seq, w = 96, 20
     q = torch.randn(1, seq, 4, 32, generator=rng).half().to(stats_kernels)
     k = torch.randn(1, seq, 2, 32, generator=rng).half().to(stats_kernels)
     layout = ContextParallelLayout("striped", 2, seq, stripe=4)
-    ranks = [WindowKernels(q[:, -w:], layout.shard(k, r), layout.positions(r, k.device), seq, 0.2) for r in (0, 1)]
-    whole = WindowKernels(q[:, -w:], k, torch.arange(seq, device=k.device), seq, 0.2)
+    bounds = [(0, seq)]
+    if documents:
+        cuts = sorted(set(torch.randint(9, seq - 1, (3,), generator=rng).tolist()))
+        bounds = list(zip([0, 1, 8, *cuts], [1, 8, *cuts, seq], strict=True))
+
+    def parts(keys, positions):
+        windows = ObservationWindows.of_documents(bounds, w, seq, positions)
+        rows = torch.tensor(windows.row_positions(), device=q.device)
+        return WindowKernels(q[:, rows], keys, positions.to(k.device), windows, 0.2, 16)
+
+    ranks = [parts(layout.shard(k, r), layout.positions(r)) for r in (0, 1)]
+    whole = parts(k, torch.arange(seq))
     row_max = whole.row_max()
     assert torch.equal(torch.maximum(*(p.row_max() for p in ranks)), row_max)
     row_sum = whole.row_sum(row_max)
     torch.testing.assert_close(sum(p.row_sum(row_max) for p in ranks), row_sum, rtol=1e-14, atol=0)
-    split = [p.totals(*p.mass(row_max, row_sum), 16) for p in ranks]
-    for i, full in enumerate(whole.totals(*whole.mass(row_max, row_sum), 16)):
+    split = [p.totals(*p.mass(row_max, row_sum)) for p in ranks]
+    for i, full in enumerate(whole.totals(*whole.mass(row_max, row_sum))):
         torch.testing.assert_close((split[0][i] + split[1][i]).float(), full.float(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("seq,w,block_size", [(2100, 24, 16), (2100, 40, 512), (100, 24, 32)])
-def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, rng, stats_kernels):
+@pytest.mark.parametrize("documents", [False, True], ids=["one-window", "documents"])
+def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, documents, rng, stats_kernels):
     """The mass pass's runs added up and pooled into block diagonals in one launch, against
     their sum pooled by ``_pool_diagonals`` (the reference's pooling): random runs, nonzero
     outside the window that holds the token diagonals too, lengths that are no multiple of
-    the block, several programs, a block wider than a program's usual span."""
+    the block, several programs, a block wider than a program's usual span. With documents
+    (one of one token, a few shorter than the window), each pools its own region of the
+    runs: its key blocks and row tiles, after those of the documents before it."""
     from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
-    from megatron_mtraining.sparse.vertical_slash import _pool_diagonals
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows, _pool_diagonals
 
-    q = torch.randn(1, seq, 4, 16, generator=rng).half().to(stats_kernels)
+    bounds = [(0, seq)]
+    if documents:
+        cuts = sorted(set(torch.randint(2, seq - 1, (6,), generator=rng).tolist()))
+        bounds = list(zip([0, 1, *cuts], [1, *cuts, seq], strict=True))
+    windows = ObservationWindows.of_documents(bounds, w, seq)
+    q = torch.randn(1, len(windows.row_positions()), 4, 16, generator=rng).half().to(stats_kernels)
     k = torch.randn(1, seq, 2, 16, generator=rng).half().to(stats_kernels)
-    parts = WindowKernels(q[:, -w:], k, None, seq, 0.3)
-    shape = (1, 4, parts.n_tiles * 2, (parts.n_blocks + parts.n_tiles) * parts.block)
-    runs = torch.rand(shape, generator=rng, dtype=torch.float64).to(stats_kernels)
+    parts = WindowKernels(q, k, None, windows, 0.3, block_size)
+    runs = torch.rand(1, 4, parts.n_tiles * 2, parts.run_len, generator=rng, dtype=torch.float64).to(stats_kernels)
     vertical = torch.rand(1, 4, seq, generator=rng).to(stats_kernels)
-    start = parts.n_blocks * parts.block - seq + w - 1  # token diagonal 0's slot (``totals``)
-    want = _pool_diagonals(runs[..., start : start + seq].sum(2), block_size)
-    got_vertical, got = parts.totals(vertical, runs, block_size)
+    want, region = [], 0
+    for length, rows in zip(windows.lengths, windows.rows, strict=True):
+        n_blocks = -(-length // parts.block)
+        start = region + n_blocks * parts.block - length + rows - 1  # the document's token diagonal 0
+        want.append(_pool_diagonals(runs[..., start : start + length].sum(2), block_size))
+        region += (n_blocks + parts.n_tiles) * parts.block
+    assert region == parts.run_len
+    got_vertical, got = parts.totals(vertical, runs, parts.tables)
     assert got_vertical is vertical
-    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+    torch.testing.assert_close(got, torch.cat(want, -1), rtol=1e-13, atol=0)
 
 
 def test_window_statistics_kernels_give_the_reference_index(rng, stats_kernels, monkeypatch):

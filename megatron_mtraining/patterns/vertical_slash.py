@@ -5,10 +5,12 @@ sequence) is assembled on every rank by one sum of a ``[B, last_q, Hq, D]`` buff
 row maxima, normalisers and column / diagonal mass are reduced, and every rank runs the
 single-device selection on them (``window_statistics_from_parts``).
 
-With packed documents each document of at least ``dense_below`` tokens has its statistics
-built so in turn: its last ``last_q`` rows gathered, the statistics of each rank's keys in
-it reduced (five collectives a document); every rank then selects all documents' indexes
-at once (``document_index``), which equals the single-device per-document build.
+With packed documents, the statistics of every document of at least ``dense_below`` tokens
+are built at once: their last ``last_q`` rows gathered by one sum, the statistics of this
+rank's keys in each document computed in one batched pass (``document_statistics_from_parts``)
+and reduced together (five collectives in all, whatever the number of documents); every rank
+then selects all documents' indexes at once (``document_index``), which equals the
+single-device build.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..context_parallel.distributed_index import all_reduce_fn, gather_window, rank_positions
+from ..context_parallel.distributed_index import all_reduce_fn, gather_rows, gather_window, rank_positions
 from ..sparse.documents import Documents, packed_documents
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.vertical_slash import (
+    ObservationWindows,
     VerticalSlashConfig,
     build_vertical_slash_index,
     document_index,
+    document_statistics_from_parts,
     select_vertical_slash,
     window_statistics_from_parts,
 )
@@ -65,22 +69,22 @@ class VerticalSlashPattern(Pattern):
         return [(max(a, b - self.config.last_q), b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def _documents(self, q, k, layout, group, scale, documents: Documents) -> VerticalSlashIndex:
-        """The per-document index from this rank's tokens: each sparse document's window
-        gathered and its statistics reduced over the ranks' keys in it."""
+        """The per-document index from this rank's tokens: every sparse document's window
+        gathered in one sum, and the statistics of this rank's keys in each reduced at once."""
         config = self.config
         held = layout.token_positions(dist.get_rank(group), q.device)
-        positions, k = held.values, k.detach()
         reduce_max, reduce_sum = all_reduce_fn(dist.ReduceOp.MAX, group), all_reduce_fn(dist.ReduceOp.SUM, group)
 
-        def build(a: int, b: int):
-            # This rank's keys of the document (chosen on the host copy of the positions).
-            mine = torch.nonzero((held.host >= a) & (held.host < b)).flatten().to(q.device)
-            window = gather_window(q, positions, b - min(config.last_q, b - a), b, group)
-            return window_statistics_from_parts(
-                window, k.index_select(1, mine), positions[mine] - a, b - a, config, scale, reduce_max, reduce_sum
-            )
+        def statistics(bounds):
+            # Each document's keys among this rank's, found on the host copy of the positions.
+            windows = ObservationWindows.of_documents(bounds, config.last_q, documents.seq_len, held.host)
+            rows = torch.tensor(windows.row_positions()).to(q.device, non_blocking=True)
+            return document_statistics_from_parts(
+                gather_rows(q, held.values, rows, group), k.detach(), held.values, windows, config, scale, reduce_max,
+                reduce_sum,
+            )  # fmt: skip
 
-        return document_index(documents, config, q.shape[0], q.shape[2], q.device, build)
+        return document_index(documents, config, q.shape[0], q.shape[2], q.device, statistics)
 
     @classmethod
     def index_state_bytes(cls, config, batch, heads, query_groups, seq, local_seq) -> float:

@@ -28,12 +28,15 @@ its own last window and budgets, placed at its offset (its columns shifted by it
 its block-diagonal offsets kept, on the sequence's block grid, which a document that
 starts inside a block meets at another phase than its own grid); a document shorter than
 ``dense_below`` tokens attends densely (every diagonal it touches) without statistics.
-``VerticalSlashIndex`` states what the per-document lists mean.
+The documents' statistics are computed together (``document_statistics_from_parts``:
+each document's window against its own keys, one pass for all of them) and selected
+together. ``VerticalSlashIndex`` states what the per-document lists mean.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,7 @@ from .validation import (
     check_power_of_two,
     check_qk,
     check_softmax_scale,
+    fail,
     setting,
 )
 
@@ -66,10 +70,10 @@ class VerticalSlashConfig(ValidatedConfig):
     local_window: int = setting(0, check_int, minimum=0)
     # Packed documents (cu_seqlens given) shorter than this many tokens attend densely, with
     # no statistics: under 1024 tokens a document's whole causal triangle is at most 0.5M
-    # pairs (1/16000 of a 128K sequence's), its sparse index (a few block diagonals of 64)
-    # would save next to nothing, and its build would cost as many launches as a long
-    # document's. 0: every document gets its own sparse index. Without cu_seqlens the
-    # sequence is one document and keeps its sparse index at any length.
+    # pairs (1/16000 of a 128K sequence's), and its sparse index (a few block diagonals of
+    # 64) would save next to nothing for the window rows its statistics add. 0: every
+    # document gets its own sparse index. Without cu_seqlens the sequence is one document
+    # and keeps its sparse index at any length.
     dense_below: int = setting(1024, check_int, minimum=0)
 
     @property
@@ -79,10 +83,73 @@ class VerticalSlashConfig(ValidatedConfig):
 
 @dataclass
 class WindowStatistics:
-    """Observation-window statistics, fp32, each normalised to sum to 1 per head."""
+    """Observation-window statistics, fp32, each normalised to sum to 1 per head (and
+    document: the per-document statistics carry a documents axis before the last)."""
 
-    vertical: torch.Tensor  # [B, Hq, S]: mass per key column
-    slash: torch.Tensor  # [B, Hq, n_blocks]: expected mass per block diagonal
+    vertical: torch.Tensor  # [B, Hq, S]: mass per key column (per document: [B, Hq, M, longest])
+    slash: torch.Tensor  # [B, Hq, n_blocks]: expected mass per block diagonal ([B, Hq, M, most diagonals])
+
+
+@dataclass(frozen=True)
+class ObservationWindows:
+    """Where the window statistics look, on the host: documents ``[a, b)`` of a sequence of
+    ``seq_len`` tokens (global positions, ascending, not necessarily adjacent), each with its
+    last ``rows[m]`` query rows against its own keys only. The window rows are laid out
+    document after document; the keys are the sequence's or some of them (a context-parallel
+    rank's), ``key_ranges[m]`` the local indices ``[lo, hi)`` of document ``m``'s keys."""
+
+    seq_len: int
+    bounds: tuple[tuple[int, int], ...]
+    rows: tuple[int, ...]
+    key_ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def whole(cls, seq_len: int, rows: int, n_keys: int) -> ObservationWindows:
+        """The sequence as one document: its last ``rows`` rows against all ``n_keys`` keys
+        (at positions in any order)."""
+        return cls(seq_len, ((0, seq_len),), (rows,), ((0, n_keys),))
+
+    @classmethod
+    def of_documents(
+        cls, bounds, last_q: int, seq_len: int, key_positions: torch.Tensor | None = None
+    ) -> ObservationWindows:
+        """Documents ``bounds``, each with its last ``min(last_q, b - a)`` rows; keys at the
+        host positions ``key_positions`` (None: every position, in order), which must ascend
+        so that each document's keys are one run of them (every layout's positions do)."""
+        bounds = tuple((int(a), int(b)) for a, b in bounds)
+        if key_positions is None:
+            key_ranges = bounds
+        else:
+            descending = torch.nonzero(key_positions[1:] <= key_positions[:-1]).flatten()
+            if len(descending):
+                i = int(descending[0]) + 1
+                fail(f"key_positions[{i}]", int(key_positions[i]), f"a position after key_positions[{i - 1}] = "
+                     f"{int(key_positions[i - 1])}: strictly ascending, so that each document's keys are one run")  # fmt: skip
+            edges = torch.searchsorted(key_positions, torch.tensor(bounds, dtype=key_positions.dtype))
+            key_ranges = tuple((int(lo), int(hi)) for lo, hi in edges.tolist())
+        return cls(seq_len, bounds, tuple(min(last_q, b - a) for a, b in bounds), key_ranges)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in self.bounds]
+
+    @property
+    def row_offsets(self) -> list[int]:
+        """Where each document's window rows start among all the window rows."""
+        return _offsets(self.rows)
+
+    def row_positions(self) -> list[int]:
+        """The global positions of the window rows, document after document (ascending)."""
+        return [p for (a, b), w in zip(self.bounds, self.rows, strict=True) for p in range(b - w, b)]
+
+    def diagonals(self, block_size: int) -> list[int]:
+        """Each document's block diagonals (of its own length, not the sequence's)."""
+        return [-(-n // block_size) for n in self.lengths]
+
+
+def _offsets(counts) -> list[int]:
+    """Where each of ``counts`` consecutive runs starts."""
+    return list(itertools.accumulate([0, *counts[:-1]]))
 
 
 def window_statistics(
@@ -109,100 +176,173 @@ def window_statistics_from_parts(
     """Window statistics from the window queries (the sequence's last ``w`` positions)
     and *some* of the keys, given with their global positions (None: all of them, in
     order); ``all_reduce_*`` combine partial results across the holders of the other keys
-    (identity on one device).
+    (identity on one device): :func:`document_statistics_from_parts` of the sequence as one
+    document."""
+    windows = ObservationWindows.whole(seq_len, q_window.shape[1], k.shape[1])
+    return _one_window(
+        document_statistics_from_parts(
+            q_window, k, key_positions, windows, config, scale, all_reduce_max, all_reduce_sum, key_chunk
+        )
+    )
+
+
+def document_statistics_from_parts(
+    q_windows: torch.Tensor,
+    k: torch.Tensor,
+    key_positions: torch.Tensor | None,
+    windows: ObservationWindows,
+    config: VerticalSlashConfig,
+    scale: float,
+    all_reduce_max=single_device,
+    all_reduce_sum=single_device,
+    key_chunk: int = 4096,
+) -> WindowStatistics:
+    """The window statistics of every document of ``windows`` at once, stacked
+    ``[B, Hq, M, longest]`` (zero-padded): document ``m``'s equal those of its rows and keys
+    alone (``window_statistics_from_parts`` on them, positions taken from its start).
+    ``q_windows [B, R, Hq, D]``: the documents' window rows one after the other; ``k`` and
+    ``key_positions`` (global; None: every position, in order) as there.
 
     The row maxima, row normalisers and column / diagonal mass come from the Triton
-    kernels where ``backend_choice`` picks them (CUDA inputs), else from the fp64
-    reference below; both round to fp32 once, at the end, so the result does not
-    depend on how the keys are split or summed: a context-parallel build equals this one.
-    """
-    parts, mass = _key_passes(q_window, k, key_positions, seq_len, scale, all_reduce_max, all_reduce_sum, key_chunk)
-    return _from_mass(parts, mass(), config, all_reduce_sum)
+    kernels where ``backend_choice`` picks them (CUDA inputs: one launch per pass for all
+    documents), else from the fp64 reference below; both round to fp32 once, at the end,
+    so the result does not depend on how the keys are split or summed: a context-parallel
+    build (one reduction per pass for all documents) equals this one.
+
+    Against a document's own build (``window_statistics_from_parts``) the rule is equality
+    to fp32 rounding: the same terms, but fp64 sums may add them in another order before
+    the one rounding, a window shorter than the longest sums its fp32 column mass over the
+    longest's row tiles, and where the windows differ in length each document is divided
+    by its rows as a tensor rather than a scalar (a last-bit difference). The selection is
+    the same unless two candidates' scores tie to within that rounding."""
+    parts, mass = _key_passes(
+        q_windows, k, key_positions, windows, scale, config.block_size, all_reduce_max, all_reduce_sum, key_chunk
+    )
+    return _from_mass(parts, mass(), all_reduce_sum)
 
 
 def _key_passes(
-    q_window, k, key_positions, seq_len: int, scale: float, all_reduce_max=single_device,
-    all_reduce_sum=single_device, key_chunk: int = 4096,
+    q_windows, k, key_positions, windows: ObservationWindows, scale: float, block_size: int,
+    all_reduce_max=single_device, all_reduce_sum=single_device, key_chunk: int = 4096,
 ):  # fmt: skip
     """The passes over the keys: the row maxima and normalisers, run now, then the parts
     and their mass pass, ``mass()``, for the caller to run (the graphed build has it write
     into its graph's input buffers: ``mass(out)``)."""
-    if backend_choice(q_window) == "triton":
+    if backend_choice(q_windows) == "triton":
         from .kernels.index_build.window_stats import WindowKernels  # imports Triton
 
-        parts = WindowKernels(q_window, k, key_positions, seq_len, scale)
+        parts = WindowKernels(q_windows, k, key_positions, windows, scale, block_size)
     else:
-        parts = _ReferenceParts(q_window, k, key_positions, seq_len, scale, key_chunk)
-    row_max = all_reduce_max(parts.row_max())  # every window row sees key 0, so it is finite
+        parts = _ReferenceParts(q_windows, k, key_positions, windows, scale, block_size, key_chunk)
+    row_max = all_reduce_max(parts.row_max())  # every window row sees its document's first key: finite
     row_sum = all_reduce_sum(parts.row_sum(row_max))
     return parts, functools.partial(parts.mass, row_max, row_sum)
 
 
-def _from_mass(parts, mass: tuple, config: VerticalSlashConfig, all_reduce_sum=single_device) -> WindowStatistics:
-    """The statistics from the mass pass's outputs, which is where the graphed build's graph
-    starts (see ``build_vertical_slash_index``). The diagonals are pooled before they are
-    reduced across devices (pooling is linear): a context-parallel build sums
-    ``[B, Hq, n_blocks]``, not the ``[B, Hq, S]`` token profile."""
-    vertical, slash = (all_reduce_sum(t) for t in parts.totals(*mass, config.block_size))
-    return WindowStatistics((vertical / parts.w).float(), (slash / parts.w).float())
+def _from_mass(parts, mass: tuple, all_reduce_sum=single_device) -> WindowStatistics:
+    """The per-document statistics from the mass pass's outputs, which is where the graphed
+    build's graph starts (see ``build_vertical_slash_index``). The diagonals are pooled
+    before they are reduced across devices (pooling is linear): a context-parallel build
+    sums ``[B, Hq, S]`` column mass and each document's pooled diagonals, not its token
+    profile. Then each document's share is taken (one gather) and divided by its rows."""
+    vertical, slash = (all_reduce_sum(t) for t in parts.totals(*mass))
+    windows = parts.windows
+    n_diagonals = windows.diagonals(parts.block_size)
+    stacked = (
+        _stacked(vertical, [a for a, _ in windows.bounds], windows.lengths),
+        _stacked(slash, _offsets(n_diagonals), n_diagonals),
+    )
+    if len(set(windows.rows)) == 1:  # a scalar: no copy to the device (the graphed build's case)
+        return WindowStatistics(*((t / windows.rows[0]).float() for t in stacked))
+    rows = torch.tensor(windows.rows).view(-1, 1)
+    return WindowStatistics(*((t / rows.to(t.device, t.dtype, non_blocking=True)).float() for t in stacked))
+
+
+def _one_window(stats: WindowStatistics) -> WindowStatistics:
+    """The statistics of a single document without their documents axis."""
+    return WindowStatistics(stats.vertical.squeeze(-2), stats.slash.squeeze(-2))
 
 
 class _ReferenceParts:
     """The window softmax in fp64 torch over key chunks: the maths of record.
 
     Everything is fp64 from the logits on (products of fp32 values are exact in
-    fp64), so partial results add up the same however the keys are split.
+    fp64), so partial results add up the same however the keys are split. A host loop
+    over each document's keys in chunks: the CPU is not launch-bound.
     """
 
-    def __init__(self, q_window, k, key_positions, seq_len: int, scale: float, key_chunk: int):
-        self.qw = q_window.double().unflatten(2, (k.shape[2], q_window.shape[2] // k.shape[2]))
-        self.w = q_window.shape[1]
-        self.window_positions = torch.arange(seq_len - self.w, seq_len, device=k.device)
+    def __init__(self, q_windows, k, key_positions, windows: ObservationWindows, scale: float, block_size: int,
+                 key_chunk: int):  # fmt: skip
+        self.qw = q_windows.double().unflatten(2, (k.shape[2], q_windows.shape[2] // k.shape[2]))
         if key_positions is None:
             key_positions = torch.arange(k.shape[1], device=k.device)
-        self.k, self.key_positions, self.seq_len = k, key_positions, seq_len
-        self.scale, self.key_chunk = scale, key_chunk
-        self.starts = range(0, k.shape[1], key_chunk)
+        self.k, self.key_positions, self.windows = k, key_positions, windows
+        self.scale, self.block_size = scale, block_size
+        self.pieces = [
+            (m, c0, min(c0 + key_chunk, hi)) for m, (lo, hi) in enumerate(windows.key_ranges)
+            for c0 in range(lo, hi, key_chunk)
+        ]  # fmt: skip
+        self.row_offsets = windows.row_offsets
 
-    def logits(self, c0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = self.key_positions[c0 : c0 + self.key_chunk]
-        keys = self.k[:, c0 : c0 + self.key_chunk].double()
-        chunk = torch.einsum("bwkgd,bskd->bkgws", self.qw, keys).flatten(1, 2) * self.scale
-        return chunk.masked_fill(pos.view(1, -1) > self.window_positions.view(-1, 1), float("-inf")), pos
+    def logits(self, m: int, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Document ``m``'s window rows against its keys ``[c0, c1)``: logits ``[B, Hq, w, n]``
+        (-inf after the row), the keys' positions and the rows'."""
+        end, w, first = self.windows.bounds[m][1], self.windows.rows[m], self.row_offsets[m]
+        rows = torch.arange(end - w, end, device=self.k.device)
+        pos = self.key_positions[c0:c1]
+        chunk = torch.einsum("bwkgd,bskd->bkgws", self.qw[:, first : first + w], self.k[:, c0:c1].double())
+        chunk = chunk.flatten(1, 2) * self.scale
+        return chunk.masked_fill(pos.view(1, -1) > rows.view(-1, 1), float("-inf")), pos, rows
+
+    def _row_stats(self, fill: float) -> torch.Tensor:
+        """``[M, B, Hq, longest window]`` of ``fill`` (rows past a document's window keep it)."""
+        bsz, _, hkv, g, _ = self.qw.shape
+        shape = (len(self.windows.rows), bsz, hkv * g, max(self.windows.rows))
+        return torch.full(shape, fill, dtype=torch.float64, device=self.k.device)
 
     def row_max(self) -> torch.Tensor:
-        bsz, w, hkv, g, _ = self.qw.shape
-        row_max = torch.full((bsz, hkv * g, w), float("-inf"), dtype=torch.float64, device=self.k.device)
-        for c0 in self.starts:
-            row_max = torch.maximum(row_max, self.logits(c0)[0].amax(-1))
+        row_max = self._row_stats(float("-inf"))
+        for m, c0, c1 in self.pieces:
+            w = self.windows.rows[m]
+            row_max[m, ..., :w] = torch.maximum(row_max[m, ..., :w], self.logits(m, c0, c1)[0].amax(-1))
         return row_max
 
     def row_sum(self, row_max: torch.Tensor) -> torch.Tensor:
-        row_sum = torch.zeros_like(row_max)
-        for c0 in self.starts:
-            row_sum += torch.exp(self.logits(c0)[0] - row_max.unsqueeze(-1)).sum(-1)
+        row_sum = self._row_stats(0.0)
+        for m, c0, c1 in self.pieces:
+            w = self.windows.rows[m]
+            row_sum[m, ..., :w] += torch.exp(self.logits(m, c0, c1)[0] - row_max[m, ..., :w, None]).sum(-1)
         return row_sum
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vertical, token-diagonal) window mass ``[B, Hq, seq_len]``, summed over the rows."""
-        vertical = torch.zeros(*row_max.shape[:2], self.seq_len, dtype=torch.float64, device=self.k.device)
-        token_slash = torch.zeros_like(vertical)
-        for c0 in self.starts:
-            chunk, pos = self.logits(c0)
-            probs = torch.exp(chunk - row_max.unsqueeze(-1)) / row_sum.unsqueeze(-1)
+        """The window mass summed over each document's rows: per key ``[B, Hq, seq_len]``,
+        and per token diagonal ``[B, Hq, sum_m ceil(L_m / block_size) * block_size]``, the
+        documents' profiles one after the other, each padded to whole blocks."""
+        n_diagonals = self.windows.diagonals(self.block_size)
+        vertical = torch.zeros(*row_max.shape[1:3], self.windows.seq_len, dtype=torch.float64, device=self.k.device)
+        token_slash = torch.zeros(*row_max.shape[1:3], sum(n_diagonals) * self.block_size, dtype=torch.float64,
+                                  device=self.k.device)  # fmt: skip
+        firsts = [d * self.block_size for d in _offsets(n_diagonals)]
+        for m, c0, c1 in self.pieces:
+            chunk, pos, rows = self.logits(m, c0, c1)
+            w = self.windows.rows[m]
+            probs = torch.exp(chunk - row_max[m, ..., :w, None]) / row_sum[m, ..., :w, None]
             vertical[..., pos] = probs.sum(2)
-            offset = self.window_positions.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
-            token_slash.index_add_(2, offset.clamp(min=0).flatten(), (probs * (offset >= 0)).flatten(2))
+            offset = rows.view(-1, 1) - pos.view(1, -1)  # token diagonal of each (row, key)
+            slot = firsts[m] + offset.clamp(min=0)
+            token_slash.index_add_(2, slot.flatten(), (probs * (offset >= 0)).flatten(2))
         return vertical, token_slash
 
-    @staticmethod
-    def totals(vertical: torch.Tensor, token_slash: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mass per key and per block diagonal."""
-        return vertical, _pool_diagonals(token_slash, block_size)
+    def totals(self, vertical: torch.Tensor, token_slash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mass per key and per block diagonal of each document (one after the other)."""
+        ends = [n - 1 for n in itertools.accumulate(self.windows.diagonals(self.block_size))]
+        return vertical, _pool_diagonals(token_slash, self.block_size, ends)
 
 
-def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Token-diagonal profile ``[..., S]`` -> block-diagonal scores ``[..., n_blocks]``."""
+def _pool_diagonals(token_slash: torch.Tensor, block_size: int, ends: list[int] | None = None) -> torch.Tensor:
+    """Token-diagonal profile ``[..., S]`` -> block-diagonal scores ``[..., n_blocks]``. With
+    ``ends``, the profile is several documents' one after the other, each a whole number of
+    blocks, and ``ends`` the index of each one's last block: each pools on its own."""
     seq = token_slash.shape[-1]
     n_blocks = -(-seq // block_size)
     if n_blocks * block_size != seq:
@@ -210,9 +350,10 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int) -> torch.Tensor:
     blocks = token_slash.unflatten(-1, (n_blocks, block_size))
     t = torch.arange(block_size, device=token_slash.device, dtype=token_slash.dtype)
     pooled = (blocks * (block_size - t)).sum(-1)
-    spill = (blocks * t).sum(-1)  # goes to diagonal d + 1
-    pooled[..., 1:] += spill[..., :-1]
-    pooled[..., -1] += spill[..., -1]  # no diagonal beyond the last: keep the mass
+    spill = (blocks * t).sum(-1)  # goes to diagonal d + 1, unless d is its document's last
+    ends = [n_blocks - 1] if ends is None else ends
+    pooled[..., 1:] += spill.index_fill(-1, torch.tensor(ends, device=spill.device), 0.0)[..., :-1]
+    pooled[..., ends] += spill[..., ends]  # no diagonal beyond a document's last: keep the mass
     return pooled / block_size
 
 
@@ -306,10 +447,11 @@ def build_vertical_slash_index(
     q_window = q[:, seq - min(config.last_q, seq) :]
     if not (graphs_enabled(q) and backend_choice(q) == "triton"):
         return select_vertical_slash(window_statistics_from_parts(q_window, k, None, seq, config, scale), config, seq)
-    parts, mass = _key_passes(q_window, k, None, seq, scale)
+    windows = ObservationWindows.whole(seq, q_window.shape[1], k.shape[1])
+    parts, mass = _key_passes(q_window, k, None, windows, scale, config.block_size)
 
     def index_and_tables(*outputs):
-        index = select_vertical_slash(_from_mass(parts, outputs, config), config, seq)
+        index = select_vertical_slash(_one_window(_from_mass(parts, outputs)), config, seq)
         return index, tile_tables(index)
 
     key = (q.device, q.shape[0], q.shape[2], seq, config, parts.block)
@@ -328,33 +470,32 @@ def build_document_index(
     they are; one shorter than ``config.dense_below`` gets every diagonal of the blocks it
     touches and no column (dense, no statistics).
 
-    Cost: the statistics of each sparse document (its passes over its ``L`` keys for
-    ``min(last_q, L)`` window rows: together no more than one window over the whole
-    sequence reads, ~16 launches a document), then one selection for all of them and the
-    dense ones (``document_index``: ~40 launches whatever the number of documents). The
-    bounds were read on the host once, with ``cu_seqlens``."""
-    return document_index(
-        documents,
-        config,
-        q.shape[0],
-        q.shape[2],
-        q.device,
-        lambda a, b: window_statistics_from_parts(
-            q[:, b - min(config.last_q, b - a) : b], k[:, a:b], None, b - a, config, scale
-        ),
-    )
+    Cost: the sparse documents' window rows gathered (one gather), their statistics in one
+    batched pass (``document_statistics_from_parts``: each document's window against its
+    own keys only, together no more than one window over the whole sequence reads; on CUDA
+    about two dozen launches, the Triton passes and the small operations around them,
+    whatever the number of documents), then one selection for all of them and the dense
+    ones (``document_index``: ~40 launches). The bounds were read on the host once, with
+    ``cu_seqlens``."""
+
+    def statistics(bounds) -> WindowStatistics:
+        windows = ObservationWindows.of_documents(bounds, config.last_q, q.shape[1])
+        rows = torch.tensor(windows.row_positions()).to(q.device, non_blocking=True)
+        return document_statistics_from_parts(q.index_select(1, rows), k, None, windows, config, scale)
+
+    return document_index(documents, config, q.shape[0], q.shape[2], q.device, statistics)
 
 
 def document_index(
     documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, statistics
 ) -> VerticalSlashIndex:
-    """The per-document index from ``statistics(a, b)``, the window statistics of document
-    ``[a, b)`` alone (on one device, or reduced over a context-parallel group), called for
-    the documents of at least ``config.dense_below`` tokens in order; see
-    ``build_document_index``. The selection runs once for every document: the statistics
-    are stacked (zero-padded to the longest; a zero is never taken) and
-    ``select_vertical_slash``'s budgets taken per (head, document), equal to each document's
-    own selection (``_selected_per_document``)."""
+    """The per-document index from ``statistics(bounds)``: the window statistics of the
+    documents ``bounds`` (those of at least ``config.dense_below`` tokens, in order, as
+    ``(a, b)`` pairs), each alone, stacked as ``document_statistics_from_parts`` gives them
+    (on one device, or reduced over a context-parallel group); see ``build_document_index``.
+    The selection runs once for every document: ``select_vertical_slash``'s budgets taken
+    per (head, document) on the stacked statistics (zero-padded to the longest; a zero is
+    never taken), equal to each document's own selection (``_selected_per_document``)."""
     bs, bounds = config.block_size, documents.bounds
     docs = list(zip(bounds[:-1], bounds[1:], strict=True))
     spans = [(b - 1) // bs - a // bs + 1 for a, b in docs]
@@ -375,32 +516,33 @@ def document_index(
     if not sparse:
         vertical = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
         return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
-    stats = [statistics(*docs[m]) for m in sparse]
+    stats = statistics([docs[m] for m in sparse])
     host = torch.tensor([[docs[m][0] for m in sparse], lengths, n_diagonals], dtype=torch.int64)
     starts, n_keys, n_blocks = host.to(device, non_blocking=True).unbind(0)
     columns = _selected_per_document(
-        _stacked([s.vertical for s in stats], lengths), n_keys, config.vertical_topp, config.vertical_cap,
-        config.sink_tokens,
-    )  # fmt: skip
+        stats.vertical, n_keys, config.vertical_topp, config.vertical_cap, config.sink_tokens
+    )
     columns = torch.where(columns != INT32_MAX, columns + starts.view(-1, 1).int(), INT32_MAX)
     vertical = sort_kept(columns.flatten(2), vertical_width)
     diagonals = _selected_per_document(
-        _stacked([s.slash for s in stats], n_diagonals), n_blocks, config.slash_topp, config.slash_block_cap,
-        local_diagonals,
-    )  # fmt: skip
+        stats.slash, n_blocks, config.slash_topp, config.slash_block_cap, local_diagonals
+    )
     diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
     slash.index_copy_(2, torch.tensor(sparse).to(device, non_blocking=True), diagonals)
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
 
 
-def _stacked(parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-    """``[..., n_documents, longest]``: the per-document ``[..., length]`` scores, zero-padded
-    (one concatenation and one gather)."""
-    flat = torch.nn.functional.pad(torch.cat(parts, -1), (0, 1))  # the last entry: the padding's 0
+def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """``[..., n_documents, longest]``: entries ``[start, start + length)`` of ``flat``'s last
+    dimension per document, zero-padded (one gather, its index built on the host and copied
+    once); the whole of ``flat`` as one document is a view."""
+    if lengths == [flat.shape[-1]] and starts == [0]:
+        return flat.unsqueeze(-2)
+    flat = torch.nn.functional.pad(flat, (0, 1))  # the last entry: the padding's 0
     n = torch.tensor(lengths).view(-1, 1)
     t = torch.arange(max(lengths))
-    where = torch.where(t < n, n.cumsum(0) - n + t, int(n.sum()))  # built on the host, copied once
+    where = torch.where(t < n, torch.tensor(starts).view(-1, 1) + t, flat.shape[-1] - 1)
     return flat[..., where.to(flat.device, non_blocking=True)]
 
 

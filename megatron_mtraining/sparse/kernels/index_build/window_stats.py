@@ -1,32 +1,41 @@
 """Triton kernels for the vertical-slash observation-window statistics (``WindowKernels``).
 
-Rows are the ``w`` window queries (the sequence's last ``w`` positions) of each
-query head of a KV head's group (``G = Hq / Hkv`` heads); columns are the keys
-this device holds, at any global positions (a context-parallel shard); a key
-after a row's position is masked. Three passes recompute the same fp32 logits
-(16-bit products are exact in fp32; fp32 inputs get exact fp32 products), in
-log2 units (``logit * log2 e``):
+Rows are the window queries of each document (``vertical_slash.ObservationWindows``: a
+document's last ``w`` positions; the whole sequence is one document) of each query head
+of a KV head's group (``G = Hq / Hkv`` heads); columns are the keys this device holds,
+at any global positions (a context-parallel shard), and a row sees its document's keys
+only, up to its position. Three passes recompute the same fp32 logits (16-bit products
+are exact in fp32; fp32 inputs get exact fp32 products), in log2 units
+(``logit * log2 e``), each one launch for every document:
 
-1. row maxima: per (row tile, key chunk, batch x KV head), the chunk's maximum;
+1. row maxima: per (row tile, chunk of a document's keys, batch x KV head), the chunk's
+   maximum for the document's rows, the chunks' partials reduced per document in order;
 2. row normalisers: the same programs sum ``2^(logit - global row max)``;
-3. mass: per (block of key *positions*, batch x KV head), found through a position
-   -> local key map (-1 where another device holds the key), each head's window
+3. mass: per (block of a document's key *positions*, batch x KV head), found through a
+   position -> local key map (-1 where another device holds the key), each head's window
    probabilities summed per key (vertical) and along the token diagonals of each
    (row tile, key block) tile. The diagonals come from a circular skew of the
    tile's rows (``tl.gather``); a tile covers a contiguous run of ``2 * BLOCK``
-   token offsets, and the runs are added up outside the kernel. The graphed index
-   build keeps the kernel's outputs as its graph's input buffers and has each call's
-   kernel write over them without clearing them (``WindowKernels.mass``).
+   token offsets, and the runs (each document in its own region) are added up outside
+   the kernel. The graphed index build keeps the kernel's outputs as its graph's input
+   buffers and has each call's kernel write over them without clearing them
+   (``WindowKernels.mass``).
 
-Then, no longer reading K: the runs added up and pooled into the index's block
+Then, no longer reading K: the runs added up and pooled into each document's block
 diagonals in one pass (``_pool_kernel``, ``WindowKernels.totals``), which reads the
-runs once and writes ``[B, Hq, n_blocks]``; in torch the sum wrote the ``[B, Hq, S]``
-fp64 token profile (16 MiB at 128K) and the pooling read it twice through two
-temporaries of its size.
+runs once and writes ``[B, Hq, n_blocks]`` (the documents' one after the other); in torch
+the sum wrote the ``[B, Hq, S]`` fp64 token profile (16 MiB at 128K) and the pooling read
+it twice through two temporaries of its size.
+
+A grid of documents x their longest's work would leave most programs idle where the
+lengths differ, so each pass numbers its work items (key chunks, key blocks, diagonal
+spans) document after document and a program finds its document by binary search over
+the documents' first items (a table built on the host, ``WindowKernels.tables``); every
+document gets the row tiles of the longest window (padding rows see no key).
 
 Determinism: every output element has one writer that adds in a fixed order (runs
-that overlap go to separate buffers, added by the pooling), so results are bitwise
-independent of launch order. Sums over keys, tiles or devices add fp32 terms in
+that overlap go to separate buffers, added by the pooling; the row partials are reduced
+without atomics), so results are bitwise independent of launch order. Sums over keys, tiles or devices add fp32 terms in
 fp64, and no term depends on how the keys are split (exponents use the global row
 maxima, not running ones), so a context-parallel split moves the statistics only
 at fp64 rounding, far below their final fp32 rounding.
@@ -40,6 +49,7 @@ CUDA: Triton window statistics" and "Index build without a copy of K").
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +79,11 @@ class StatsLaunch:
 # Tests shrink the tiles so that tiny inputs span several of each in Triton's interpreter.
 LAUNCH = StatsLaunch()
 
+# The rows of the documents table (``WindowKernels.tables``), one entry per document: its
+# first position, length, window rows, first window row, first and end local key, and its
+# first key chunk of the row passes, mass-pass item, run slot, pooling item and output diagonal.
+_START, _LENGTH, _ROWS, _ROW0, _KEY_LO, _KEY_HI, _CHUNK0, _ITEM0, _RUN0, _POOL0, _DIAG0 = map(tl.constexpr, range(11))
+
 
 @triton.jit
 def _keys(K, b, kvh, idx, ok, sk_b, sk_s, sk_h, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
@@ -79,11 +94,31 @@ def _keys(K, b, kvh, idx, ok, sk_b, sk_s, sk_h, HEAD_DIM: tl.constexpr, D_PAD: t
 
 
 @triton.jit
-def _query_ptrs(Q, b, heads, w, HQ, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Pointers ``[n, D_PAD]`` to window row 0 of query heads ``heads`` (add
-    ``row * HQ * HEAD_DIM`` for another row), and the head-dim mask."""
+def _query_ptrs(Q, b, heads, n_rows, first, HQ, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Pointers ``[n, D_PAD]`` to window row ``first`` (of ``n_rows`` per batch entry) of
+    query heads ``heads`` (add ``row * HQ * HEAD_DIM`` for a later row), and the head-dim mask."""
     d = tl.arange(0, D_PAD)
-    return Q + (b * w * HQ + heads)[:, None] * HEAD_DIM + d[None, :], d < HEAD_DIM
+    return Q + ((b * n_rows + first) * HQ + heads)[:, None] * HEAD_DIM + d[None, :], d < HEAD_DIM
+
+
+@triton.jit
+def _field(DOCS, n_docs, field: tl.constexpr, m):
+    """Entry ``field`` of document ``m`` in the documents table (``WindowKernels.tables``)."""
+    return tl.load(DOCS + field * n_docs + m)
+
+
+@triton.jit
+def _document_of(DOCS, n_docs, field: tl.constexpr, item):
+    """The document of work item ``item``: the last ``m`` whose first item (``field``,
+    ascending from 0) is at most ``item``, by binary search."""
+    lo = tl.zeros([], tl.int32)
+    hi = lo + n_docs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        after = _field(DOCS, n_docs, field, mid) <= item
+        lo = tl.where(after, mid, lo)
+        hi = tl.where(after, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -99,32 +134,43 @@ def _probabilities(s, row_max, inv_sum, visible):
 
 @triton.jit
 def _row_stats_kernel(
-    Q, K, KPOS, ROW_MAX, OUT, n_keys, first_row, w, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
+    Q, K, KPOS, DOCS, ROW_MAX, OUT, n_docs, n_rows, W, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, SUM: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per row of the tile, over the chunk's keys: the maximum logit, or (``SUM``) the
-    fp64 sum of ``2^(logit - ROW_MAX)``. Rows are (head of the group, window row); the
-    row tiles of a chunk are neighbours in the grid, so they share its keys in L2."""
+    """Per row of the tile, over one chunk of its document's keys: the maximum logit, or
+    (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``. A work item is chunk ``c`` of one
+    document's keys, ``[lo + c CHUNK, lo + (c + 1) CHUNK)`` (the document's own split,
+    whatever precedes it; a document with no key here has one empty chunk). A document's
+    rows are (head of the group, window row), ``G x W`` of them (rows past its window,
+    padding, see no key); the row tiles of a chunk are neighbours in the grid, so they
+    share its keys in L2."""
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    chunk = tl.program_id(1)
+    item = tl.program_id(1)
+    m = _document_of(DOCS, n_docs, _CHUNK0, item)
     bk = tl.program_id(2)
     b = bk // HKV
     kvh = bk % HKV
-    row_ok = i < G * w
-    r = i % w
-    heads = kvh * G + i // w
-    q_ptrs, d_ok = _query_ptrs(Q, b, heads, w, HQ, HEAD_DIM, D_PAD)
+    end = _field(DOCS, n_docs, _START, m) + _field(DOCS, n_docs, _LENGTH, m)
+    rows = _field(DOCS, n_docs, _ROWS, m)
+    key_hi = _field(DOCS, n_docs, _KEY_HI, m)
+    in_document = i < G * W
+    r = i % W
+    row_ok = in_document & (r < rows)
+    heads = kvh * G + i // W
+    q_ptrs, d_ok = _query_ptrs(Q, b, heads, n_rows, _field(DOCS, n_docs, _ROW0, m), HQ, HEAD_DIM, D_PAD)
     q = tl.load(q_ptrs + (r * HQ * HEAD_DIM)[:, None], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    row_pos = tl.where(row_ok, first_row + r, -1)
+    row_pos = tl.where(row_ok, end - rows + r, -1)
+    n_heads = tl.num_programs(2) * G
     if SUM:
-        row_max = tl.load(ROW_MAX + (b * HQ + heads) * w + r, mask=row_ok, other=0.0)
+        row_max = tl.load(ROW_MAX + ((m * n_heads + b * HQ + heads) * W + r), mask=row_ok, other=0.0)
         acc = tl.zeros([BLOCK_M], tl.float64)
     else:
         acc = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for j0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, n_keys), BLOCK_N):
+    first = _field(DOCS, n_docs, _KEY_LO, m) + (item - _field(DOCS, n_docs, _CHUNK0, m)) * CHUNK
+    for j0 in range(first, tl.minimum(first + CHUNK, key_hi), BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_keys
+        col_ok = cols < key_hi
         key_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
         s = _logits2(q, _keys(K, b, kvh, cols, col_ok, sk_b, sk_s, sk_h, HEAD_DIM, D_PAD), qk_scale, PRECISION)
         visible = col_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
@@ -132,28 +178,35 @@ def _row_stats_kernel(
             acc += tl.sum(tl.where(visible, tl.exp2(s - row_max[:, None]), 0.0).to(tl.float64), 1)
         else:
             acc = tl.maximum(acc, tl.max(tl.where(visible, s, float("-inf")), 1))
-    rows_pad = tl.num_programs(0) * BLOCK_M
-    tl.store(OUT + (bk * tl.num_programs(1) + chunk) * rows_pad + i, acc)
+    tl.store(OUT + ((item * n_heads + b * HQ + heads) * W + r), acc, mask=in_document)
 
 
 @triton.jit
 def _mass_kernel(
-    Q, K, KEY_AT, ROW_MAX, INV_SUM, VERT, RUNS, seq_len, w, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K, KEY_AT, DOCS, ROW_MAX, INV_SUM, VERT, RUNS, n_docs, n_rows, W, seq_len, run_len, HQ, HKV, G, sk_b,
+    sk_s, sk_h, qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The keys at global positions ``[p * BLOCK, (p + 1) * BLOCK)`` that this device
-    holds (``KEY_AT``: local index of a position, -1 elsewhere) against each
-    ``BLOCK``-row tile ``j`` of each head's window: the probability mass per key
-    (``VERT``, fp32) and the tile's diagonal sums (``RUNS``, fp64): slot ``t`` of the
-    tile's run holds the diagonal (row index - key index within the tile) ``t - BLOCK + 1``."""
-    p = tl.program_id(0)
-    n_blocks = tl.num_programs(0)
+    """A work item is key block ``p`` of one document: the keys at its positions
+    ``[p * BLOCK, (p + 1) * BLOCK)`` (from its start) that this device holds (``KEY_AT``:
+    local index of a global position, -1 elsewhere) against each ``BLOCK``-row tile ``j`` of
+    each head's window of that document: the probability mass per key (``VERT``, fp32) and
+    the tile's diagonal sums (``RUNS``, fp64, in the document's region of each run): slot
+    ``t`` of the tile's run holds the diagonal (row index - key index within the tile)
+    ``t - BLOCK + 1``."""
+    item = tl.program_id(0)
+    m = _document_of(DOCS, n_docs, _ITEM0, item)
+    p = item - _field(DOCS, n_docs, _ITEM0, m)
+    start = _field(DOCS, n_docs, _START, m)
+    length = _field(DOCS, n_docs, _LENGTH, m)
+    rows = _field(DOCS, n_docs, _ROWS, m)
+    n_blocks = tl.cdiv(length, BLOCK)
     bk = tl.program_id(1)
     b = bk // HKV
     kvh = bk % HKV
     c = tl.arange(0, BLOCK)
-    key_pos = p * BLOCK + c
-    idx = tl.load(KEY_AT + key_pos, mask=key_pos < seq_len, other=-1)
+    key_pos = p * BLOCK + c  # from the document's start
+    idx = tl.load(KEY_AT + start + key_pos, mask=key_pos < length, other=-1)
     held = idx >= 0
     if tl.max(held.to(tl.int32), 0) > 0:  # else every sum is 0: the buffers start at 0
         k = _keys(K, b, kvh, idx, held, sk_b, sk_s, sk_h, HEAD_DIM, D_PAD)
@@ -161,55 +214,68 @@ def _mass_kernel(
         # rows, the keys at or before the row's index give diagonal u, the others u - BLOCK.
         skew = (c[:, None] - c[None, :] + BLOCK) % BLOCK
         wraps = c[:, None] < c[None, :]
-        n_tiles = tl.cdiv(w, BLOCK)
+        n_tiles = tl.cdiv(W, BLOCK)
+        region = _field(DOCS, n_docs, _RUN0, m) + (n_blocks - 1 - p) * BLOCK
         for g in range(G):
             h = kvh * G + g
             bh = (b * HQ + h).to(tl.int64)
-            q_ptrs, d_ok = _query_ptrs(Q, b, h + tl.zeros([BLOCK], tl.int32), w, HQ, HEAD_DIM, D_PAD)
+            q_ptrs, d_ok = _query_ptrs(
+                Q, b, h + tl.zeros([BLOCK], tl.int32), n_rows, _field(DOCS, n_docs, _ROW0, m), HQ, HEAD_DIM, D_PAD
+            )
+            stat = (m * tl.num_programs(1) * G + bh) * W  # [n_docs, B, HQ, W]
             vertical = tl.zeros([BLOCK], tl.float32)
             for j in range(n_tiles):
                 r = j * BLOCK + c
-                row_ok = r < w
+                row_ok = r < rows
                 q = tl.load(q_ptrs + (r * HQ * HEAD_DIM)[:, None], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
                 # Rows past the window load a zero 1/sum: their mass is 0.
-                row_max = tl.load(ROW_MAX + bh * w + r, mask=row_ok, other=0.0)
-                inv_sum = tl.load(INV_SUM + bh * w + r, mask=row_ok, other=0.0)
-                visible = held[None, :] & (key_pos[None, :] <= (seq_len - w + r)[:, None])
+                row_max = tl.load(ROW_MAX + stat + r, mask=row_ok, other=0.0)
+                inv_sum = tl.load(INV_SUM + stat + r, mask=row_ok, other=0.0)
+                visible = held[None, :] & (key_pos[None, :] <= (length - rows + r)[:, None])
                 prob = _probabilities(_logits2(q, k, qk_scale, PRECISION), row_max, inv_sum, visible)
                 vertical += tl.sum(prob, 0)
                 skewed = tl.gather(prob, skew, 1)
                 near = tl.sum(tl.where(wraps, 0.0, skewed).to(tl.float64), 0)
                 far = tl.sum(tl.where(wraps, skewed, 0.0).to(tl.float64), 0)
                 # Runs of blocks p and p + 1 overlap by BLOCK slots: they alternate buffers.
-                run = RUNS + (((bh * n_tiles + j) * 2 + p % 2) * (n_blocks + n_tiles) + n_blocks - 1 - p + j) * BLOCK
+                run = RUNS + ((bh * n_tiles + j) * 2 + p % 2) * run_len + region + j * BLOCK
                 tl.store(run + BLOCK - 1 + c, near)
                 tl.store(run + c - 1, far, mask=c > 0)
-            tl.store(VERT + bh * seq_len + key_pos, vertical, mask=held)
+            tl.store(VERT + bh * seq_len + start + key_pos, vertical, mask=held)
 
 
 @triton.jit
-def _pool_kernel(RUNS, OUT, start, seq_len, run_len, n_diagonals, N_RUNS: tl.constexpr, BS: tl.constexpr,
-                 DB: tl.constexpr):  # fmt: skip
-    """Block-diagonal scores of ``DB`` block diagonals ``d`` of one (batch, head) from the
-    mass pass's runs: the token-diagonal mass ``x[o]``, slot ``start + o`` of every run
-    summed, pooled as ``vertical_slash._pool_diagonals`` does (its maths of record):
-    ``(sum_t (BS - t) x[d BS + t] + sum_t t x[(d - 1) BS + t]) / BS``, the last block
-    diagonal also keeping its own spill ``sum_t t x[d BS + t]``; offsets past the sequence
-    hold no mass."""
+def _pool_kernel(RUNS, OUT, DOCS, n_docs, n_out, run_len, N_RUNS: tl.constexpr, BS: tl.constexpr,
+                 DB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """A work item is ``DB`` block diagonals ``d`` of one document, of one (batch, head),
+    from the mass pass's runs (``BLOCK``: its tile): the token-diagonal mass ``x[o]``, slot
+    ``start + o`` of the document's region of every run summed, pooled as
+    ``vertical_slash._pool_diagonals`` does (its maths of record):
+    ``(sum_t (BS - t) x[d BS + t] + sum_t t x[(d - 1) BS + t]) / BS``, the document's last
+    block diagonal also keeping its own spill ``sum_t t x[d BS + t]``; offsets past the
+    document hold no mass. The documents' diagonals go one after the other."""
+    item = tl.program_id(0)
+    m = _document_of(DOCS, n_docs, _POOL0, item)
+    length = _field(DOCS, n_docs, _LENGTH, m)
+    n_diagonals = tl.cdiv(length, BS)
+    # Token diagonal 0's slot (WindowKernels.totals).
+    start = tl.cdiv(length, BLOCK) * BLOCK - length + _field(DOCS, n_docs, _ROWS, m) - 1
+    start += _field(DOCS, n_docs, _RUN0, m)
     bh = tl.program_id(1).to(tl.int64)
-    d = tl.program_id(0) * DB + tl.arange(0, DB)
+    d = (item - _field(DOCS, n_docs, _POOL0, m)) * DB + tl.arange(0, DB)
     t = tl.arange(0, BS)
     o = d[:, None] * BS + t[None, :]
     here = tl.zeros([DB, BS], tl.float64)
     before = tl.zeros([DB, BS], tl.float64)  # block diagonal d - 1
     for r in tl.static_range(N_RUNS):
         run = RUNS + (bh * N_RUNS + r) * run_len + start
-        here += tl.load(run + o, mask=o < seq_len, other=0.0)
-        before += tl.load(run + o - BS, mask=(o >= BS) & (o - BS < seq_len), other=0.0)
+        here += tl.load(run + o, mask=o < length, other=0.0)
+        before += tl.load(run + o - BS, mask=(o >= BS) & (o - BS < length), other=0.0)
     spill = t.to(tl.float64)[None, :]
     pooled = tl.sum(here * (BS - spill), 1) + tl.sum(before * spill, 1)
     pooled += tl.where(d == n_diagonals - 1, tl.sum(here * spill, 1), 0.0)  # no diagonal beyond the last
-    tl.store(OUT + bh * n_diagonals + d, pooled / BS, mask=d < n_diagonals)
+    out = OUT + bh * n_out + _field(DOCS, n_docs, _DIAG0, m)
+    tl.store(out + d, pooled / BS, mask=d < n_diagonals)
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -217,16 +283,22 @@ def _pow2(n: int, minimum: int = 16) -> int:
 
 
 class WindowKernels:
-    """The passes of ``window_statistics_from_parts`` on the kernels, for the window
-    queries ``[B, w, Hq, D]`` (the sequence's last ``w``) and keys ``[B, n, Hkv, D]`` at
-    global positions ``key_positions`` (None: the whole sequence, in order). Row maxima are
-    fp32 in log2 units; the caller only hands them back (through its reductions)."""
+    """The passes of ``document_statistics_from_parts`` on the kernels, for the documents'
+    window queries ``[B, R, Hq, D]`` (``windows``: which rows, of which documents) and keys
+    ``[B, n, Hkv, D]`` at global positions ``key_positions`` (None: the whole sequence, in
+    order). Row maxima are fp32 in log2 units, ``[M, B, Hq, longest window]``; the caller
+    only hands them back (through its reductions).
 
-    def __init__(self, q_window, k, key_positions: torch.Tensor | None, seq_len: int, scale: float):
-        self.q = q_window.contiguous()
+    Every pass is one launch for all documents: a host table (``tables``, copied to the
+    device once) gives each document's bounds, rows and keys and where its work items,
+    runs and diagonals start; a work item finds its document by binary search."""
+
+    def __init__(self, q_windows, k, key_positions: torch.Tensor | None, windows, scale: float, block_size: int):
+        self.q = q_windows.contiguous()
         self.k = k if k.stride(-1) == 1 else k.contiguous()
-        self.seq_len = seq_len
-        bsz, self.w, self.hq, d = q_window.shape
+        self.windows, self.block_size = windows, block_size
+        self.seq_len = seq_len = windows.seq_len
+        bsz, self.n_rows, self.hq, d = q_windows.shape
         self.hkv = k.shape[2]
         self.n_keys = k.shape[1]
         dev = k.device
@@ -237,28 +309,57 @@ class WindowKernels:
             self.key_positions = key_positions.to(torch.int32).contiguous()
             self.key_at = torch.full((seq_len,), -1, dtype=torch.int32, device=dev)
             self.key_at[key_positions.long()] = torch.arange(self.n_keys, dtype=torch.int32, device=dev)
-        self.scalars = (self.w, self.hq, self.hkv, self.hq // self.hkv, *self.k.stride()[:3], scale * LOG2E)
+        self.scalars = (self.hq, self.hkv, self.hq // self.hkv, *self.k.stride()[:3], scale * LOG2E)
         self.dims = {"HEAD_DIM": d, "D_PAD": _pow2(d), "PRECISION": "ieee" if k.dtype == torch.float32 else "tf32"}
         self.bkv = bsz * self.hkv
+        self.n_docs, self.longest = len(windows.rows), max(windows.rows)
+        # Row passes: each document's keys in chunks (one at least: its partials' identity).
+        self.chunk = LAUNCH.block_n * LAUNCH.chunk_blocks
+        chunks = [max(1, triton.cdiv(hi - lo, self.chunk)) for lo, hi in windows.key_ranges]
+        self.n_chunks = sum(chunks)
         # Mass pass: blocks of key positions x row tiles, both of block_mass (at most the window).
-        self.block = min(LAUNCH.block_mass, _pow2(self.w))
-        self.n_blocks, self.n_tiles = triton.cdiv(seq_len, self.block), triton.cdiv(self.w, self.block)
+        self.block = min(LAUNCH.block_mass, _pow2(self.longest))
+        self.n_tiles = triton.cdiv(self.longest, self.block)
+        n_blocks = [triton.cdiv(n, self.block) for n in windows.lengths]
+        self.n_items = sum(n_blocks)
+        # Each document's region of a run: its blocks and row tiles (see ``_mass_kernel``).
+        regions = [(n + self.n_tiles) * self.block for n in n_blocks]
+        self.run_len = sum(regions)
+        # Pooling: block diagonals per program: 1024 offsets, 2 x 8 KiB of fp64.
+        self.per_program = max(1, 1024 // block_size)
+        n_diagonals = windows.diagonals(block_size)
+        self.n_diagonals = sum(n_diagonals)
+        pool_items = [triton.cdiv(n, self.per_program) for n in n_diagonals]
+        self.n_pool_items = sum(pool_items)
+        chunk0, item0, run0, pool0, diag0 = (
+            list(itertools.accumulate([0, *counts[:-1]]))
+            for counts in (chunks, n_blocks, regions, pool_items, n_diagonals)
+        )
+        table = [[a for a, _ in windows.bounds], windows.lengths, windows.rows, windows.row_offsets,
+                 *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0]  # fmt: skip
+        # One copy to the device: the table, then the chunks' offsets for the row passes' reduction.
+        flat = torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32)
+        flat = flat.to(dev, non_blocking=True)
+        self.tables, self.chunk_offsets = (
+            flat[: len(table) * self.n_docs].view(len(table), -1),
+            flat[-self.n_docs - 1 :],
+        )
 
     def _row_stats(self, row_max: torch.Tensor | None) -> torch.Tensor:
+        """``[M, B, Hq, longest window]``: each document's partials, one per key chunk,
+        reduced in order (``segment_reduce``: no atomics, so the sums are deterministic)."""
         launch = LAUNCH
-        rows = self.w * (self.hq // self.hkv)
+        rows = self.longest * (self.hq // self.hkv)
         block_m = min(launch.block_m, _pow2(rows))
-        chunk = launch.block_n * launch.chunk_blocks
-        grid = (triton.cdiv(rows, block_m), max(1, triton.cdiv(self.n_keys, chunk)), self.bkv)
         dtype = torch.float32 if row_max is None else torch.float64
-        out = torch.empty(grid[2], grid[1], grid[0] * block_m, dtype=dtype, device=self.q.device)
-        _row_stats_kernel[grid](
-            self.q, self.k, self.key_positions, out if row_max is None else row_max.contiguous(), out,
-            self.n_keys, self.seq_len - self.w, *self.scalars, BLOCK_M=block_m, BLOCK_N=launch.block_n, CHUNK=chunk,
-            SUM=row_max is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages, **self.dims,
+        out = torch.empty(self.n_chunks, self.q.shape[0], self.hq, self.longest, dtype=dtype, device=self.q.device)
+        _row_stats_kernel[(triton.cdiv(rows, block_m), self.n_chunks, self.bkv)](
+            self.q, self.k, self.key_positions, self.tables, out if row_max is None else row_max.contiguous(), out,
+            self.n_docs, self.n_rows, self.longest, *self.scalars, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+            CHUNK=self.chunk, SUM=row_max is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages,
+            **self.dims,
         )  # fmt: skip
-        per_row = out.amax(1) if row_max is None else out.sum(1)
-        return per_row[:, :rows].reshape(-1, self.hq, self.w)  # rows are (head, window row)
+        return torch.segment_reduce(out, "max" if row_max is None else "sum", offsets=self.chunk_offsets)
 
     def row_max(self) -> torch.Tensor:
         return self._row_stats(None)
@@ -269,39 +370,42 @@ class WindowKernels:
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor, out: tuple | None = None) -> tuple:
         """The mass pass's outputs (``totals`` adds them up): the vertical window mass
         ``[B, Hq, seq_len]`` fp32 (each key's one writer sums its column in fp32, so adding
-        the zeros of the other holders is exact) and the diagonal runs, fp64.
+        the zeros of the other holders is exact), the diagonal runs, fp64, and the documents
+        table that ``totals`` reads (in the graphed build, a buffer of its graph).
 
-        ``out``: the outputs of an earlier call with the same shapes and key positions,
-        overwritten. They are not cleared first: the kernel stores to the same elements
-        every time (addresses and masks follow from the shapes and the held positions),
-        and the elements it never stores to keep the zeros they were made with. Clearing
-        would write the runs again (64 MiB at 128K tokens)."""
+        ``out``: the outputs of an earlier call with the same shapes, documents and key
+        positions, overwritten. They are not cleared first: the kernel stores to the same
+        elements every time (addresses and masks follow from the shapes, the documents and
+        the held positions), and the elements it never stores to keep the zeros they were
+        made with. Clearing would write the runs again (64 MiB at 128K tokens). Its table
+        already holds this call's (the same documents)."""
         bsz, dev = self.q.shape[0], self.q.device
         if out is None:
             vertical = torch.zeros(bsz, self.hq, self.seq_len, dtype=torch.float32, device=dev)
-            runs = torch.zeros(bsz, self.hq, self.n_tiles * 2, (self.n_blocks + self.n_tiles) * self.block,
-                               dtype=torch.float64, device=dev)  # fmt: skip
+            runs = torch.zeros(bsz, self.hq, self.n_tiles * 2, self.run_len, dtype=torch.float64, device=dev)
+            tables = self.tables
         else:
-            vertical, runs = out
-        _mass_kernel[(self.n_blocks, self.bkv)](
-            self.q, self.k, self.key_at, row_max.contiguous(), (1.0 / row_sum).float().contiguous(), vertical,
-            runs, self.seq_len, *self.scalars, BLOCK=self.block, num_warps=LAUNCH.mass_warps, **self.dims,
+            vertical, runs, tables = out
+        _mass_kernel[(self.n_items, self.bkv)](
+            self.q, self.k, self.key_at, self.tables, row_max.contiguous(), (1.0 / row_sum).float().contiguous(),
+            vertical, runs, self.n_docs, self.n_rows, self.longest, self.seq_len, self.run_len, *self.scalars,
+            BLOCK=self.block, num_warps=LAUNCH.mass_warps, **self.dims,
         )  # fmt: skip
-        return vertical, runs
+        return vertical, runs, tables
 
-    def totals(self, vertical: torch.Tensor, runs: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def totals(self, vertical: torch.Tensor, runs: torch.Tensor, tables: torch.Tensor) -> tuple:
         """The window mass per key ``[B, Hq, seq_len]`` (fp32) and per block diagonal of
-        ``block_size`` ``[B, Hq, n_diagonals]`` (fp64) from ``mass``'s outputs, the runs
-        added up and pooled in one pass (``_pool_kernel``). Row tile ``j`` x key block ``p``
-        has its slot ``t`` at ``L = (n_blocks - 1 - p + j) * BLOCK + t``, offset
-        ``(seq_len - w + j * BLOCK + r) - (p * BLOCK + c)`` with ``t = r - c + BLOCK - 1``,
-        that is ``L - n_blocks * BLOCK + seq_len - w + 1``: the same for every run."""
-        bsz, hq, n_runs, run_len = runs.shape
-        n_diagonals = triton.cdiv(self.seq_len, block_size)
-        pooled = torch.empty(bsz, hq, n_diagonals, dtype=torch.float64, device=runs.device)
-        db = max(1, 1024 // block_size)  # block diagonals per program: 1024 offsets, 2 x 8 KiB of fp64
-        start = self.n_blocks * self.block - self.seq_len + self.w - 1
-        _pool_kernel[(triton.cdiv(n_diagonals, db), bsz * hq)](
-            runs, pooled, start, self.seq_len, run_len, n_diagonals, N_RUNS=n_runs, BS=block_size, DB=db
-        )
+        ``block_size`` of each document, one after the other, ``[B, Hq, sum_m ceil(L_m /
+        block_size)]`` (fp64), from ``mass``'s outputs, the runs added up and pooled in one
+        pass (``_pool_kernel``). A document of ``L`` positions and ``w`` window rows has
+        ``n = ceil(L / BLOCK)`` key blocks; its row tile ``j`` x key block ``p`` has slot ``t``
+        at ``u = (n - 1 - p + j) * BLOCK + t`` of its region, offset ``(L - w + j * BLOCK + r)
+        - (p * BLOCK + c)`` with ``t = r - c + BLOCK - 1``, that is ``u - n * BLOCK + L - w +
+        1``: the same for every run."""
+        bsz, hq, n_runs, _ = runs.shape
+        pooled = torch.empty(bsz, hq, self.n_diagonals, dtype=torch.float64, device=runs.device)
+        _pool_kernel[(self.n_pool_items, bsz * hq)](
+            runs, pooled, tables, self.n_docs, self.n_diagonals, self.run_len, N_RUNS=n_runs, BS=self.block_size,
+            DB=self.per_program, BLOCK=self.block,
+        )  # fmt: skip
         return vertical, pooled
