@@ -401,6 +401,7 @@ def test_cp2_equals_cp1(references):
     run(2, workers.check_cp_parity, references, runs)
 
 
+@pytest.mark.slow  # CP 2 parity runs by default; the 2x2 ring on the kernels in test_context_parallel
 def test_cp4_equals_cp1(references):
     """Flat and hierarchical (2x2) rings in the zigzag and striped layouts; hierarchical groups
     in the wrong rank order are refused."""
