@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 # Documents of at least this many stripe periods are striped.
@@ -79,18 +80,18 @@ def balanced_stripe_ranks(bounds: tuple[int, ...], seq_len: int, stripe: int, cp
     offset = torch.arange(n) - starts[run]
     long = lengths >= LONG_PERIODS * w
     loads = WindowLoads(w)
-    rotation, direction = torch.zeros_like(lengths), torch.ones_like(lengths)
-    shorts = 0
+    rotation, direction = [0] * len(starts), [1] * len(starts)
+    free, shorts = np.ones(w, dtype=bool), 0
     for m in torch.sort(-lengths, stable=True).indices.tolist():
-        length = int(lengths[m])
         if long[m]:
-            direction[m], rotation[m] = loads.place_striped(length)
-        else:
-            if shorts % w == 0:
-                free = torch.ones(w, dtype=torch.bool)
-            rotation[m] = loads.place_short(length, free)
-            free[rotation[m]] = False
-            shorts += 1
+            direction[m], rotation[m] = loads.place_striped(int(lengths[m]))
+            continue
+        if shorts % w == 0:
+            free[:] = True
+        rotation[m] = loads.place_short(int(lengths[m]), free)
+        free[rotation[m]] = False
+        shorts += 1
+    rotation, direction = torch.tensor(rotation), torch.tensor(direction)
     step = torch.where(long[run], direction[run] * offset, offset * (offset + 1) // 2)
     return _equal_counts((rotation[run] + step) % w, lengths[run], w)
 
@@ -100,17 +101,17 @@ def window_count(w: int) -> int:
     return (2 * w).bit_length()
 
 
-def diagonal_bucket(d: torch.Tensor, w: int) -> torch.Tensor:
+def diagonal_bucket(d: np.ndarray, w: int) -> np.ndarray:
     """How many of the windows leave out diagonal ``d`` (the narrowest holding it)."""
-    powers = 2 ** torch.arange(1, window_count(w))
-    return (d.unsqueeze(-1) >= powers).sum(-1)
+    powers = 2 ** np.arange(1, window_count(w))
+    return (np.expand_dims(d, -1) >= powers).sum(-1)
 
 
-def window_coupling(w: int) -> torch.Tensor:
+def window_coupling(w: int) -> np.ndarray:
     """``[b, b']``: the summed weights of the windows holding both buckets, those wider
     than the farther one. Window ``j`` (from the narrowest, 0) weighs ``windows - j``."""
-    farther = window_count(w) - torch.arange(window_count(w))
-    farther = torch.minimum(farther.view(-1, 1), farther.view(1, -1))
+    farther = window_count(w) - np.arange(window_count(w))
+    farther = np.minimum(farther[:, None], farther[None, :])
     return farther * (farther + 1) // 2
 
 
@@ -119,21 +120,24 @@ class WindowLoads:
     the potential ``phi[b, cell] = sum_j (J - j) [window j holds bucket b] load_j[cell]``
     per bucket of diagonals ``b`` and (rank, ring step) cell. Placing a document changes the
     weighted squares by twice ``sum_tiles area * phi[bucket, cell]`` plus the document's
-    own squares, which its rotation and direction do not change: that sum is its cost."""
+    own squares, which its rotation and direction do not change: that sum is its cost.
+
+    NumPy, not torch: a few small operations per document, which torch hands to its
+    intra-op threads (on a busy 2-core host that made the layout 50 times slower)."""
 
     def __init__(self, w: int):
         self.w = w
         self.coupling = window_coupling(w)
-        self.phi = torch.zeros(window_count(w), w * w, dtype=torch.int64)
+        self.phi = np.zeros((window_count(w), w * w), dtype=np.int64)
 
-    def place_short(self, length: int, free: torch.Tensor) -> int:
+    def place_short(self, length: int, free: np.ndarray) -> int:
         """The rotation, among the ``free`` ones, for a document of ``length < LONG_PERIODS *
         w`` stripes, placed."""
         cells, reads, area, adds = _short_tiles(self.w)
         m = length * (length + 1) // 2  # its tiles lead the table
-        cost = area[:m] @ torch.take(self.phi, reads[:m])
-        c = int(torch.argmin(torch.where(free, cost, torch.iinfo(torch.int64).max)))
-        self.phi.index_add_(1, cells[:m, c], adds[:, :m])
+        cost = area[:m] @ self.phi.reshape(-1)[reads[:m]]
+        c = int(np.argmin(np.where(free, cost, np.iinfo(np.int64).max)))
+        self.phi += _summed(np.arange(len(self.phi))[:, None] * self.w**2 + cells[:m, c], adds[:, :m], self.phi.shape)
         return c
 
     def place_striped(self, length: int) -> tuple[int, int]:
@@ -141,52 +145,56 @@ class WindowLoads:
         backwards (-1), placed; forwards and the lowest rotation win ties."""
         w = self.w
         forward = striped_tiles(length, w)
-        mirror = (-torch.arange(w)) % w
+        mirror = -np.arange(w) % w
         shapes = {1: forward, -1: forward[:, mirror][:, :, mirror]}
         # circular[:, rho, c, :]: the potential of rank rho + c.
-        circular = self.phi.view(-1, w, w)[:, (torch.arange(w).view(-1, 1) + torch.arange(w)) % w]
+        circular = self.phi.reshape(-1, w, w)[:, (np.arange(w)[:, None] + np.arange(w)) % w]
         best = None
         for direction, tiles in shapes.items():
-            cost = (tiles.unsqueeze(2) * circular).sum((0, 1, 3))
-            c = int(torch.argmin(cost))
+            cost = np.einsum("brs,brcs->c", tiles, circular)
+            c = int(np.argmin(cost))
             if best is None or cost[c] < best[0]:
-                best = (int(cost[c]), direction, c)
+                best = (cost[c], direction, c)
         _, direction, c = best
-        added = (self.coupling @ shapes[direction].view(len(self.coupling), -1)).view(-1, w, w)
-        self.phi.view(-1, w, w).index_add_(1, (torch.arange(w) + c) % w, added)
+        added = (self.coupling @ shapes[direction].reshape(len(self.coupling), -1)).reshape(-1, w, w)
+        self.phi.reshape(-1, w, w)[:, (np.arange(w) + c) % w] += added
         return direction, c
 
 
+def _summed(index: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """int64 ``shape``: ``values`` summed at the flat ``index`` (repeats add up). Through
+    float64, exact: the sums are integers far below 2^53."""
+    size = int(np.prod(shape))
+    return np.bincount(index.ravel(), weights=values.ravel(), minlength=size).astype(np.int64).reshape(shape)
+
+
 @functools.lru_cache(maxsize=8)
-def _short_tiles(w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _short_tiles(w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The tiles ``(i, j)``, ``j <= i``, of the longest short document, by ``i`` then ``j``
     (a document of ``L`` stripes has the first ``L (L + 1) / 2``): ``cells [T, w]`` (rank *
     w + step at each rotation), ``reads [T, w]`` (their potential entries), ``area [T]`` and
     ``adds [windows, T]`` (what each adds to every bucket's potential)."""
     longest = LONG_PERIODS * w - 1
-    i = torch.repeat_interleave(torch.arange(longest), torch.arange(longest) + 1)
-    j = torch.arange(len(i)) - i * (i + 1) // 2
+    i = np.repeat(np.arange(longest), np.arange(longest) + 1)
+    j = np.arange(len(i)) - i * (i + 1) // 2
     rank = i * (i + 1) // 2 % w
     step = (rank - j * (j + 1) // 2) % w
     bucket = diagonal_bucket(i - j, w)
-    area = torch.where(i == j, 1, 2)
-    cells = (rank.view(-1, 1) + torch.arange(w)) % w * w + step.view(-1, 1)
-    return cells, bucket.view(-1, 1) * w * w + cells, area, window_coupling(w)[:, bucket] * area
+    area = np.where(i == j, 1, 2)
+    cells = (rank[:, None] + np.arange(w)) % w * w + step[:, None]
+    return cells, bucket[:, None] * w * w + cells, area, window_coupling(w)[:, bucket] * area
 
 
-def striped_tiles(length: int, w: int) -> torch.Tensor:
+def striped_tiles(length: int, w: int) -> np.ndarray:
     """``[windows, w, w]`` int64: the area of a document of ``length`` whole stripes striped
     forwards from rank 0 (stripe ``i`` on rank ``i mod w``), per bucket, rank and ring step:
     diagonal ``d`` puts its tiles ``(i, i - d)``, ``i >= d``, on rank ``i`` at step ``d``."""
-    d = torch.arange(length).view(-1, 1)
-    rank = torch.arange(w)
+    d = np.arange(length)[:, None]
+    rank = np.arange(w)
     # Stripes i in [d, length) with i = rank (mod w).
     count = (length + w - 1 - rank) // w - (d + w - 1 - rank) // w
-    area = torch.where(d == 0, 1, 2) * count
-    index = (diagonal_bucket(d, w) * w + rank) * w + d % w
-    tiles = torch.zeros(window_count(w) * w * w, dtype=torch.int64)
-    tiles.index_add_(0, index.flatten(), area.flatten())
-    return tiles.view(-1, w, w)
+    index = (diagonal_bucket(d[:, 0], w)[:, None] * w + rank) * w + d % w
+    return _summed(index, np.where(d == 0, 1, 2) * count, (window_count(w), w, w))
 
 
 def _equal_counts(ranks: torch.Tensor, span: torch.Tensor, w: int) -> torch.Tensor:
