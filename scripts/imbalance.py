@@ -3,6 +3,7 @@ each layout, without processes.
 
     python scripts/imbalance.py [--seq-len 65536] [--cp-size 32] [--block 64] [--seeds 20]
                                 [--documents none uniform lognormal one_long] [--mean-doc 2048]
+                                [--search 0]
 
 The vertical-slash index is slash-dominated, as in the MTraining paper: per head 8
 local block diagonals, 1/16 of the other diagonals at random, 16 sink and 64
@@ -13,7 +14,15 @@ balanced), so the ring's work is the tiles (``ring_work``). With packed document
 becomes block-diagonal causal: both rows are printed per document mix, and the
 ``balanced`` layout places each sample's stripes by its documents (without documents it is
 ``striped``). Prints the worker-level and step-level imbalance degrees (max/mean across
-ranks in a step, across steps for a rank; 1.0 = balanced), min-max over seeds.
+ranks in a step, across steps for a rank; 1.0 = balanced), min-max over seeds, and the
+granularity of the work: its largest tile over the mean area of a (rank, step) cell (an
+indivisible tile larger than a cell's mean would force a most loaded rank above it).
+
+``--search N`` adds the ``searched`` layout: the balanced layout improved by ``N``
+proposed swaps of two stripes between ranks, each kept if it lowers a smooth maximum of
+every step's per-rank areas (``_search``), on the sample's own tiles of each pattern.
+The layout cannot do this (the index does not exist yet, and it takes seconds to minutes);
+it shows how far a layout that knew the work could get, an upper bound on the best one.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import numpy as np
 import torch
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, ring_work, simulate_ring_areas
@@ -29,6 +39,9 @@ from megatron_mtraining.sparse import DenseIndex
 from megatron_mtraining.sparse.documents import packed_documents
 
 LAYOUTS = ("striped", "balanced", "zigzag", "contiguous")
+# The smooth maximum's power: high enough to track the most loaded rank, low enough that
+# every rank above the mean pulls.
+SEARCH_POWER = 16
 
 
 def _works(args, mix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor | None]:
@@ -47,6 +60,50 @@ def _works(args, mix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor | N
     }, cu
 
 
+def _search(layout: ContextParallelLayout, tiles: torch.Tensor, proposals: int, seed: int) -> torch.Tensor:
+    """``[ranks, steps]`` areas of ``layout``'s stripes (``tiles`` of stripe-sized blocks)
+    after ``proposals`` random swaps of two stripes of different ranks, each kept if it lowers
+    ``sum_steps (mean_ranks (area / step mean)^p)^(1/p)``: swaps keep every rank's count."""
+    w, n = layout.cp_size, tiles.shape[0]
+    owner = np.empty(n, dtype=np.int64)
+    for r in range(w):
+        owner[layout.positions(r)[:: layout.stripe].numpy() // layout.stripe] = r
+    q, k = (x.numpy() for x in torch.nonzero(tiles, as_tuple=True))
+    area = tiles[q, k].numpy()
+    # Each stripe's tiles, as query and as key, by index into (q, k, area).
+    by_q, by_k = np.argsort(q, kind="stable"), np.argsort(k, kind="stable")
+    q_start, k_start = np.searchsorted(q[by_q], np.arange(n + 1)), np.searchsorted(k[by_k], np.arange(n + 1))
+
+    def touching(s: int) -> np.ndarray:
+        return np.concatenate([by_q[q_start[s] : q_start[s + 1]], by_k[k_start[s] : k_start[s + 1]]])
+
+    def cells(t: np.ndarray) -> np.ndarray:
+        return owner[q[t]] * w + (owner[q[t]] - owner[k[t]]) % w
+
+    def objective(a: np.ndarray) -> float:
+        m = a.mean(0)
+        busy = m > 0
+        return float((((a[:, busy] / m[busy]) ** SEARCH_POWER).mean(0) ** (1 / SEARCH_POWER)).sum())
+
+    a = np.bincount(cells(np.arange(len(q))), weights=area, minlength=w * w).reshape(w, w)
+    best = objective(a)
+    rng = np.random.default_rng(seed)
+    for x, y in rng.integers(0, n, (proposals, 2)):
+        if owner[x] == owner[y]:
+            continue
+        t = np.unique(np.concatenate([touching(x), touching(y)]))
+        moved = a.copy().reshape(-1)
+        np.subtract.at(moved, cells(t), area[t])
+        owner[x], owner[y] = owner[y], owner[x]
+        np.add.at(moved, cells(t), area[t])
+        found = objective(moved.reshape(w, w))
+        if found < best:
+            a, best = moved.reshape(w, w), found
+        else:
+            owner[x], owner[y] = owner[y], owner[x]
+    return torch.from_numpy(a)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=65536)
@@ -56,22 +113,33 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--documents", nargs="+", default=["none"], choices=("none", *DOCUMENT_MIXES))
     p.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the packed mixes")
+    p.add_argument("--search", type=int, default=0, help="stripe swaps proposed for the searched layout (0: none)")
     args = p.parse_args()
     print(f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds}")
-    print(f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}")
+    print(
+        f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
+        f" {'largest tile / mean cell':>25}"
+    )
     for mix in args.documents:
         results: dict = {}
         for seed in range(args.seeds):
             works, cu = _works(args, mix, torch.Generator().manual_seed(seed))
             for pattern, work in works.items():
                 tiles = work.block_areas(args.block)
+                unit = float(tiles.max() / tiles.sum() * args.cp_size**2)
                 for kind in LAYOUTS:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
                     found = imbalance_degrees(simulate_ring_areas(work, layout, args.block, tiles))
-                    results.setdefault((pattern, kind), []).append(found)
+                    results.setdefault((pattern, kind), []).append((*found, unit))
+                    if kind == "balanced" and args.search:
+                        found = imbalance_degrees(_search(layout, tiles, args.search, seed))
+                        results.setdefault((pattern, "searched"), []).append((*found, unit))
         for (pattern, kind), found in results.items():
-            w, s = [f[0] for f in found], [f[1] for f in found]
-            print(f"{mix:<10} {pattern:<15} {kind:<11} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}")
+            w, s, u = ([f[i] for f in found] for i in range(3))
+            print(
+                f"{mix:<10} {pattern:<15} {kind:<11} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}"
+                f" {min(u):>12.3f} - {max(u):<7.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ from megatron_mtraining.context_parallel import (
     ring_work,
     simulate_ring_areas,
 )
-from megatron_mtraining.context_parallel.document_balance import balanced_stripe_ranks, stripe_documents
+from megatron_mtraining.context_parallel.document_balance import (
+    balanced_stripe_ranks,
+    diagonal_bucket,
+    stripe_documents,
+    striped_tiles,
+)
 from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_document_bounds, slash_heavy_index
 from megatron_mtraining.sparse import DenseIndex
 from megatron_mtraining.sparse.documents import packed_documents
@@ -84,42 +89,90 @@ def test_a_stripe_belongs_to_the_document_holding_most_of_it(rng):
             assert got == max(range(len(tokens)), key=lambda d: (tokens[d], -d)), (s, tokens)
 
 
-def test_assignment_rule_on_whole_stripe_documents():
-    """Documents of whole stripes, lengths chosen so that no stripe moves: long documents
-    striped one after the other, short ones rotated by their rank in length order and
-    placed at triangular steps."""
-    stripe, w = 4, 4
-    # Lengths in stripes: 8 and 9 (long: at least 2 W), 4, 3 and 1 (short).
-    lengths = [4, 8, 1, 3, 9, 4, 3, 1, 7]
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n * stripe)
-    seq = bounds[-1]
-    # Long: document 1 from rank 0, document 4 after its 8 stripes (rank 0 again).
-    # Short, by length then position: 7 (doc 8), 4 (doc 0), 4 (doc 5), 3 (doc 3), 3 (doc 6), 1 (doc 2), 1 (doc 7).
-    rotation = {1: 0, 4: 8 % w, 8: 0, 0: 1, 5: 2, 3: 3, 6: 0, 2: 1, 7: 2}
-    want = []
-    for d, n in enumerate(lengths):
-        want += [(rotation[d] + (i if n >= 2 * w else i * (i + 1) // 2)) % w for i in range(n)]
-    assert torch.bincount(torch.tensor(want), minlength=w).tolist() == [seq // stripe // w] * w
-    assert balanced_stripe_ranks(tuple(bounds), seq, stripe, w).tolist() == want
+def _brute_force_ranks(bounds: list[int], seq: int, stripe: int, w: int) -> tuple[list[int], int, int]:
+    """The assignment rule replayed with every candidate's cost counted from scratch: each
+    document's tiles (pairs of its whole stripes, half a tile on the diagonal) summed per
+    window of diagonals (widths 2, 4, ... up to 2 w, then all; the narrowest weighing the
+    most) and (rank, ring step) cell, the windows' squared loads summed. Also the counts of
+    striped documents and of stripes moved to even the ranks out."""
+    owner = stripe_documents(tuple(bounds), seq, stripe).tolist()
+    starts = [s for s in range(len(owner)) if s == 0 or owner[s] != owner[s - 1]]
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], len(owner)], strict=True)]
+    widths = [2**k for k in range(1, 2 * w + 1) if 2**k <= 2 * w] + [float("inf")]
+    weights = [len(widths) - j for j in range(len(widths))]
+
+    def tiles(length: int, rank_of) -> list[tuple[int, int, int, int]]:
+        return [(rank_of(i), rank_of(k), i - k, 1 if i == k else 2) for i in range(length) for k in range(i + 1)]
+
+    def cost(placed: list) -> int:
+        load: dict = {}
+        for rq, rk, d, area in placed:
+            for j, width in enumerate(widths):
+                if d < width:
+                    load[j, rq, (rq - rk) % w] = load.get((j, rq, (rq - rk) % w), 0) + area
+        return sum(weights[j] * v * v for (j, _, _), v in load.items())
+
+    placed, rank_of_run, free, shorts = [], {}, set(), 0
+    for m in sorted(range(len(starts)), key=lambda m: -lengths[m]):
+        if lengths[m] >= 2 * w:
+            shapes = [lambda i, c=c, sign=sign: (c + sign * i) % w for sign in (1, -1) for c in range(w)]
+        else:
+            free = set(range(w)) if shorts % w == 0 else free
+            shapes = [lambda i, c=c: (c + i * (i + 1) // 2) % w for c in sorted(free)]
+            shorts += 1
+        best = min(shapes, key=lambda rank_of: cost(placed + tiles(lengths[m], rank_of)))
+        placed += tiles(lengths[m], best)
+        rank_of_run[m] = best
+        free.discard(best(0))
+    ranks = [rank_of_run[m](i) for m in range(len(starts)) for i in range(lengths[m])]
+    # Ranks over their share hand stripes to the emptiest one, the shortest documents' first.
+    counts = [ranks.count(r) for r in range(w)]
+    run_length = [lengths[m] for m in range(len(starts)) for _ in range(lengths[m])]
+    moved = 0
+    for s in sorted(range(len(ranks)), key=lambda s: run_length[s]):
+        if counts[ranks[s]] > len(ranks) // w:
+            to = counts.index(min(counts))
+            counts[ranks[s]] -= 1
+            counts[to] += 1
+            ranks[s] = to
+            moved += 1
+    return ranks, sum(n >= 2 * w for n in lengths), moved
 
 
-def test_surplus_stripes_move_from_the_shortest_documents():
-    """Stripes over a rank's share move to the emptiest rank, those of the shortest documents
-    first."""
-    stripe, w = 2, 4
-    lengths = [10, 2, 1, 1, 1, 1]  # 16 stripes, 4 per rank
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n * stripe)
-    ranks = balanced_stripe_ranks(tuple(bounds), bounds[-1], stripe, w)
-    assert torch.bincount(ranks, minlength=w).tolist() == [4] * w
-    # Before moving: the long document on 0,1,2,3,0,1,2,3,0,1; the two-stripe one (rotation 0)
-    # on 0, 1; the one-stripe ones (rotations 1, 2, 3, 0) on 1, 2, 3, 0. Ranks 0 and 1 hold
-    # five, 2 and 3 three. In order of document length, then position: the first one-stripe
-    # document's (rank 1) goes to rank 2, the last one's (rank 0) to rank 3.
-    assert ranks.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1, 2, 2, 3, 3]
+@pytest.mark.parametrize("cp_size, seq, stripe", [(2, 256, 8), (3, 384, 8), (4, 512, 8)])
+def test_assignment_equals_the_rule_replayed_by_brute_force(cp_size, seq, stripe, rng):
+    """Fresh random documents, short and striped ones: every document's rotation (and
+    direction) is the one whose tiles least raise the windows' squared per-rank, per-step
+    areas, counted here from every placed tile again, and the surplus moves as the rule says."""
+    seen = torch.zeros(2, dtype=torch.int64)
+    for _ in range(4):
+        cu = _random_documents(rng, seq, stripe)
+        want, striped, moved = _brute_force_ranks(cu.tolist(), seq, stripe, cp_size)
+        assert balanced_stripe_ranks(tuple(cu.tolist()), seq, stripe, cp_size).tolist() == want, cu.tolist()
+        seen += torch.tensor([striped, moved])
+    print(f"striped documents, moved stripes: {seen.tolist()}")
+
+
+def test_surplus_stripes_move_as_the_rule_moves_them():
+    """Whole-stripe documents of 5, 5, 3 and 3 stripes over 4 ranks: their rotations leave
+    ranks over their share, and the stripes move as the replayed rule moves them."""
+    bounds = [0, 10, 20, 26, 32]
+    want, _, moved = _brute_force_ranks(bounds, 32, 2, 4)
+    assert moved == 2
+    assert balanced_stripe_ranks(tuple(bounds), 32, 2, 4).tolist() == want
+
+
+def test_striped_tiles_count_every_tile(rng):
+    """The closed-form areas of a striped document equal its tiles counted one by one."""
+    for _ in range(5):
+        w = int(torch.randint(1, 9, (1,), generator=rng))
+        length = int(torch.randint(1, 6 * w + 2, (1,), generator=rng))
+        got = striped_tiles(length, w)
+        want = [[[0] * w for _ in range(w)] for _ in range(len(got))]
+        for i in range(length):
+            for k in range(i + 1):
+                want[diagonal_bucket(i - k, w)][i % w][(i - k) % w] += 1 if i == k else 2
+        assert got.tolist() == want, (length, w)
 
 
 def test_balanced_layout_errors_name_the_field():
