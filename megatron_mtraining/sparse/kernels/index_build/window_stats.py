@@ -35,10 +35,10 @@ document gets the row tiles of the longest window (padding rows see no key).
 
 Determinism: every output element has one writer that adds in a fixed order (runs
 that overlap go to separate buffers, added by the pooling; the row partials are reduced
-without atomics), so results are bitwise independent of launch order. Sums over keys, tiles or devices add fp32 terms in
-fp64, and no term depends on how the keys are split (exponents use the global row
-maxima, not running ones), so a context-parallel split moves the statistics only
-at fp64 rounding, far below their final fp32 rounding.
+without atomics), so results are bitwise independent of launch order. Sums over keys,
+tiles or devices add fp32 terms in fp64, and no term depends on how the keys are split
+(exponents use the global row maxima, not running ones), so a context-parallel split
+moves the statistics only at fp64 rounding, far below their final fp32 rounding.
 
 The floor: each pass is a (window rows x sequence x head dim) matmul, passes 2 and 3
 add one exponential per logit, each pass reads K once and the mass pass writes fp64

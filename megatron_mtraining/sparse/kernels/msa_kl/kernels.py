@@ -278,9 +278,10 @@ def _dk_kl_kernel(
             log_s = tl.where(visible, z - lse_i[None, :], float("-inf"))
             ds = (tl.exp2(log_s) - p).to(qi.dtype)
             if FUSE_DQ:
-                # Before the dK product: with these after it, ptxas (Triton 3.7's, sm80) built the
-                # kernel with 32 registers and 13-15 KB of spills a thread, against 255 and 2.8 KB
-                # here (dK alone: 2.6 KB). Relaxed atomics: nothing reads the sums before the end.
+                # Before the dK product: with these after it, ptxas (Triton 3.7's, sm80) capped the
+                # kernel's registers and spilled several times more a thread than here, where it
+                # spills about what the dK kernel alone does. Relaxed atomics: nothing reads the
+                # sums before the end.
                 kl_rows = _kl_terms(p, log_s, visible, 0) * LN2
                 tl.atomic_add(KL + (b * HKV + r) * S + rows, kl_rows, mask=row_ok, sem="relaxed")
                 dq = tl.dot(tl.trans(ds), ki, input_precision=PRECISION) * g_scale

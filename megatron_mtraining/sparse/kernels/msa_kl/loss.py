@@ -52,8 +52,8 @@ class LaunchConfig:
 #   swept yet. Its step adds the product ds^T [64, 128] @ k_idx [128, d_idx] on operands the
 #   step holds already (ds, the program's index keys) and the atomics' [64, d_idx] fp32
 #   tile; one stage for dk's reason. Compiled ahead of time (Triton 3.7, bf16, head dims 128,
-#   G = 8) it takes 112 KiB of shared memory on sm80 and sm90 (dk: 96 / 80). fp32 inputs of
-#   head dim 128 take twice that, beyond an H100's 227 KiB (dk's beyond an A100's): they need
+#   G = 8) it fits an A100's 163 KiB of shared memory, a little above dk. fp32 inputs of head
+#   dim 128 take twice that, beyond an H100's 227 KiB (dk's beyond an A100's): they need
 #   64-key programs (MTRAINING_KL_CONFIG).
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),
