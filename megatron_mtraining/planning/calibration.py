@@ -259,7 +259,7 @@ def _fit_msa(c: Constants) -> Constants:
     useful = attention_flops(topk_useful_pairs(seq, block, topk, HEADS), HEAD_DIM) / PF
     kl = table("kernels")["msa_kl"]
     union = attention_flops(kl["union_share_of_causal"] * HEADS * kl["seq"] * (kl["seq"] + 1) / 2, HEAD_DIM) / PF
-    warmup = rows["h200-128k-msa-warmup"]
+    warmup = rows["h200-128k-msa-warmup-b"]
     causal = attention_flops(HEADS * seq * (seq + 1) / 2, HEAD_DIM) / PF
     return dataclasses.replace(
         c,

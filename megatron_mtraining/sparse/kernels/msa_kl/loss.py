@@ -48,18 +48,17 @@ class LaunchConfig:
 #   [32, D] @ [D, 128] with the head's queries loop-invariant (in registers or L1).
 # * dk: 128 keys a program, 64 query rows a step, the G heads' products streamed; one
 #   stage (unpipelined): a pipelined stage would hold all G heads' queries.
-# * fused (the one-pass backward, the dK kernel adding dq_idx by atomics): dk's shape, not
-#   swept yet. Its step adds the product ds^T [64, 128] @ k_idx [128, d_idx] on operands the
-#   step holds already (ds, the program's index keys) and the atomics' [64, d_idx] fp32
-#   tile; one stage for dk's reason. Compiled ahead of time (Triton 3.7, bf16, head dims 128,
-#   G = 8) it fits an A100's 163 KiB of shared memory, a little above dk. fp32 inputs of head
-#   dim 128 take twice that, beyond an H100's 227 KiB (dk's beyond an A100's): they need
-#   64-key programs (MTRAINING_KL_CONFIG).
+# * fused (the one-pass backward, the dK kernel adding dq_idx by atomics): dk's 128 keys a
+#   program, but 32 query rows a step and 4 warps, the fastest of a sweep on both indices.
+#   Its step adds the product ds^T @ k_idx on operands the step holds already and the
+#   atomics' [rows, d_idx] fp32 tile; one stage for dk's reason. Fits an A100's shared memory
+#   (scripts/compile_msa_kl.py); fp32 inputs of head dim 128 need 64-key programs
+#   (MTRAINING_KL_CONFIG).
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),
     "dq": LaunchConfig(32, 128, 8, 2),
     "dk": LaunchConfig(64, 128, 8, 1),
-    "fused": LaunchConfig(64, 128, 8, 1),
+    "fused": LaunchConfig(32, 128, 4, 1),
 }
 
 
