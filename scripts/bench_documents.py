@@ -1,7 +1,7 @@
 """Packed documents on one GPU: document-masked attention against the same attention
 unmasked and against a library's varlen kernel.
 
-    python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--out DIR]
+    python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--kernels] [--out DIR]
 
 One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``examples.synthetic
 .sampled_document_bounds``) with mean length ``--mean``; Qwen2.5-3B's attention shape (16 query heads,
@@ -23,6 +23,10 @@ without documents to SDPA). Each row's tile tables are built once, timed apart (
 kept for the index, so its forward and backward times are the kernels' alone (as in training,
 where the index build keeps its tables and the forward and backward share them).
 
+``--kernels`` also prints, for the like-for-like pair (the whole-sequence vertical-slash
+lists unmasked and under the documents' mask), each kernel's device time in the forward and
+in the backward (torch profiler), side by side: where the mask's cost lands.
+
 The q/k carry RoPE over a shared mean direction, so vertical-slash statistics are local as in
 trained models. Prints a table and writes ``DIR/bench_documents.json``.
 """
@@ -34,16 +38,20 @@ import dataclasses
 import inspect
 import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds
-from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention
-from megatron_mtraining.sparse.documents import packed_documents
-from megatron_mtraining.sparse.index import VerticalSlashIndex
-from megatron_mtraining.sparse.kernels.block_bar.tables import keep_tables, tile_tables, vertical_slash_tables
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_kernels import device_times  # noqa: E402
+
+from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds  # noqa: E402
+from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention  # noqa: E402
+from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
+from megatron_mtraining.sparse.index import VerticalSlashIndex  # noqa: E402
+from megatron_mtraining.sparse.kernels.block_bar.tables import keep_tables, tile_tables, vertical_slash_tables  # noqa: E402
 
 HQ, HKV, D = 16, 2, 128
 
@@ -103,6 +111,31 @@ def varlen_flash(cu_seqlens: torch.Tensor, longest: int):
     return run
 
 
+def kernel_split(indexes: dict, q, k, v, scale) -> dict:
+    """Per index (name -> index, tables kept): each kernel's device ms in one forward and in
+    one backward; printed side by side, the kernels in the first index's order."""
+    split = {}
+    for name, index in indexes.items():
+        forward = lambda i=index: sparse_attention(q, k, v, i, scale, backend="triton")[0]  # noqa: E731
+        out = forward()
+        grad = torch.randn_like(out)
+        backward = lambda o=out, g=grad: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)  # noqa: E731
+        split[name] = {
+            phase: {key: ms for ms, _, key in device_times(fn, calls=5)}
+            for phase, fn in (("forward", forward), ("backward", backward))
+        }
+    names = list(split)
+    for phase in ("forward", "backward"):
+        keys = list(dict.fromkeys(key for name in names for key in split[name][phase]))
+        print(f"{phase} kernels, device ms per call: " + " | ".join(names))
+        for key in keys:
+            cells = " | ".join(f"{split[name][phase].get(key, 0.0):8.3f}" for name in names)
+            print(f"  {key[:60]:<60} {cells}")
+        totals = " | ".join(f"{sum(split[name][phase].values()):8.3f}" for name in names)
+        print(f"  {'total':<60} {totals}")
+    return split
+
+
 @torch.no_grad()
 def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
     """How many of the sparse documents have the lists, in the per-document ``index``, of the
@@ -128,6 +161,7 @@ def main() -> None:
     p.add_argument("--mix", default="lognormal", choices=DOCUMENT_MIXES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=150)
+    p.add_argument("--kernels", action="store_true", help="per-kernel device times of the like-for-like pair")
     p.add_argument("--out", default="runs/bench_documents")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
@@ -201,6 +235,9 @@ def main() -> None:
                 float(masked.attended_area().sum()),
                 masked,
             )
+            if args.kernels:
+                split = kernel_split({"unmasked": index, "documents' mask": masked}, q, k, v, scale)
+                rows[-1]["kernel_ms"] = split
     os.makedirs(args.out, exist_ok=True)
     result = {"seq_len": seq, "mix": args.mix, "mean": args.mean, "documents": lengths, "rows": rows,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
