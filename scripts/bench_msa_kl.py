@@ -185,15 +185,10 @@ def check(small, orders) -> tuple[bool, str]:
 
 
 def kv_overrides(text: str) -> dict[str, PassConfig]:
-    """``"bwd:64,128,8,1,8;lse:64,128,4,2,8"`` as ``kv_loss.OVERRIDES``."""
-    out = {}
-    for part in text.replace(" ", "").split(";"):
-        if part:
-            name, _, values = part.partition(":")
-            if name not in kv_loss.DEFAULTS:
-                raise SystemExit(f"--kv-configs: {part!r}: the pass is one of {', '.join(kv_loss.DEFAULTS)}")
-            out[name] = PassConfig(*(int(v) for v in values.split(",")))
-    return out
+    try:
+        return kv_loss.parse_overrides(text)
+    except ValueError as err:
+        raise SystemExit(f"--kv-configs: {err}") from None
 
 
 def cudnn_forward_ms(seq, gen, runs) -> float:
@@ -251,7 +246,10 @@ def main():
             "kv_config": kv_config,
             "order": order,
             "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in loss.DEFAULT_CONFIGS},
-            "kv_effective": {n: vars(kv_loss.OVERRIDES.get(n, c)) for n, c in kv_loss.DEFAULTS.items()},
+            "kv_effective": {
+                n: vars(kv_loss.OVERRIDES.get(n, c))
+                for n, c in kv_loss.pass_defaults(torch.cuda.get_device_capability()[0]).items()
+            },
         }
         try:
             entry["ok"], entry["check"] = check(small, (order,))

@@ -44,3 +44,21 @@ def test_shared_memory_is_what_the_h200_reported(tmp_path):
     assert (row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]) == (32, 128, 4, 2)
     assert row["shared_bytes"] == 255616 and not row["fits"]
     assert rc == 1
+
+
+def test_kv_outer_passes_compile_without_wholesale_spills(tmp_path):
+    """The KV-outer KL as kv_loss launches it on each architecture: every kernel fits, no
+    stack beyond 4 KiB a thread; and the reason Ampere has a table of its own: the 128-key
+    backward that sm90 takes spills wholesale on sm80 (if a Triton release stops doing so,
+    ``kv_loss.SM80_DEFAULTS`` can go)."""
+    rc, rows = _run(tmp_path, "--kl-order", "kv-outer")
+    assert {r["arch"] for r in rows} == {80, 90}
+    assert {r["launch"] for r in rows} >= {"lse", "bwd", "bwd/reduce", "bwd/sum_slots"}
+    for r in rows:
+        assert r["fits"] and r["spill_stack_bytes"] <= 4096, r
+    assert rc == 0
+    rc, rows = _run(
+        tmp_path, "--kl-order", "kv-outer", "--arch", "80", "--launch", "bwd", "--kv-configs", "bwd:64,128,8,1,8"
+    )
+    (bwd,) = [r for r in rows if r["launch"] == "bwd"]
+    assert bwd["spill_stack_bytes"] > 8192 and not bwd["fits"] and rc == 1

@@ -40,15 +40,44 @@ DEFAULTS = {
     "dq": PassConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, tiles_per_item=32),
 }
 """Untimed first choices (``OVERRIDES`` replaces them per pass), ``block_m`` counting index
-rows (tokens of one group), checked only by compiling ahead of time (bf16, head dims 128,
-G = 8; Triton 3.7's ptxas, registers / stack per thread, shared memory per program):
-``lse``: 64 rows against a 128-key block, 8 warps: no spill (4 warps spilled 1.3 KB on sm80).
-``bwd``: 64 rows against a 128-key block, 8 warps, the shape of ``kv_outer``'s dK/dV kernel
-and of the union-of-tiles ``_dk_kl_kernel``, whose register use it matches (sm90: 255 and
-1.5 KB, against 1.3 KB; 96 KiB); one stage, as that kernel. ``dq`` (blocks wider than 128
-keys only): 32 rows, one stage: 64 rows take 172 KiB of shared memory (the G heads' queries
-held), over an A100's 163 KiB."""
+rows (tokens of one group), checked by compiling ahead of time (``scripts/compile_msa_kl.py
+--kl-order kv-outer``: bf16, head dims 128, G = 8): ``lse``: 64 rows against a 128-key
+block, 8 warps, no spill (4 warps spilled on sm80). ``bwd``: 64 rows against a 128-key
+block, 8 warps, the shape of ``kv_outer``'s dK/dV kernel and of the union-of-tiles
+``_dk_kl_kernel``; one stage, as that kernel. ``dq`` (blocks wider than the ``bwd`` step
+only): 32 rows, one stage: 64 rows take more shared memory than an A100 has (the G heads'
+queries held)."""
+SM80_DEFAULTS = {"bwd": PassConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, tiles_per_item=8)}
+"""On Ampere, ``bwd`` takes 64-key steps, and ``dq`` runs apart: with 128-key steps ptxas
+(CUDA 12.8, as Triton bundles it) gives the backward 32 registers and a stack of about 14 KB
+a thread on sm80, where sm90 gets 255 registers and a few hundred bytes; 64-key steps
+compile to 255 registers and a few hundred bytes on both. Chosen by those compile-time
+counts: no A100 has timed either."""
 OVERRIDES: dict[str, PassConfig] = {}
+
+
+def pass_defaults(major: int | None) -> dict[str, PassConfig]:
+    """The passes' defaults on a GPU of compute capability ``major`` (None: no GPU, the
+    interpreter): ``DEFAULTS``, with ``SM80_DEFAULTS`` on Ampere."""
+    return DEFAULTS | SM80_DEFAULTS if major == 8 else DEFAULTS
+
+
+def parse_overrides(text: str) -> dict[str, PassConfig]:
+    """``"bwd:64,128,8,1,8;lse:64,128,4,2,8"`` (``pass:block_m,block_n,num_warps,num_stages,
+    tiles_per_item`` for passes of ``DEFAULTS``, ``;``-separated) as ``OVERRIDES`` entries."""
+    out = {}
+    for part in text.replace(" ", "").split(";"):
+        if not part:
+            continue
+        name, _, values = part.partition(":")
+        fields = values.split(",")
+        if name not in DEFAULTS or len(fields) != 5 or not all(f.isdigit() for f in fields):
+            raise ValueError(
+                f"{part!r}: expected pass:block_m,block_n,num_warps,num_stages,tiles_per_item "
+                f"(pass {'|'.join(DEFAULTS)}, positive integers)"
+            )
+        out[name] = PassConfig(*(int(f) for f in fields))
+    return out
 # Query chunks: slot buffers as a share of q's bytes (the main queries, which the teacher
 # reads). The backward's slots are dq_idx partials (in ``kv_outer.attention.dq_slot_dtype``)
 # and fp32 KL terms: with Qwen2.5-3B's shapes (16 query heads, 2 groups, head dims 128, k = 16,
@@ -91,7 +120,9 @@ class _Problem:
     def config(self, name: str) -> tuple[PassConfig, int, int]:
         """(the pass's config, its tile rows, its key step), shrunk for wide rows and fp32
         as ``kv_outer``'s (``tile_shape``), by the wider of the main and index rows."""
-        cfg = OVERRIDES.get(name, DEFAULTS[name])
+        device = self.q_idx.device
+        major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+        cfg = OVERRIDES.get(name, pass_defaults(major)[name])
         d_pad = max(_pad(self.q_idx.shape[3]), _pad(self.d_main) if self.d_main else 0)
         return (cfg, *kv.tile_shape(cfg, d_pad, self.q_idx.dtype, self.block))
 
