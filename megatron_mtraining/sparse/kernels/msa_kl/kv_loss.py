@@ -78,6 +78,8 @@ def parse_overrides(text: str) -> dict[str, PassConfig]:
             )
         out[name] = PassConfig(*(int(f) for f in fields))
     return out
+
+
 # Query chunks: slot buffers as a share of q's bytes (the main queries, which the teacher
 # reads). The backward's slots are dq_idx partials (in ``kv_outer.attention.dq_slot_dtype``)
 # and fp32 KL terms: with Qwen2.5-3B's shapes (16 query heads, 2 groups, head dims 128, k = 16,
