@@ -8,7 +8,7 @@ import torch
 import triton
 
 from ...validation import fail
-from ..shared import buffers
+from ..shared import arch, buffers
 from ..shared.kernels import LOG2E
 from .kernels import _bar_dkdv_kernel, _dq_kernel, _fwd_kernel, _tile_dkdv_kernel
 from .tables import TileTables
@@ -29,24 +29,30 @@ KERNELS = ("fwd", "dq", "bar_dkdv", "tile_dkdv")
 OVERRIDES: dict[str, LaunchConfig] = {}
 
 
-def launch_config(kernel: str, block: int, head_dim: int) -> LaunchConfig:
-    """Default launch parameters, from per-kernel device times at 128K tokens on an H200:
+def launch_config(kernel: str, block: int, head_dim: int, major: int | None = None) -> LaunchConfig:
+    """Default launch parameters on a GPU of compute capability ``major`` (None: the
+    interpreter), from per-kernel device times at 128K tokens on an H200:
     * forward, dQ: a query block's rows against 64-key steps, three pipeline stages
       (two stages: 13-14% slower);
     * dK/dV: 128 keys a program against 64-row steps, three stages. Their transposed
-      scores then have 128 rows, a 64-row half for each warp group of the matrix unit;
-      64-key programs of 8 warps ran 1.7-2.1x slower.
+      scores then have 128 rows, a 64-row half for each warp group of sm90's matrix unit;
+      64-key programs of 8 warps ran 1.7-2.1x slower there. On Ampere, whose matrix
+      instructions are a warp's, dK/dV programs take 64 keys (8 warps): with 128, ptxas
+      caps the kernel at 128 registers or fewer and spills 2-6 KB a thread (a top-k index's
+      wholesale, at 32 registers), where 64 keys spill none. Chosen by those compile-time
+      counts (``scripts/compile_kernels.py``): no A100 has timed either.
     All fit an A100's 164 KiB of shared memory. ``scripts/bench_kernels.py --tune`` sweeps
     alternatives."""
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
     if kernel in ("fwd", "dq"):
         return LaunchConfig(min(block, 64), 8 if block >= 128 or head_dim > 64 else 4, 3)
-    return LaunchConfig(min(block, 128), 8 if block >= 128 else 4, 3, 64)
+    keys = min(block, 64 if major == 8 else 128)
+    return LaunchConfig(keys, 8 if block >= 128 else 4, 3, 64)
 
 
 def _opts(kernel: str, tables: TileTables, q: torch.Tensor) -> dict:
-    cfg = launch_config(kernel, tables.block, q.shape[-1])
+    cfg = launch_config(kernel, tables.block, q.shape[-1], arch.major(q.device))
     return {
         "BLOCK_N": cfg.block_n,
         "BLOCK_M": min(cfg.block_m, tables.block),

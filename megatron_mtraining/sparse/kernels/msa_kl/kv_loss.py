@@ -29,7 +29,7 @@ from ..kv_outer import attention as kv
 from ..kv_outer import kernels as kv_kernels
 from ..kv_outer.attention import PassConfig, Streaming
 from ..kv_outer.reverse_index import reverse_index, work_list
-from ..shared import buffers
+from ..shared import arch, buffers
 from ..shared.combine import ROWS
 from ..shared.kernels import LOG2E
 from .kv_kernels import _kl_bwd_kernel, _kl_dq_kernel, _kl_lse_kernel
@@ -40,8 +40,8 @@ DEFAULTS = {
     "dq": PassConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, tiles_per_item=32),
 }
 """Untimed first choices (``OVERRIDES`` replaces them per pass), ``block_m`` counting index
-rows (tokens of one group), checked by compiling ahead of time (``scripts/compile_msa_kl.py
---kl-order kv-outer``: bf16, head dims 128, G = 8): ``lse``: 64 rows against a 128-key
+rows (tokens of one group), checked by compiling ahead of time (``scripts/compile_kernels.py
+--family kl-kv-outer``: bf16, head dims 128, G = 8): ``lse``: 64 rows against a 128-key
 block, 8 warps, no spill (4 warps spilled on sm80). ``bwd``: 64 rows against a 128-key
 block, 8 warps, the shape of ``kv_outer``'s dK/dV kernel and of the union-of-tiles
 ``_dk_kl_kernel``; one stage, as that kernel. ``dq`` (blocks wider than the ``bwd`` step
@@ -122,9 +122,7 @@ class _Problem:
     def config(self, name: str) -> tuple[PassConfig, int, int]:
         """(the pass's config, its tile rows, its key step), shrunk for wide rows and fp32
         as ``kv_outer``'s (``tile_shape``), by the wider of the main and index rows."""
-        device = self.q_idx.device
-        major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
-        cfg = OVERRIDES.get(name, pass_defaults(major)[name])
+        cfg = OVERRIDES.get(name, pass_defaults(arch.major(self.q_idx.device))[name])
         d_pad = max(_pad(self.q_idx.shape[3]), _pad(self.d_main) if self.d_main else 0)
         return (cfg, *kv.tile_shape(cfg, d_pad, self.q_idx.dtype, self.block))
 

@@ -52,7 +52,7 @@ class LaunchConfig:
 #   program, but 32 query rows a step and 4 warps, the fastest of a sweep on both indices.
 #   Its step adds the product ds^T @ k_idx on operands the step holds already and the
 #   atomics' [rows, d_idx] fp32 tile; one stage for dk's reason. Fits an A100's shared memory
-#   (scripts/compile_msa_kl.py); fp32 inputs of head dim 128 need 64-key programs
+#   (scripts/compile_kernels.py); fp32 inputs of head dim 128 need 64-key programs
 #   (MTRAINING_KL_CONFIG).
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),

@@ -1,3 +1,3 @@
 """What both attention families share: the Triton device functions their kernels are
-built of (``kernels``), the merge of two partial results (``combine``) and the allocation
-of every kernel output (``buffers``)."""
+built of (``kernels``), the merge of two partial results (``combine``), the allocation
+of every kernel output (``buffers``) and the architecture a launch targets (``arch``)."""

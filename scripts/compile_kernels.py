@@ -1,0 +1,368 @@
+"""The package's Triton kernels compiled ahead of time for A100 (sm80) and H100/H200 (sm90),
+with no GPU: shared memory, registers and spills of every launch, and whether each fits.
+
+    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer] [--arch 80 90]
+                                      [--launch NAME ...] [--index NAME ...] [--documents]
+                                      [--kv-configs "bwd:64,128,8,1,8"] [--dtype bf16|fp16|fp32]
+                                      [--head-dim 128] [--group 8] [--max-spill 4096]
+                                      [--out resources.json]
+
+Each kernel launch of a family's entry points is captured from the real launch path, run on
+small CPU tensors of the given shape with the launch parameters it takes on the target's
+architecture (``kernels.shared.arch``), and compiled by Triton for that target, specialised
+as Triton's launcher specialises it:
+
+* ``kl``: MSA's KL over the union of tiles (``msa_kl.loss``: ``index_lse``, the two passes
+  ``kl_dq`` / ``kl_dk``, the one pass ``kl_fused``) on the dense warmup index and a top-k
+  index; ``MTRAINING_KL_CONFIG`` honoured;
+* ``kl-kv-outer``: MSA's KL in the KV-outer order (``kv_index_lse``, ``kv_kl_backward``) on a
+  top-k index; ``--kv-configs`` overrides its passes, as ``bench_msa_kl.py``'s;
+* ``attention``: ``sparse_attention`` on the Triton kernels, forward and backward, on a dense,
+  a vertical-slash and a top-k index (what ``block_bar`` launches);
+* ``kv-outer``: the KV-outer attention's forward and backward on a top-k index.
+
+``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
+the KV-outer orders take none). Printed per launch and target: shared memory, registers,
+spill stack, and whether the launch is fit to run: its shared memory within the GPU's (sm80:
+an A100's 163 KiB a block; sm90: an H100's 227 KiB) and its stack within ``--max-spill`` bytes
+a thread (ptxas can spill a kernel wholesale on one architecture and not the other). Exit
+status 1 when one is not: the users' clusters are A100s as well as H100s, so launch
+parameters are checked here before a GPU sweep picks among them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
+
+from megatron_mtraining.sparse import (
+    DenseIndex,
+    MSAConfig,
+    VerticalSlashConfig,
+    build_vertical_slash_index,
+    msa_select_blocks,
+    packed_documents,
+    sparse_attention,
+)
+from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
+from megatron_mtraining.sparse.kernels.msa_kl import kv_loss, loss
+from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
+
+# Largest dynamic shared memory a block may opt in to (CUDA programming guide, compute
+# capabilities 8.0 and 9.0).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer")
+
+
+class _Capture:
+    """Stands in for a kernel: records each launch instead of running it."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+class _CapturedModule:
+    """Stands in for a module of kernels (``kv_outer.kernels``): each kernel a :class:`_Capture`."""
+
+    def __init__(self, module, launches: list):
+        self.module, self.launches = module, launches
+
+    def __getattr__(self, name):
+        return _Capture(getattr(self.module, name), self.launches)
+
+
+@contextlib.contextmanager
+def _capturing(module, names: tuple[str, ...], launches: list):
+    """``module``'s kernels (or kernel modules) ``names`` record into ``launches`` meanwhile."""
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, (_CapturedModule if inspect.ismodule(fn) else _Capture)(fn, launches))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+@dataclasses.dataclass
+class _Case:
+    """One sample: main q/k/v, MSA's index queries and keys, the indexes, the scale."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    indexes: dict
+    scale: float
+
+
+def _case(dtype, head_dim: int, group: int, documents: bool, seq: int = 512, block: int = 128) -> _Case:
+    """A one-sample case with two KV groups and its dense, vertical-slash and top-k (k 2)
+    indexes, on blocks of 128 as the recipes'; with ``documents``, three packed documents starting
+    inside blocks."""
+    gen = torch.Generator().manual_seed(0)
+    hkv, d_idx = 2, 128
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k, v = t(1, seq, hkv * group, head_dim), t(1, seq, hkv, head_dim), t(1, seq, hkv, head_dim)
+    q_idx, k_idx = t(1, seq, hkv, d_idx), t(1, seq, 1, d_idx)
+    scale = 1 / math.sqrt(head_dim)
+    cu_seqlens = torch.tensor([0, seq // 4 + 37, seq // 2 + 37, seq], dtype=torch.int32) if documents else None
+    indexes = {
+        "dense": DenseIndex(1, hkv * group, seq, documents=packed_documents(cu_seqlens, seq, q.device)),
+        "v-s": build_vertical_slash_index(
+            q.float(), k.float(), VerticalSlashConfig(block_size=block), scale, cu_seqlens=cu_seqlens
+        ),
+        "top-k": msa_select_blocks(q_idx.float(), k_idx.float(), MSAConfig(block, 2, d_idx), hkv * group, cu_seqlens),
+    }
+    return _Case(q, k, v, q_idx, k_idx, indexes, scale)
+
+
+def _kl(c: _Case, index) -> list:
+    table = tile_tables(index, dense_block=128)
+    lse = torch.zeros(1, c.q.shape[2], c.q.shape[1])
+
+    def backward(which):
+        grad = torch.ones(1)
+        args = loss.kl_arguments(c.q, c.k, lse, c.q_idx, c.k_idx, lse[:, :2], table, c.scale, grad, c.q.shape[1])
+        return lambda: which(args)
+
+    return [
+        ("lse", lambda: loss.index_lse(c.q_idx, c.k_idx, table)),
+        ("dq", backward(loss.kl_dq)),
+        ("dk", backward(loss.kl_dk)),
+        ("fused", backward(loss.kl_fused)),
+    ]
+
+
+def _kl_kv_outer(c: _Case, index) -> list:
+    lse = torch.zeros(1, c.q.shape[2], c.q.shape[1])
+    rows = c.q.shape[1]
+    return [
+        ("lse", lambda: kv_loss.kv_index_lse(c.q_idx, c.k_idx, index)),
+        (
+            "bwd",
+            lambda: kv_loss.kv_kl_backward(
+                c.q, c.k, lse, c.q_idx, c.k_idx, lse[:, :2], index, c.scale, torch.ones(1), rows
+            ),
+        ),
+    ]
+
+
+def _forward_backward(forward) -> list:
+    """(fwd, bwd) entries of an attention call ``forward() -> (out, inputs)``."""
+    state = {}
+
+    def fwd():
+        state["out"], state["inputs"] = forward()
+
+    def bwd():
+        if "out" not in state:
+            fwd()
+        out = state.pop("out")
+        torch.autograd.grad(out, state["inputs"], torch.ones_like(out))
+
+    return [("fwd", fwd), ("bwd", bwd)]
+
+
+def _attention(c: _Case, index) -> list:
+    def forward():
+        q, k, v = (t.detach().requires_grad_() for t in (c.q, c.k, c.v))
+        return sparse_attention(q, k, v, index, c.scale, backend="triton")[0], (q, k, v)
+
+    return _forward_backward(forward)
+
+
+def _kv_outer(c: _Case, index) -> list:
+    problem = kv_outer._Problem.of(c.q, c.k, c.v, index, c.scale)
+    out, lse = {}, {}
+
+    def fwd():
+        out["o"], lse["l"] = kv_outer.kv_outer_forward(problem)
+
+    def bwd():
+        if "o" not in out:
+            fwd()
+        kv_outer.kv_outer_backward(problem, out["o"], lse["l"], torch.randn_like(c.q), None)
+
+    return [("fwd", fwd), ("bwd", bwd)]
+
+
+# Per family: its entry points on an index, the indexes it serves, and the kernels it may
+# launch (module, names: a kernel, or a module of kernels).
+_FAMILIES = {
+    "kl": (_kl, ("dense", "top-k"), [(loss, ("_index_lse_kernel", "_dq_kl_kernel", "_dk_kl_kernel"))]),
+    "kl-kv-outer": (
+        _kl_kv_outer,
+        ("top-k",),
+        [(kv_loss, ("_kl_lse_kernel", "_kl_bwd_kernel", "_kl_dq_kernel", "kv_kernels"))],
+    ),
+    "attention": (
+        _attention,
+        ("dense", "v-s", "top-k"),
+        [(block_bar, ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")), (kv_outer, ("kernels",))],
+    ),
+    "kv-outer": (_kv_outer, ("top-k",), [(kv_outer, ("kernels",))]),
+}
+
+
+def captured_launches(
+    family: str, dtype, head_dim: int, group: int, documents: bool, arch: int = 90
+) -> list[tuple[str, str, object, tuple, dict]]:
+    """(launch, index, kernel, args, kwargs) of each kernel that ``family``'s entry points
+    launch with the launch parameters they take on ``arch``; a launch is named by its entry
+    point (``bwd``), and by the entry point and the kernel where it launches several
+    (``bwd/reduce``)."""
+    entries, served, patched = _FAMILIES[family]
+    if documents and family in ("kl-kv-outer", "kv-outer"):
+        raise ValueError(f"{family}: the KV-outer order takes no documents")
+    case = _case(dtype, head_dim, group, documents)
+    out = []
+    # The launch parameters the entry points take on such a GPU.
+    with mock.patch.object(shared_arch, "major", lambda device: arch // 10):
+        for index_name in served:
+            for launch, call in entries(case, case.indexes[index_name]):
+                launches: list = []
+                with contextlib.ExitStack() as stack:
+                    for module, names in patched:
+                        stack.enter_context(_capturing(module, names, launches))
+                    call()
+                seen = set()
+                for fn, a, kw in launches:
+                    if fn.__name__ in seen:  # the same kernel again (another query chunk)
+                        continue
+                    short = fn.__name__.strip("_").removesuffix("_kernel")
+                    out.append((f"{launch}/{short}" if seen else launch, index_name, fn, a, kw))
+                    seen.add(fn.__name__)
+    return out
+
+
+def _signature(fn, args: tuple, kwargs: dict, arch: int) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of a captured launch, specialised by Triton's
+    own rule (``native_specialize_impl``, as its launcher: integers equal to 1 become
+    constants, pointers and integers divisible by 16 are marked so)."""
+    kwargs = dict(kwargs)
+    options = {"num_warps": kwargs.pop("num_warps", 4), "num_stages": kwargs.pop("num_stages", 3)}
+    values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+    backend = CUDABackend(GPUTarget("cuda", arch, 32))
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
+        value = values.get(name, param.default)
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", value
+            continue
+        if isinstance(value, float | bool):  # Triton does not specialise these
+            kind, key = native_specialize_impl(BaseBackend, value, False, False, False)
+        else:
+            kind, key = native_specialize_impl(
+                BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+            )
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = key
+        elif isinstance(key, str) and key:
+            attrs[(i,)] = backend.parse_attr(key)
+    return signature, constexprs, attrs, options
+
+
+def resources(fn, args: tuple, kwargs: dict, arch: int, max_spill: int = 4096) -> dict:
+    """Shared memory (bytes), registers and spill stack of one launch compiled for ``arch``,
+    and whether it fits (shared memory within the GPU's, stack within ``max_spill``)."""
+    signature, constexprs, attrs, options = _signature(fn, args, kwargs, arch)
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options
+    )
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
+    fields = dict(item.split(":", 1) for line in usage.stdout.splitlines() if "REG:" in line for item in line.split())
+    shared = compiled.metadata.shared
+    return {
+        "shared_bytes": shared,
+        "fits": shared <= SHARED_LIMIT[arch] and int(fields["STACK"]) <= max_spill,
+        "registers": int(fields["REG"]),
+        "spill_stack_bytes": int(fields["STACK"]),
+        "num_warps": options["num_warps"],
+        "num_stages": options["num_stages"],
+        "block_m": kwargs.get("BLOCK_M"),
+        "block_n": kwargs.get("BLOCK_N"),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
+    p.add_argument("--launch", nargs="+", default=None, help="entry points to keep (lse, dq, dk, fused, bwd, fwd)")
+    p.add_argument("--index", nargs="+", default=None, help="indexes to keep (dense, v-s, top-k)")
+    p.add_argument("--documents", action="store_true", help="packed documents (the HAS_DOCS variants)")
+    p.add_argument("--kv-configs", default="", help="the KV-outer KL's passes, as bench_msa_kl.py's")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group", type=int, default=8, help="query heads per KV group")
+    p.add_argument("--max-spill", type=int, default=4096, help="bytes of stack a thread a fit launch may use")
+    p.add_argument("--out", default=None, help="JSON results")
+    args = p.parse_args(argv)
+    try:
+        kv_loss.OVERRIDES.update(kv_loss.parse_overrides(args.kv_configs))
+    except ValueError as err:
+        p.error(f"--kv-configs: {err}")
+    families = [f for f in args.family if not (args.documents and f in ("kl-kv-outer", "kv-outer"))]
+    print(f"KL table: {os.environ.get(loss.CONFIG_ENV) or '(defaults)'}; {args.dtype}, head dim {args.head_dim}, "
+          f"{args.group} heads a group{', documents' if args.documents else ''}")  # fmt: skip
+    print(f"{'family':<12}{'launch':<16}{'index':<7}{'arch':<6}{'rows x keys':<13}{'warps':<7}{'stages':<8}"
+          f"{'shared KiB':>11}{'regs':>6}{'spill B':>9}  fits")  # fmt: skip
+    rows = []
+    for family in families:
+        for arch in args.arch:
+            for launch, index, fn, a, kw in captured_launches(
+                family, DTYPES[args.dtype], args.head_dim, args.group, args.documents, arch
+            ):
+                if (args.launch and launch.split("/")[0] not in args.launch) or (
+                    args.index and index not in args.index
+                ):
+                    continue
+                r = {"family": family, "launch": launch, "kernel": fn.__name__, "index": index, "arch": arch}
+                r |= resources(fn, a, kw, arch, args.max_spill)
+                rows.append(r)
+                blocks = f"{r['block_m']:>4} x {r['block_n']:<6}" if r["block_m"] else f"{'-':<13}"
+                print(f"{family:<12}{launch:<16}{index:<7}sm{arch:<4}{blocks}{r['num_warps']:<7}"
+                      f"{r['num_stages']:<8}{r['shared_bytes'] / 1024:>11.1f}{r['registers']:>6}"
+                      f"{r['spill_stack_bytes']:>9}  {'yes' if r['fits'] else 'NO'}", flush=True)  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dtype": args.dtype, "head_dim": args.head_dim, "group": args.group,
+                       "documents": args.documents, "kl_config": os.environ.get(loss.CONFIG_ENV, ""),
+                       "kv_configs": args.kv_configs, "rows": rows}, f, indent=1)  # fmt: skip
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
