@@ -174,43 +174,30 @@ def _kl_kv_outer(c: _Case, index) -> list:
     ]
 
 
-def _forward_backward(forward) -> list:
-    """(fwd, bwd) entries of an attention call ``forward() -> (out, inputs)``."""
-    state = {}
+def _forward_backward(attend):
+    """The entry points of an attention call ``attend(q, k, v, index, scale) -> out``:
+    a family's entries on ``index`` (fwd, then bwd on the forward's graph)."""
 
-    def fwd():
-        state["out"], state["inputs"] = forward()
+    def entries(c: _Case, index) -> list:
+        state = {}
 
-    def bwd():
-        if "out" not in state:
-            fwd()
-        out = state.pop("out")
-        torch.autograd.grad(out, state["inputs"], torch.ones_like(out))
+        def fwd():
+            state["inputs"] = tuple(t.detach().requires_grad_() for t in (c.q, c.k, c.v))
+            state["out"] = attend(*state["inputs"], index, c.scale)
 
-    return [("fwd", fwd), ("bwd", bwd)]
+        def bwd():
+            out = state.pop("out")
+            torch.autograd.grad(out, state["inputs"], torch.ones_like(out))
 
+        return [("fwd", fwd), ("bwd", bwd)]
 
-def _attention(c: _Case, index) -> list:
-    def forward():
-        q, k, v = (t.detach().requires_grad_() for t in (c.q, c.k, c.v))
-        return sparse_attention(q, k, v, index, c.scale, backend="triton")[0], (q, k, v)
-
-    return _forward_backward(forward)
+    return entries
 
 
-def _kv_outer(c: _Case, index) -> list:
-    problem = kv_outer._Problem.of(c.q, c.k, c.v, index, c.scale)
-    out, lse = {}, {}
-
-    def fwd():
-        out["o"], lse["l"] = kv_outer.kv_outer_forward(problem)
-
-    def bwd():
-        if "o" not in out:
-            fwd()
-        kv_outer.kv_outer_backward(problem, out["o"], lse["l"], torch.randn_like(c.q), None)
-
-    return [("fwd", fwd), ("bwd", bwd)]
+_attention = _forward_backward(
+    lambda q, k, v, index, scale: sparse_attention(q, k, v, index, scale, backend="triton")[0]
+)
+_kv_outer = _forward_backward(lambda q, k, v, index, scale: kv_outer.KVOuterAttention.apply(q, k, v, index, scale)[0])
 
 
 # Per family: its entry points on an index, the indexes it serves, and the kernels it may
