@@ -62,6 +62,7 @@ from megatron_mtraining.sparse import (
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 from megatron_mtraining.sparse.kernels.kv_outer.attention import PassConfig
 from megatron_mtraining.sparse.kernels.msa_kl import kv_loss, loss
+from megatron_mtraining.sparse.kernels.shared import arch
 
 HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
 
@@ -248,7 +249,7 @@ def main():
             "effective": {n: vars(loss.launch_config(n, BLOCK)) for n in loss.DEFAULT_CONFIGS},
             "kv_effective": {
                 n: vars(kv_loss.OVERRIDES.get(n, c))
-                for n, c in kv_loss.pass_defaults(torch.cuda.get_device_capability()[0]).items()
+                for n, c in kv_loss.pass_defaults(arch.major(torch.device("cuda"))).items()
             },
         }
         try:

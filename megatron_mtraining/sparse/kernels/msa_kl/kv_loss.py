@@ -33,6 +33,7 @@ from ..shared import arch, buffers
 from ..shared.combine import ROWS
 from ..shared.kernels import LOG2E
 from .kv_kernels import _kl_bwd_kernel, _kl_dq_kernel, _kl_lse_kernel
+from .loss import parse_table
 
 DEFAULTS = {
     "lse": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
@@ -65,19 +66,8 @@ def pass_defaults(major: int | None) -> dict[str, PassConfig]:
 def parse_overrides(text: str) -> dict[str, PassConfig]:
     """``"bwd:64,128,8,1,8;lse:64,128,4,2,8"`` (``pass:block_m,block_n,num_warps,num_stages,
     tiles_per_item`` for passes of ``DEFAULTS``, ``;``-separated) as ``OVERRIDES`` entries."""
-    out = {}
-    for part in text.replace(" ", "").split(";"):
-        if not part:
-            continue
-        name, _, values = part.partition(":")
-        fields = values.split(",")
-        if name not in DEFAULTS or len(fields) != 5 or not all(f.isdigit() for f in fields):
-            raise ValueError(
-                f"{part!r}: expected pass:block_m,block_n,num_warps,num_stages,tiles_per_item "
-                f"(pass {'|'.join(DEFAULTS)}, positive integers)"
-            )
-        out[name] = PassConfig(*(int(f) for f in fields))
-    return out
+    fields = ("block_m", "block_n", "num_warps", "num_stages", "tiles_per_item")
+    return {name: PassConfig(*v) for name, v in parse_table(text, DEFAULTS, fields, "KV-outer KL passes").items()}
 
 
 # Query chunks: slot buffers as a share of q's bytes (the main queries, which the teacher

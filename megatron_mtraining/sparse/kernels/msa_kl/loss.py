@@ -41,8 +41,7 @@ class LaunchConfig:
 
 
 # The table, per kernel: the fastest of ``scripts/bench_msa_kl.py --sweep`` on an H200
-# summed over the dense (warmup) and top-k indices (docs/benchmarks.md); each fits an
-# A100's 164 KiB of shared memory.
+# summed over the dense (warmup) and top-k indices (docs/benchmarks.md).
 # * lse: 128 rows, 64-key steps (one index product a step).
 # * dq: 32 rows of one group, 128-key steps; each key step runs the G heads' products
 #   [32, D] @ [D, 128] with the head's queries loop-invariant (in registers or L1).
@@ -51,9 +50,10 @@ class LaunchConfig:
 # * fused (the one-pass backward, the dK kernel adding dq_idx by atomics): dk's 128 keys a
 #   program, but 32 query rows a step and 4 warps, the fastest of a sweep on both indices.
 #   Its step adds the product ds^T @ k_idx on operands the step holds already and the
-#   atomics' [rows, d_idx] fp32 tile; one stage for dk's reason. Fits an A100's shared memory
-#   (scripts/compile_kernels.py); fp32 inputs of head dim 128 need 64-key programs
-#   (MTRAINING_KL_CONFIG).
+#   atomics' [rows, d_idx] fp32 tile; one stage for dk's reason.
+# Each entry fits an A100's shared memory for 16-bit inputs (scripts/compile_kernels.py);
+# fp32 inputs of head dim 128 do not (``--dtype fp32``): they need smaller blocks through
+# MTRAINING_KL_CONFIG.
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "lse": LaunchConfig(128, 64, 8, 2),
     "dq": LaunchConfig(32, 128, 8, 2),
@@ -62,25 +62,33 @@ DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
 }
 
 
-def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
-    """``"dq:64,64,8,3;dk:64,64,8,1"`` (any of ``lse``, ``dq``, ``dk``, ``fused``; each
-    ``block_m,block_n,num_warps,num_stages``) as a table; an empty text is no override."""
-    out: dict[str, LaunchConfig] = {}
+def parse_table(text: str | None, names, fields: tuple[str, ...], where: str) -> dict[str, tuple[int, ...]]:
+    """``"name:1,2,...;name:..."`` as ``{name: the integers}``, ``name`` one of ``names`` and
+    the integers one per ``fields`` (the syntax of this module's and ``kv_loss``'s launch
+    overrides); an empty text is no override. ``where`` names the setting in errors."""
+    out = {}
     for part in (text or "").replace(" ", "").split(";"):
         if not part:
             continue
         name, _, values = part.partition(":")
-        fields = values.split(",")
-        if name not in DEFAULT_CONFIGS or len(fields) != 4:
+        numbers = values.split(",")
+        if name not in names or len(numbers) != len(fields) or not all(n.isdigit() for n in numbers):
             raise ValueError(
-                f"{CONFIG_ENV}: {part!r} is not kernel:block_m,block_n,num_warps,num_stages "
-                f"(kernel {'|'.join(DEFAULT_CONFIGS)})"
+                f"{where}: {part!r} is not name:{','.join(fields)} (name {'|'.join(names)}, non-negative integers)"
             )
-        cfg = LaunchConfig(*(int(f) for f in fields))
+        out[name] = tuple(int(n) for n in numbers)
+    return out
+
+
+def parse_configs(text: str | None) -> dict[str, LaunchConfig]:
+    """``"dq:64,64,8,3;dk:64,64,8,1"`` (any of ``lse``, ``dq``, ``dk``, ``fused``; each
+    ``block_m,block_n,num_warps,num_stages``) as a table; an empty text is no override."""
+    fields = ("block_m", "block_n", "num_warps", "num_stages")
+    out = {name: LaunchConfig(*v) for name, v in parse_table(text, DEFAULT_CONFIGS, fields, CONFIG_ENV).items()}
+    for name, cfg in out.items():
         for n in (cfg.block_m, cfg.block_n):
             if n < 16 or n & (n - 1):
-                raise ValueError(f"{CONFIG_ENV}: {part!r}: blocks must be powers of two >= 16")
-        out[name] = cfg
+                raise ValueError(f"{CONFIG_ENV}: {name}: blocks must be powers of two >= 16, got {n}")
     return out
 
 
