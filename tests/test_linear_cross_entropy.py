@@ -85,8 +85,10 @@ def test_one_chunk_equals_many(rng, device):
     inputs = make_inputs(rng, 37, 2, torch.float32, device)
     whole = fused(*inputs)
     chunked = fused(*inputs, chunk_rows=CHUNK)
+    # Chunks sum the weight gradient in another order, so entries that cancel to near zero
+    # differ by more than an elementwise rtol allows: the bound is relative to the largest.
     for got, want, name in zip(chunked, whole, ("losses", "grad hidden", "grad weight"), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+        assert_near(got, want, 1e-5, name)
 
 
 def test_no_grad_computes_losses_only(rng, device):
