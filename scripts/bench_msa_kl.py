@@ -27,7 +27,11 @@ kernels above; the dense index has no other) and KV-outer (``msa_kl.kv_loss``, w
 ``dispatch.kl_kernel`` picks for a top-k index as sparse as 128K's): ``kv-lse`` (reverse
 index, work list, per-slot LSEs and their merge) and ``kv-bwd`` (reverse index, work lists,
 dk_idx, dq_idx and the KL terms, the slot sums: the whole backward, to set beside the
-union's dq + dk), each checked as above at ``--check-seq`` tokens. ``--kv-configs`` sets its
+union's dq + dk), each checked as above at ``--check-seq`` tokens; and beside them the
+KV-outer attention's backward alone (``attn-bwd``, for a random output gradient) and with
+the KL run after each of its query chunks on the teacher it stored (``joint-bwd``,
+``msa_kl.kv_attention``: what training runs, against ``attn-bwd`` + ``kv-bwd``; its KL
+checked as above). ``MTRAINING_KL_TEACHER`` does not apply: both are timed. ``--kv-configs`` sets its
 launch parameters (``pass:block_m,block_n,num_warps,num_stages,tiles_per_item`` for the
 passes ``lse``, ``bwd``, ``dq``, ``;``-separated; '' = its defaults), one timing per string.
 
@@ -60,8 +64,9 @@ from megatron_mtraining.sparse import (
     sparse_attention,
 )
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+from megatron_mtraining.sparse.kernels.kv_outer import attention as kv
 from megatron_mtraining.sparse.kernels.kv_outer.attention import PassConfig
-from megatron_mtraining.sparse.kernels.msa_kl import kv_loss, loss
+from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch
 
 HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
@@ -123,31 +128,40 @@ def events_ms(fn, runs: int) -> float:
 
 
 def prepared(seq, gen, documents=None):
-    """Per index: (index, tables, the kernels' arguments, inputs, the main LSE) for the KL of
-    the mean over rows; ``documents``: how many packed documents (``documents_of``)."""
+    """Per index: (index, tables, the kernels' arguments, inputs, the main LSE, (v, the main
+    output, a random output gradient)) for the KL of the mean over rows; ``documents``: how
+    many packed documents (``documents_of``)."""
     q, k, v, q_idx, k_idx = inputs(seq, gen)
+    dout = torch.randn(q.shape, generator=gen).to(q)
     out = {}
     for name, index in indices(q_idx, k_idx, seq, documents_of(seq, documents, q.device)).items():
-        _, lse = sparse_attention(q, k, v, index, backend="triton")
+        main_out, lse = sparse_attention(q, k, v, index, backend="triton")
         tables = tile_tables(index, dense_block=BLOCK)
         lse_idx = loss.index_lse(q_idx, k_idx, tables)
         grad = torch.ones(1, device=q.device)
         args = loss.kl_arguments(q, k, lse, q_idx, k_idx, lse_idx, tables, D**-0.5, grad, seq * HKV)
-        out[name] = (index, tables, args, (q, k, q_idx, k_idx), lse)
+        out[name] = (index, tables, args, (q, k, q_idx, k_idx), lse, (v, main_out, dout))
     return out
 
 
-def kv_outer_calls(index, tensors, lse):
-    """The KV-outer order's (index LSE, whole backward) on a top-k index, as closures."""
+def kv_outer_calls(index, tensors, lse, attention) -> dict:
+    """The KV-outer order's closures on a top-k index: the KL's index LSE (``kv-lse``) and
+    whole backward (``kv-bwd``), the attention's backward alone (``attn-bwd``) and with the
+    KL on its teacher (``joint-bwd``); the KL ones return (dq_idx, dk_idx, per-row KL)."""
     q, k, q_idx, k_idx = tensors
+    v, out, dout = attention
     q_bytes = q.numel() * q.element_size()
     lse_idx = kv_loss.kv_index_lse(q_idx, k_idx, index, q_bytes)
     grad = torch.ones(1, device=q.device)
     rows = q.shape[1] * HKV
-    return (
-        lambda: kv_loss.kv_index_lse(q_idx, k_idx, index, q_bytes),
-        lambda: kv_loss.kv_kl_backward(q, k, lse, q_idx, k_idx, lse_idx, index, D**-0.5, grad, rows),
-    )
+    problem = kv._Problem.of(q, k, v, index, D**-0.5)
+    joint = (q, k, v, out, lse, dout, q_idx, k_idx, lse_idx, index, D**-0.5, grad, rows)
+    return {
+        "kv-lse": lambda: kv_loss.kv_index_lse(q_idx, k_idx, index, q_bytes),
+        "kv-bwd": lambda: kv_loss.kv_kl_backward(q, k, lse, q_idx, k_idx, lse_idx, index, D**-0.5, grad, rows),
+        "attn-bwd": lambda: kv.kv_outer_backward(problem, out, lse, dout, None),
+        "joint-bwd": lambda: kv_attention.kv_outer_msa_backward(*joint)[3:],
+    }
 
 
 def _errors(name, q, k, q_idx, k_idx, index, dq, dk, kl) -> tuple[bool, list[str]]:
@@ -171,7 +185,7 @@ def check(small, orders) -> tuple[bool, str]:
     each of ``orders`` that serves the index."""
     worst = []
     ok = True
-    for name, (index, _, args, tensors, lse) in small.items():
+    for name, (index, _, args, tensors, lse, attention) in small.items():
         if "union" in orders:
             dq, kl = loss.kl_dq(args)
             for form, outputs in (("two-pass", (dq, loss.kl_dk(args), kl)), ("fused", loss.kl_fused(args))):
@@ -179,9 +193,11 @@ def check(small, orders) -> tuple[bool, str]:
                 ok &= good
                 worst += errs
         if "kv-outer" in orders and isinstance(index, BlockTopKIndex):
-            good, errs = _errors(f"{name} kv-outer", *tensors, index, *kv_outer_calls(index, tensors, lse)[1]())
-            ok &= good
-            worst += errs
+            calls = kv_outer_calls(index, tensors, lse, attention)
+            for form in ("kv-bwd", "joint-bwd"):
+                good, errs = _errors(f"{name} {form}", *tensors, index, *calls[form]())
+                ok &= good
+                worst += errs
     return ok, ", ".join(worst)
 
 
@@ -228,7 +244,7 @@ def main():
     print(f"seq {args.seq}: cuDNN dense causal forward {results['cudnn_dense_forward_ms']} ms (the yardstick)")
     small = prepared(args.check_seq, gen, args.documents)
     big = prepared(args.seq, gen, args.documents)
-    for name, (_, tables, _, _, _) in big.items():
+    for name, (_, tables, *_) in big.items():
         print(f"  {name}: {int(tables.tile_count.sum())} query-block x tile pairs")
     orders = ("union", "kv-outer") if args.kl_order == "both" else (args.kl_order,)
     results["kl_orders"] = list(orders)
@@ -260,7 +276,7 @@ def main():
             rows.append(entry)
             continue
         print(f"{label:<34} check at {args.check_seq}: {'ok' if entry['ok'] else 'WRONG'} ({entry['check']})")
-        for name, (index, tables, kargs, tensors, lse) in big.items():
+        for name, (index, tables, kargs, tensors, lse, attention) in big.items():
             _, _, q_idx, k_idx = tensors
             calls = []
             if order == "union":
@@ -271,7 +287,7 @@ def main():
                     ("fused", lambda kargs=kargs: loss.kl_fused(kargs)),
                 ]
             if order == "kv-outer" and isinstance(index, BlockTopKIndex):
-                calls += list(zip(("kv-lse", "kv-bwd"), kv_outer_calls(index, tensors, lse), strict=True))
+                calls += list(kv_outer_calls(index, tensors, lse, attention).items())
             for kernel, fn in calls:
                 try:
                     ms = events_ms(fn, args.runs)
@@ -281,10 +297,14 @@ def main():
                 entry[f"{name} {kernel} ms"] = ms
                 shown = f"{ms:9.2f}" if ms is not None else "   FAILED"
                 print(f"{label:<34} {name:<16} {kernel:<7} {shown}  {'ok' if entry['ok'] else 'WRONG'}")
-            two = [entry.get(f"{name} {kernel} ms") for kernel in ("dq", "dk")]
-            if order == "union" and None not in two:
-                entry[f"{name} dq+dk ms"] = sum(two)
-                print(f"{label:<34} {name:<16} {'dq+dk':<7} {sum(two):9.2f}  (the two passes, beside fused)")
+            for kind, parts, beside in (
+                ("union", ("dq", "dk"), "the two passes, beside fused"),
+                ("kv-outer", ("attn-bwd", "kv-bwd"), "attention and KL apart, beside joint-bwd"),
+            ):
+                times = [entry.get(f"{name} {kernel} ms") for kernel in parts]
+                if order == kind and f"{name} {parts[0]} ms" in entry and None not in times:
+                    entry[f"{name} {'+'.join(parts)} ms"] = sum(times)
+                    print(f"{label:<34} {name:<16} {'+'.join(parts):<7} {sum(times):9.2f}  ({beside})")
         rows.append(entry)
         if args.out:  # after each config, so a timeout keeps what ran
             with open(args.out, "w") as f:

@@ -14,6 +14,8 @@ Rows (``--rows``):
   dense-triton  dense attention on the plugin's own Triton kernel
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
+  msa-kl-recompute  ``msa`` with the KL's teacher recomputed by its own kernels
+                (``MTRAINING_KL_TEACHER=recompute``), not taken from the attention's backward
 
 Per layer, two ways. ``--double`` runs every row again with twice the layers and takes the
 difference in steady s/iteration over the added layers: everything a layer costs, with no
@@ -49,7 +51,10 @@ ROWS = {
     "moba": ["attention.type=moba"],
     "msa": ["attention.type=msa", "attention.msa.warmup_steps=0"],
     "msa-warmup": ["attention.type=msa", "attention.msa.warmup_steps=1000"],
+    "msa-kl-recompute": ["attention.type=msa", "attention.msa.warmup_steps=0"],
 }
+# Rows that differ from another by the environment only.
+ROW_ENV = {"msa-kl-recompute": {"MTRAINING_KL_TEACHER": "recompute"}}
 RECOMPUTE = {
     "full": [
         "megatron.recompute_granularity=full",
@@ -169,6 +174,7 @@ def run_row(row: str, args, out: Path, layers: int) -> dict:
     # One process on one device: the entry point's own single-process rendezvous.
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    env.update(ROW_ENV.get(row, {}))
     start = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
         try:

@@ -1,7 +1,8 @@
 """The package's Triton kernels compiled ahead of time for A100 (sm80) and H100/H200 (sm90),
 with no GPU: shared memory, registers and spills of every launch, and whether each fits.
 
-    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer] [--arch 80 90]
+    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer]
+                                      [--arch 80 90]
                                       [--launch NAME ...] [--index NAME ...] [--documents]
                                       [--kv-configs "bwd:64,128,8,1,8"] [--dtype bf16|fp16|fp32]
                                       [--head-dim 128] [--group 8] [--max-spill 4096]
@@ -19,7 +20,9 @@ as Triton's launcher specialises it:
   top-k index; ``--kv-configs`` overrides its passes, as ``bench_msa_kl.py``'s;
 * ``attention``: ``sparse_attention`` on the Triton kernels, forward and backward, on a dense,
   a vertical-slash and a top-k index (what ``block_bar`` launches);
-* ``kv-outer``: the KV-outer attention's forward and backward on a top-k index.
+* ``kv-outer``: the KV-outer attention's forward and backward on a top-k index;
+* ``msa-kv-outer``: MSA's attention and KL in one function (``msa_kl.kv_attention``), whose
+  backward's kernels take the teacher variants (``HAS_TEACHER``).
 
 ``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
 the KV-outer orders take none). Printed per launch and target: shared memory, registers,
@@ -63,14 +66,15 @@ from megatron_mtraining.sparse import (
 from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
 from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
-from megatron_mtraining.sparse.kernels.msa_kl import kv_loss, loss
+from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
 
 # Largest dynamic shared memory a block may opt in to (CUDA programming guide, compute
 # capabilities 8.0 and 9.0).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer")
+FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer")
+KV_OUTER_FAMILIES = ("kl-kv-outer", "kv-outer", "msa-kv-outer")  # no documents
 
 
 class _Capture:
@@ -200,6 +204,23 @@ _attention = _forward_backward(
 _kv_outer = _forward_backward(lambda q, k, v, index, scale: kv_outer.KVOuterAttention.apply(q, k, v, index, scale)[0])
 
 
+def _msa_kv_outer(c: _Case, index) -> list:
+    """MSA's attention and KL in one function (``msa_kl.kv_attention``): the backward's
+    kernels take the teacher variants (``HAS_TEACHER``)."""
+    state = {}
+
+    def fwd():
+        state["inputs"] = tuple(t.detach().requires_grad_() for t in (c.q, c.k, c.v, c.q_idx, c.k_idx))
+        out, _, kl = kv_attention.kv_outer_msa(*state["inputs"], index, c.scale)
+        state["outputs"] = (out, kl)
+
+    def bwd():
+        out, kl = state.pop("outputs")
+        torch.autograd.grad((out, kl), state["inputs"], (torch.ones_like(out), torch.ones_like(kl)))
+
+    return [("fwd", fwd), ("bwd", bwd)]
+
+
 # Per family: its entry points on an index, the indexes it serves, and the kernels it may
 # launch (module, names: a kernel, or a module of kernels).
 _FAMILIES = {
@@ -215,6 +236,11 @@ _FAMILIES = {
         [(block_bar, ("_fwd_kernel", "_dq_kernel", "_bar_dkdv_kernel", "_tile_dkdv_kernel")), (kv_outer, ("kernels",))],
     ),
     "kv-outer": (_kv_outer, ("top-k",), [(kv_outer, ("kernels",))]),
+    "msa-kv-outer": (
+        _msa_kv_outer,
+        ("top-k",),
+        [(kv_outer, ("kernels",)), (kv_loss, ("_kl_lse_kernel", "_kl_bwd_kernel", "_kl_dq_kernel", "kv_kernels"))],
+    ),
 }
 
 
@@ -226,7 +252,7 @@ def captured_launches(
     point (``bwd``), and by the entry point and the kernel where it launches several
     (``bwd/reduce``)."""
     entries, served, patched = _FAMILIES[family]
-    if documents and family in ("kl-kv-outer", "kv-outer"):
+    if documents and family in KV_OUTER_FAMILIES:
         raise ValueError(f"{family}: the KV-outer order takes no documents")
     case = _case(dtype, head_dim, group, documents)
     out = []
@@ -321,7 +347,7 @@ def main(argv=None) -> int:
         kv_loss.OVERRIDES.update(kv_loss.parse_overrides(args.kv_configs))
     except ValueError as err:
         p.error(f"--kv-configs: {err}")
-    families = [f for f in args.family if not (args.documents and f in ("kl-kv-outer", "kv-outer"))]
+    families = [f for f in args.family if not (args.documents and f in KV_OUTER_FAMILIES)]
     print(f"KL table: {os.environ.get(loss.CONFIG_ENV) or '(defaults)'}; {args.dtype}, head dim {args.head_dim}, "
           f"{args.group} heads a group{', documents' if args.documents else ''}")  # fmt: skip
     print(f"{'family':<12}{'launch':<16}{'index':<7}{'arch':<6}{'rows x keys':<13}{'warps':<7}{'stages':<8}"

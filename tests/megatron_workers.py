@@ -664,6 +664,39 @@ def check_msa_fused_kl_in_layer(rank, world):
     torch.testing.assert_close(tracker.metrics["msa_kl_loss"].values, kl_recorded, rtol=1e-6, atol=1e-8)
 
 
+def check_msa_kl_with_attention_in_layer(rank, world):
+    """The layer with its attention and KL in one function on the KV-outer kernels
+    (``msa_kl_with_attention`` forced; Triton's interpreter on a CPU), the KL's teacher
+    from the attention's backward: every gradient, and the KL recorded from the backward,
+    equal those of the PyTorch path (attention and KL apart), under recompute too."""
+    from megatron_mtraining.sparse import msa as msa_module
+    from megatron_mtraining.sparse.dispatch import Decision
+    from megatron_mtraining.sparse.kernels.msa_kl import kv_attention
+
+    init_megatron()
+    tracker = get_attention_metrics_tracker()
+    model = build_model(_msa_config())
+    tracker.clear()
+    want = _scaled_backward(model, 1.0)
+    kl_want = tracker.metrics["msa_kl_loss"].values.clone()
+    decide = msa_module.kl_kernel
+    msa_module.kl_kernel = lambda *a, with_attention=False, **kw: (
+        Decision("msa_kl_with_attention", "forced by the test") if with_attention else decide(*a, **kw)
+    )
+    calls, joint = [], kv_attention.kv_outer_msa
+    kv_attention.kv_outer_msa = lambda *args, **kwargs: calls.append(1) or joint(*args, **kwargs)
+    recomputed = build_model(_msa_config(), recompute_granularity="selective", recompute_modules=["core_attn"])
+    for built in (model, recomputed):
+        built.load_state_dict(model.state_dict())
+        tracker.clear()
+        calls.clear()
+        for n, g in _scaled_backward(built, 1.0).items():
+            torch.testing.assert_close(g, want[n], rtol=1e-4, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(tracker.metrics["msa_kl_loss"].values, kl_want, rtol=1e-5, atol=1e-8)
+        # Once a layer: under recompute the first forward runs without grad, the KL joins the recompute.
+        assert len(calls) == 2, calls
+
+
 def check_msa_cp_parity_on_kl_kernels(rank, world, path):
     """``check_cp_parity`` for MSA with the context-parallel KL's steps on the fused kernels
     (the dispatch's decision forced where the layout allows them, so the attention stays on

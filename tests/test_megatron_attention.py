@@ -391,6 +391,13 @@ def test_msa_fused_kl_in_the_layer(monkeypatch):
     run(1, workers.check_msa_fused_kl_in_layer)
 
 
+@pytest.mark.slow  # the attention on the kernels in the interpreter; msa_attention's own test runs by default
+def test_msa_kl_with_attention_in_the_layer(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run(1, workers.check_msa_kl_with_attention_in_layer)
+
+
 def test_cpu_patches_run_megatron_ddp_and_optimizer():
     run(1, workers.check_cpu_patches_ddp_and_optimizer)
 

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from dense_reference import assert_close_rel, dense_attention
 from documents_reference import block_diagonal, random_boundaries
 from msa_reference import kl_parts
 
@@ -28,6 +29,7 @@ from megatron_mtraining.sparse import (
     MSAConfig,
     VerticalSlashIndex,
     dispatch,
+    msa_attention,
     msa_kl_loss,
     msa_kl_objective,
     msa_select_blocks,
@@ -337,6 +339,47 @@ def test_recorded_value_is_the_kl(kind, rng, kdevice, monkeypatch):
     _close(qi.grad, dq_want / 3, 2e-4, what="dq_idx vs fp64")
 
 
+@pytest.mark.parametrize("teacher", ["shared", "recompute"])
+def test_msa_attention_is_attention_and_objective(teacher, rng, kdevice, monkeypatch):
+    """``msa_attention``, as the layer trains with it: out and lse equal
+    ``sparse_attention``'s, the KL's value reaches ``on_value`` once, in the backward, and
+    every gradient (q, k, v of a random loss on out; q_idx, k_idx of the KL) equals that of
+    ``sparse_attention`` and ``msa_kl_loss`` run apart, whether the KL's teacher comes from
+    the attention's backward or is recomputed."""
+    monkeypatch.setattr(dispatch, "KV_OUTER_MAX_SHARE", float("inf"))
+    monkeypatch.setenv(dispatch.KL_TEACHER_ENV, teacher)
+    b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
+    v = torch.randn(k.shape, generator=rng).to(kdevice)
+    index = _index("topk", q_idx, k_idx, hq, 16, 2)
+    want = "msa_kl_with_attention" if teacher == "shared" else "msa_kl_kv_outer"
+    assert kl_kernel(q, q_idx, index, backend="triton", with_attention=True).kernel == want
+    g_out = torch.randn(q.shape, generator=rng).to(kdevice)
+
+    def run(joint: bool):
+        main = [t.clone().requires_grad_() for t in (q, k, v)]
+        qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+        recorded = []
+        if joint:
+            out, lse, kl = msa_attention(*main, qi, ki, index, on_value=recorded.append, backend="triton")
+            assert not recorded
+        else:
+            out, lse = sparse_attention(*main, index, backend="triton")
+            kl = msa_kl_loss(*main[:2], qi, ki, index)
+        ((out * g_out).sum() + 3.0 * kl).backward()
+        value = recorded[0] if joint else kl.detach()
+        return out.detach(), lse.detach(), value, [t.grad for t in (*main, qi, ki)], recorded
+
+    out, lse, value, grads, recorded = run(joint=True)
+    ref_out, ref_lse, ref_value, ref_grads, _ = run(joint=False)
+    assert len(recorded) == 1 and recorded[0].shape == () and recorded[0].dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)  # the same forward kernels
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    torch.testing.assert_close(value.float(), ref_value.float(), rtol=1e-5, atol=1e-6)
+    for name, got, expected in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, ref_grads, strict=True):
+        _close(got, expected.double().cpu(), 2e-4, what=name)
+
+
 def test_reference_path_records_in_the_forward(rng):
     """Where the dispatch keeps the KL on PyTorch (here: forced), the result is the KL and
     ``on_value`` gets it at once."""
@@ -413,6 +456,31 @@ def test_kl_dispatch_follows_the_attention_order(rng):
         on_gpu = (q.cuda().half(), q_idx.cuda().half())
         assert kl_kernel(*on_gpu, sparse.to("cuda")).kernel == "msa_kl_kv_outer"
         assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "msa_kl"
+        assert kl_kernel(*on_gpu, sparse.to("cuda"), with_attention=True).kernel == "msa_kl_with_attention"
+
+
+def test_kl_with_attention_dispatch(rng, monkeypatch):
+    """With the attention in the same call, the KV-outer KL takes its teacher from the
+    attention's backward, unless ``MTRAINING_KL_TEACHER=recompute`` or the attention does not
+    run KV-outer; each says why. A bad setting names the variable."""
+    s = 1024
+    q = torch.randn(1, s, 4, 16, generator=rng)
+    q_idx = torch.randn(1, s, 2, 16, generator=rng)
+    sparse, wide = _topk_of(s, 16, 2), _topk_of(s, 256, 2)
+    decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
+    assert decision.kernel == "msa_kl_with_attention" and "teacher from its probabilities" in decision.reason
+    assert kl_kernel(q, q_idx, wide, backend="triton", with_attention=True).kernel == "msa_kl"
+    assert kl_kernel(q, q_idx, DenseIndex(1, 4, s), backend="triton", with_attention=True).kernel == "msa_kl"
+    with monkeypatch.context() as m:  # as for main queries of a head dim the kernels do not take
+        m.setattr(dispatch, "attention_kernel", lambda *a, **kw: dispatch.Decision("reference", "head dim 512"))
+        decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
+        assert decision.kernel == "msa_kl_kv_outer" and "the attention runs on reference" in decision.reason
+    monkeypatch.setenv(dispatch.KL_TEACHER_ENV, "recompute")
+    decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
+    assert decision.kernel == "msa_kl_kv_outer" and "MTRAINING_KL_TEACHER=recompute" in decision.reason
+    monkeypatch.setenv(dispatch.KL_TEACHER_ENV, "attention")
+    with pytest.raises(ValueError, match="MTRAINING_KL_TEACHER.*shared, recompute"):
+        kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
 
 
 def _fresh_topk(rng, b, s, hs, topk, block):
@@ -502,6 +570,77 @@ def test_kv_outer_kl_matches_fp64(case, dtype, rng, kdevice, small_kv_work):
         # Split items are asserted where the interpreter runs too; two bf16 cases on the H200
         # gave no split (their values matched), so bf16 checks values only.
         assert any(w.partial is not None and bool((w.partial >= 0).any()) for w in lists)
+
+
+# Relative tolerance of the main attention against fp64 (``test_kernels``'s).
+ATTENTION_TOLERANCE = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+# G = 3 with a block in two key steps, short enough for the default run.
+SMALL_G3 = (1, 64, 6, 2, 16, 16, 32, 2, 16, False)
+
+
+def _kl_with_attention_params():
+    """Every KV case in every dtype; in the default run fp32 of two (``SMALL_G3`` and the
+    shared selection), the rest behind ``-m slow`` (the interpreter takes up to ~40 s a
+    case)."""
+    for case in [SMALL_G3, *KV_CASES]:
+        for dtype, name in zip(DTYPES, ["fp32", "fp16", "bf16"], strict=True):
+            default = dtype == torch.float32 and case in (SMALL_G3, KV_CASES[3])
+            ids = "-".join(map(str, case[:9])) + ("-shared" if case[9] else "") + f"-{name}"
+            yield pytest.param(case, dtype, id=ids, marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("case,dtype", _kl_with_attention_params())
+def test_kl_with_attention_matches_fp64(case, dtype, rng, kdevice, small_kv_work, monkeypatch):
+    """The attention and the KL in one function (``msa_kl.kv_attention``), the KL's teacher
+    stored by the attention's backward: out, lse and dq / dk / dv against fp64 attention
+    under the index's mask, the KL value, dq_idx and dk_idx against fp64, on fresh random
+    selections streamed over the attention's query chunks (which the KL shares) with split
+    items on both sides."""
+    from megatron_mtraining.sparse.kernels.kv_outer import attention as kv
+    from megatron_mtraining.sparse.kernels.msa_kl import kv_attention
+
+    b, s, hq, hkv, d, di, block, topk, block_n, shared = case
+    if dtype == torch.bfloat16 and kdevice.type == "cpu":
+        pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
+    lists = small_kv_work(chunk=48, block_n=block_n)  # the KL's passes; their own chunks go unused
+    for name, cfg in kv.DEFAULTS.items():
+        small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=2)
+        monkeypatch.setitem(kv.OVERRIDES, name, small)
+    for name in kv.CHUNKS:
+        monkeypatch.setitem(kv.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=40))
+    q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
+    v = torch.randn(k.shape, generator=rng).to(dtype).to(kdevice)
+    blocks = _fresh_topk(rng, b, s, 1 if shared else hkv, topk, block)
+    index = BlockTopKIndex(blocks=blocks, block_size=block, num_heads=hq).to(kdevice)
+    scale = 0.8 / math.sqrt(d)
+    rows, _, _, value, dq_want, dk_want = _reference(q, k, q_idx, k_idx, index, scale)
+    main = [t.clone().requires_grad_() for t in (q, k, v)]
+    qi, ki = q_idx.clone().requires_grad_(), k_idx.clone().requires_grad_()
+    recorded = []
+    out, lse, kl = kv_attention.kv_outer_msa(*main, qi, ki, index, scale, recorded.append)
+    forward_lists = len(lists)
+
+    reference = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = dense_attention(*reference, index.to("cpu").to_dense_mask(s), softmax_scale=scale)
+    tol = ATTENTION_TOLERANCE[dtype]
+    assert_close_rel(out.cpu(), ref_out, tol, "out")
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=0, atol=max(tol, 1e-5))
+    assert float(kl.detach()) == 0.0 and not recorded  # the value comes in the backward
+    g_out = torch.randn(out.shape, generator=rng)
+    ((out.float() * g_out.to(kdevice)).sum() + 3.0 * kl).backward()
+    wants = torch.autograd.grad((ref_out * g_out.double()).sum(), reference)
+    for name, got, want in zip(("dq", "dk", "dv"), (t.grad for t in main), wants, strict=True):
+        assert got.dtype == dtype, name
+        assert_close_rel(got.cpu(), want, 2 * tol, name)
+    rtol, atol = TOLERANCE[dtype]
+    assert len(recorded) == 1 and recorded[0].shape == ()
+    torch.testing.assert_close(recorded[0].cpu().double(), value, rtol=10 * atol, atol=atol)
+    _close(qi.grad, dq_want, rtol, what="dq_idx")
+    _close(ki.grad, dk_want, rtol, what="dk_idx")
+    # The KL's backward ran on the attention's chunks (40 tokens), not its own (48).
+    assert lists[forward_lists:] and all(len(w.chunk_items) - 1 == -(-s // 40) for w in lists[forward_lists:])
 
 
 @pytest.mark.parametrize("kind", ["topk", "dense"])

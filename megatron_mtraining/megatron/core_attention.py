@@ -33,7 +33,7 @@ from .. import patches
 from ..context_parallel import ContextParallelLayout, ring_attention
 from ..context_parallel.distributed_index import build_index
 from ..context_parallel.layout import STRIPED_KINDS
-from ..sparse import DenseIndex, IndexBranch, sparse_attention
+from ..sparse import DenseIndex, IndexBranch, msa_attention, sparse_attention
 from ..sparse.documents import packed_documents
 from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
@@ -285,18 +285,27 @@ class SparseCoreAttention(MegatronModule):
                 source = self._source(self.pattern.with_inputs(q_idx, k_idx), q, k, layout, cu_seqlens)
                 index = build_index(source, q, k, self.softmax_scale, layout, self.cp_group, cu_seqlens)
         self._msa_metrics(q, k, q_idx, k_idx, index, layout)
-        out, lse = self._attend(q, k, v, index, layout, cu_seqlens)
-        if self.training and torch.is_grad_enabled():
+        if not (self.training and torch.is_grad_enabled()):
+            return self._attend(q, k, v, index, layout, cu_seqlens)[0]
+        backend = self.attention_config.backend
+        if layout is None:
+            # Attention and KL in one call, so that on the KV-outer kernels the attention's
+            # backward hands the KL its teacher (the step report then counts that KL as
+            # attention; a KL of its own runs in the msa_kl range).
+            out, _, kl = msa_attention(
+                q, k, v, q_idx, k_idx, index, self.softmax_scale, self._record_kl, backend,
+                kl_scope=lambda: part_range("msa_kl"),
+            )  # fmt: skip
+        else:
+            out, lse = self._attend(q, k, v, index, layout, cu_seqlens)
             with part_range("msa_kl"):
-                # The main pass's LSE normalises the teacher (the fused kernels and the
-                # context-parallel ring run no KL forward and record the value from the backward).
+                # The main pass's LSE normalises the teacher (the ring runs no KL forward and
+                # records the value from the backward).
                 kl = msa_layer_kl(
                     q, k, q_idx, k_idx, index, self.softmax_scale, layout, self.cp_group,
-                    lse=lse, on_value=self._record_kl,
-                    backend=self.attention_config.backend,
+                    lse=lse, on_value=self._record_kl, backend=backend,
                 )  # fmt: skip
-            out = MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
-        return out
+        return MSALossAutoScaler.apply(out, kl * cfg.kl_coeff)
 
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         """Called by :meth:`_msa` with the selection before the main branch runs: a hook for

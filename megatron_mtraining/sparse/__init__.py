@@ -9,7 +9,15 @@ from .documents import Documents, packed_documents
 from .index import BlockColumns, BlockTopKIndex, DenseIndex, SparseIndex, VerticalSlashIndex
 from .metrics import attention_recall, msa_recall
 from .moba import MoBAConfig, build_moba_index
-from .msa import IndexBranch, MSAConfig, block_max_scores, msa_kl_loss, msa_kl_objective, msa_select_blocks
+from .msa import (
+    IndexBranch,
+    MSAConfig,
+    block_max_scores,
+    msa_attention,
+    msa_kl_loss,
+    msa_kl_objective,
+    msa_select_blocks,
+)
 from .vertical_slash import (
     VerticalSlashConfig,
     WindowStatistics,
@@ -35,6 +43,7 @@ __all__ = [
     "build_moba_index",
     "build_vertical_slash_index",
     "merge_attention_outputs",
+    "msa_attention",
     "msa_kl_loss",
     "msa_kl_objective",
     "msa_recall",

@@ -27,8 +27,10 @@ with ``logging.getLogger("megatron_mtraining.dispatch")`` at DEBUG every single-
 and every ring call logs it. The other kernel families follow the same setting:
 :func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
 (the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
-the fused kernels (``kernels/msa_kl``) or the PyTorch reference; the union-of-tiles KL
-backward takes one pass or two as :func:`kl_backward_passes` says.
+the fused kernels (``kernels/msa_kl``) or the PyTorch reference, and on one device with
+the KV-outer attention inside its backward (``msa_kl_with_attention``, unless
+``MTRAINING_KL_TEACHER=recompute``); the union-of-tiles KL backward takes one pass or two as
+:func:`kl_backward_passes` says.
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ from .validation import fail
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
 KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
-# MSA's KL loss in training (:func:`kl_kernel`): the fused kernels in the KV-outer order or
-# over the union of tiles, or msa_kl_loss's PyTorch.
-KL_KERNELS = ("msa_kl_kv_outer", "msa_kl", "reference")
+# MSA's KL loss in training (:func:`kl_kernel`): the KV-outer KL run by the KV-outer
+# attention's backward, which hands it the teacher; the fused kernels in the KV-outer order
+# or over the union of tiles, which recompute the teacher; or msa_kl_loss's PyTorch.
+KL_KERNELS = ("msa_kl_with_attention", "msa_kl_kv_outer", "msa_kl", "reference")
+# Where the KV-outer KL's teacher comes from when the attention runs KV-outer in the same
+# call: the attention's backward (``shared``), or recomputed by the KL's own kernels
+# (``recompute``, to compare the two).
+KL_TEACHER_ENV = "MTRAINING_KL_TEACHER"
+KL_TEACHERS = ("shared", "recompute")
 # The union-of-tiles KL backward (:func:`kl_backward_passes`): the dK kernel adding dq_idx
 # and the KL rows by atomics, or the dQ and dK kernels.
 KL_BACKWARDS = ("one_pass", "two_pass")
@@ -114,11 +122,16 @@ def kl_kernel(
     index: SparseIndex,
     backend: str | None = None,
     whole_blocks: bool | None = None,
+    with_attention: bool = False,
 ) -> Decision:
     """Where MSA's KL loss runs when training with the main pass's LSE at hand, on one device
     (``msa.msa_kl_objective``) or per ring step under context parallelism
     (``context_parallel.msa_kl``, which passes ``whole_blocks``: whether its tokens are
-    whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`. The fused
+    whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`. With
+    ``with_attention`` the caller would run the main attention in the same call
+    (``msa.msa_attention``): where both run KV-outer, ``msa_kl_with_attention`` (one autograd
+    function, ``msa_kl.kv_attention``: the attention's backward hands the KL its teacher),
+    unless ``MTRAINING_KL_TEACHER=recompute``. The fused
     Triton kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
     computed in the backward), where the kernels serve both the main and the index queries.
     On one device in the loop order the main attention takes (:func:`kv_outer_preferred`,
@@ -154,9 +167,32 @@ def kl_kernel(
     if isinstance(index, BlockTopKIndex):
         kv_outer, why = _top_k_order(index)
         if kv_outer:
-            return Decision("msa_kl_kv_outer", f"{why}; {fused}, KV-outer (per key block, the rows that chose it)")
+            kv_fused = f"{why}; {fused}, KV-outer (per key block, the rows that chose it)"
+            if not with_attention:
+                return Decision("msa_kl_kv_outer", kv_fused)
+            not_shared = _teacher_not_shared(q, index, backend)
+            if not_shared is None:
+                return Decision(
+                    "msa_kl_with_attention",
+                    f"{why}; KV-outer KL kernels in the KV-outer attention's backward, the teacher from its "
+                    "probabilities",
+                )
+            return Decision("msa_kl_kv_outer", f"{kv_fused}; the teacher recomputed: {not_shared}")
         return Decision("msa_kl", f"{why}; {fused}, over the union of tiles, as the attention")
     return Decision("msa_kl", f"a {type(index).__name__} on CUDA: {fused}, over the union of tiles{documents}")
+
+
+def _teacher_not_shared(q: torch.Tensor, index: BlockTopKIndex, backend: str | None) -> str | None:
+    """Why the KV-outer KL cannot take its teacher from the attention's backward, or None."""
+    setting = os.environ.get(KL_TEACHER_ENV) or "shared"
+    if setting not in KL_TEACHERS:
+        fail(KL_TEACHER_ENV, setting, f"one of {', '.join(KL_TEACHERS)}")
+    if setting == "recompute":
+        return f"{KL_TEACHER_ENV}=recompute"
+    attention = attention_kernel(q, index, backend)
+    if attention.kernel != "kv_outer":
+        return f"the attention runs on {attention.kernel}"
+    return None
 
 
 def kl_backward_passes() -> Decision:

@@ -11,7 +11,9 @@
   groups and batch. Gradient reaches q_idx and k_idx only. ``msa_kl_loss`` is the
   PyTorch reference (value and gradient); training takes ``msa_kl_objective``, which on
   the kernels (``dispatch.kl_kernel``) skips the KL forward, builds the teacher from the
-  main pass's LSE and hands the value over in the backward (``kernels/msa_kl``).
+  main pass's LSE and hands the value over in the backward (``kernels/msa_kl``);
+  :func:`msa_attention` runs the main attention and that objective together, and where both
+  run KV-outer the KL's teacher comes from the attention's backward.
 * Warmup: for the first ``warmup_steps`` steps the main branch is dense and the
   KL spans every visible token (pass a ``DenseIndex``).
 * Packed documents (``cu_seqlens``): a block's score is the max over the keys of the
@@ -25,11 +27,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .attention import sparse_attention
 from .dispatch import backend_choice, kl_kernel, log_decision
 from .documents import packed_documents
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, select_topk_blocks
@@ -331,6 +335,38 @@ def msa_kl_objective(
     if on_value is not None:
         on_value(kl.detach().float())
     return kl
+
+
+def msa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+    on_value: Callable[[torch.Tensor], None] | None = None,
+    backend: str | None = None,
+    kl_scope: Callable[[], AbstractContextManager] = nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MSA's main branch and KL loss to train with, on one device: (out, lse, kl) as
+    ``sparse_attention(q, k, v, index)`` and :func:`msa_kl_objective` with that ``lse``
+    (run inside ``kl_scope()``: a profiler range, say). Where ``dispatch.kl_kernel(...,
+    with_attention=True)`` says ``msa_kl_with_attention`` (a sparse top-k index on the
+    KV-outer kernels) one autograd function runs both (``kernels/msa_kl/kv_attention``): the
+    attention's backward computes the KL's teacher for it, and ``lse`` is then not
+    differentiable."""
+    scale = _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale)
+    decision = kl_kernel(q, q_idx, index, backend, with_attention=True)
+    log_decision(decision, "msa_attention")
+    if decision.kernel == "msa_kl_with_attention":
+        from .kernels.msa_kl.kv_attention import kv_outer_msa  # imports Triton
+
+        return kv_outer_msa(q, k, v, q_idx, k_idx, index, scale, on_value)
+    out, lse = sparse_attention(q, k, v, index, softmax_scale=scale, backend=backend)
+    with kl_scope():
+        kl = msa_kl_objective(q, k, q_idx, k_idx, index, lse, scale, on_value, backend)
+    return out, lse, kl
 
 
 def _check_kl_inputs(q, k, q_idx, k_idx, index, softmax_scale, seq_len: int | None = None) -> float:

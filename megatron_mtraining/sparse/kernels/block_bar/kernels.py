@@ -416,7 +416,7 @@ def _kv_grads(
     if masked:
         visible = extra_mask & col_ok[:, None] & row_ok[None, :] & (col_pos[:, None] <= row_pos[None, :])
         s = tl.where(visible, s, float("-inf"))
-    dk, dv, _ = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
+    dk, dv, _, _ = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
     return dk, dv
 
 

@@ -14,6 +14,7 @@ fp16's narrow range would lose small partials, so fp16 and fp32 inputs keep fp32
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -24,7 +25,7 @@ from ..shared import buffers
 from ..shared.combine import ROWS
 from ..shared.kernels import LOG2E
 from . import kernels
-from .reverse_index import reverse_index, work_list
+from .reverse_index import ReverseIndex, reverse_index, work_list
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,31 @@ def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the inputs' dtypes, given the forward's out and lse; ``dlse`` may be None."""
+def backward_chunks(p: _Problem) -> tuple[int, ReverseIndex]:
+    """The backward's query tokens per chunk and its reverse index on those chunks."""
+    chunk = query_chunk("bwd", p.q, p.topk)
+    return chunk, reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
+
+
+class ChunkFollower(Protocol):
+    """Work run after each query chunk of :func:`kv_outer_backward`, on its chunks
+    (:func:`backward_chunks`), reading what its dK/dV kernel stored for the chunk in
+    ``teacher``: per (token, selection head, slot) row and key of the block, the sum over the
+    selection head's query heads of P (``kernels._store_group_sums``), fp32. MSA's KL, whose
+    teacher that is (``msa_kl.kv_loss.KLBackward``)."""
+
+    chunk: int
+    rev: ReverseIndex
+    teacher: torch.Tensor
+
+    def run(self, c: int) -> None: ...
+
+
+def kv_outer_backward(
+    p: _Problem, out, lse, dout, dlse, follower: ChunkFollower | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes, given the forward's out and lse; ``dlse`` may be
+    None. ``follower`` runs after each query chunk (:class:`ChunkFollower`)."""
     q, k = p.q, p.k
     b, s, hq, d = q.shape
     dims = p.dims()
@@ -239,8 +263,11 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
 
     cfg, block_m, block_n = _config("bwd", p)
     steps = p.block // block_n
-    chunk = query_chunk("bwd", q, p.topk)
-    rev = reverse_index(p.blocks, k.shape[2], p.n_blocks, chunk)
+    chunk, rev = backward_chunks(p) if follower is None else (follower.chunk, follower.rev)
+    teacher = {}
+    if follower is not None:
+        tokens = max(16, triton.next_power_of_2(-(-block_m // p.group)))
+        teacher = {"TEACHER": follower.teacher, "HAS_TEACHER": True, "TOKENS": tokens}
     slot_dtype = dq_slot_dtype(q.dtype)
     slot_shape = (p.slot_rows(chunk) * p.topk, d)
     # Partials (fp32 dK and dV of a block) of ``PARTIAL_SHARE`` times the dQ slots' bytes: bf16
@@ -263,7 +290,7 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
         kernels._bwd_kernel[(work.items_per_chunk, steps)](
             q, k, p.v, dout, lse, delta, rev.entries, work.tiles, work.items, work.chunk_items, work.partial,
             dk_sum, dv_sum, dk_part, dv_part, dq_buf, c, *p.chunk_args(chunk), p.scale * LOG2E, p.scale,
-            **dims, HAS_DQ=steps == 1, **_opts(cfg, block_m, block_n),
+            **dims, HAS_DQ=steps == 1, **teacher, **_opts(cfg, block_m, block_n),
         )  # fmt: skip
         if steps > 1:
             kernels._dq_kernel[(dq_work.items_per_chunk,)](
@@ -277,6 +304,8 @@ def kv_outer_backward(p: _Problem, out, lse, dout, dlse) -> tuple[torch.Tensor, 
         kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
             dq_buf, p.blocks, dq, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=dims["D_PAD"]
         )
+        if follower is not None:
+            follower.run(c)
     return dq, dk_sum.to(k.dtype), dv_sum.to(k.dtype)
 
 

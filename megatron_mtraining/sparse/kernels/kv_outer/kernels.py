@@ -188,10 +188,12 @@ def _bwd_kernel(
     chunk, CHUNK, S, HQ, HKV, HS, KSEL, N_KB, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, PRECISION: tl.constexpr, HAS_DQ: tl.constexpr,
+    TEACHER=None, HAS_TEACHER: tl.constexpr = False, TOKENS: tl.constexpr = 16,
 ):  # fmt: skip
     """dK/dV of step ``program_id(1)`` of an item's block over its tiles, and with ``HAS_DQ``
     (the step is the whole block) the rows' dQ partials. Scores are transposed (keys x rows)
-    as in ``block_bar.kernels._kv_grads``: P^T and dS^T then feed the dV and dK products as they are."""
+    as in ``block_bar.kernels._kv_grads``: P^T and dS^T then feed the dV and dK products as they are.
+    With ``HAS_TEACHER``, also MSA's KL teacher for the step's keys (``_store_group_sums``)."""
     item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)
@@ -209,7 +211,10 @@ def _bwd_kernel(
                                                        HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
             s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             s = tl.where(col_ok[:, None] & (cols[:, None] <= row_pos[None, :]), s, float("-inf"))
-            dk, dv, ds = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
+            dk, dv, ds, p = _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION)
+            if HAS_TEACHER:
+                _store_group_sums(TEACHER, p.to(q.dtype), TILES, ENTRIES, first + i, b, chunk, CHUNK, S, HS, KSEL, j,
+                                  BLOCK, BLOCK_M, BLOCK_N, G, TOKENS, PRECISION)  # fmt: skip
             if HAS_DQ:
                 dq = tl.dot(tl.trans(ds), k, input_precision=PRECISION) * sm_scale
                 _store_rows(DQ_BUF, slot_row, ok, HEAD_DIM, d, d_ok, dq)
@@ -220,6 +225,24 @@ def _bwd_kernel(
         _add_block_grad(
             dv, DV_SUM, DV_PART, partial, b, kvh, j, cols, col_ok, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N
         )
+
+
+@triton.jit
+def _store_group_sums(TEACHER, p, TILES, ENTRIES, tile, b, chunk, CHUNK, S, HS, KSEL, j, BLOCK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, TOKENS: tl.constexpr,
+                      PRECISION: tl.constexpr):  # fmt: skip
+    """MSA's KL teacher, unnormalised: of a tile's probabilities ``p`` (keys x rows, the ``G``
+    heads of each token adjacent, in q's dtype), each token's sum over its heads, stored fp32
+    at keys ``j * BLOCK_N ..`` of its (token, selection head, slot) row of ``TEACHER
+    [slot rows, BLOCK]`` (the slot rows of ``_tile`` with one head a row, as the KL kernels
+    address them: ``msa_kl.kv_kernels``). The sum is a product with the 0/1 matrix of
+    (row, token) membership, ``TOKENS`` columns (a power of two >= 16 and the tile's tokens),
+    which takes any ``G``; P in q's dtype is what the dV product reads too."""
+    _row, tok_ok, _pos, _stat, slot = _tile(TILES, ENTRIES, tile, True, b, chunk, CHUNK, S, HS, HS, KSEL, 1, TOKENS)
+    member = tl.arange(0, BLOCK_M)[:, None] // G == tl.arange(0, TOKENS)[None, :]
+    sums = tl.dot(p, member.to(p.dtype), input_precision=PRECISION)
+    keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(TEACHER + slot[None, :] * BLOCK + keys[:, None], sums, mask=tok_ok[None, :])
 
 
 @triton.jit

@@ -60,6 +60,20 @@ def _main_rows(q_row, stat, row_pos, G: tl.constexpr):
     return q_row * G, (stat - row_pos) * G + row_pos
 
 
+@triton.jit
+def _stored_teacher(TEACHER, slot_row, ok, j, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """The teacher's unnormalised sums that the main attention's backward stored for step
+    ``j`` of the block (``kv_outer.kernels._store_group_sums``): rows x keys, or keys x rows
+    with ``KEYS_FIRST``."""
+    keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    # One return: Triton types every return of a function alike, constexpr branches included.
+    if KEYS_FIRST:
+        ptrs, mask = TEACHER + slot_row[None, :] * BLOCK + keys[:, None], ok[None, :]
+    else:
+        ptrs, mask = TEACHER + slot_row[:, None] * BLOCK + keys[None, :], ok[:, None]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["chunk"])
 def _kl_lse_kernel(
     QI, KI, ENTRIES, TILES, ITEMS, CHUNK_ITEMS, LSE_BUF, chunk, CHUNK, S, HKV, KSEL, N_KB, idx_scale,
@@ -97,9 +111,12 @@ def _kl_bwd_kernel(
     chunk, CHUNK, S, HQ, HKV, KSEL, N_KB, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_DQ: tl.constexpr,
+    TEACHER=None, HAS_TEACHER: tl.constexpr = False,
 ):  # fmt: skip
     """dk_idx of step ``program_id(1)`` of an item's block over its tiles and, with ``HAS_DQ``
-    (the step is the whole block), the rows' dq_idx and KL slot partials. Keys x rows."""
+    (the step is the whole block), the rows' dq_idx and KL slot partials. Keys x rows. With
+    ``HAS_TEACHER`` the teacher is read from ``TEACHER`` (``_stored_teacher``), and ``Q``,
+    ``K`` and ``LSE`` are not read."""
     item, n_tiles, b, r, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)
@@ -107,8 +124,9 @@ def _kl_bwd_kernel(
         di = tl.arange(0, DI_PAD)
         di_ok = di < DI
         j = tl.program_id(1)
-        k, cols, col_ok = _key_rows(K, b, r, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
-        ki, _, _ = _key_rows(KI, b, 0, kb, j, S, 1, di, di_ok, DI, BLOCK, BLOCK_N)
+        ki, cols, col_ok = _key_rows(KI, b, 0, kb, j, S, 1, di, di_ok, DI, BLOCK, BLOCK_N)
+        if not HAS_TEACHER:
+            k, _, _ = _key_rows(K, b, r, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
         g_scale = tl.load(GRAD) * grad_scale
         dk = tl.zeros([BLOCK_N, DI_PAD], tl.float32)
         q_row, ok, row_pos, stat, slot_row = _index_rows(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HKV, KSEL,
@@ -120,9 +138,12 @@ def _kl_bwd_kernel(
             n_row, n_ok, n_pos, n_stat, n_slot = _index_rows(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk,
                                                              CHUNK, S, HKV, KSEL, BLOCK_M)  # fmt: skip
             visible = col_ok[:, None] & (cols[:, None] <= row_pos[None, :])
-            main_row, main_stat = _main_rows(q_row, stat, row_pos, G)
-            p = _teacher_t(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G, BLOCK_M,
-                           BLOCK_N, PRECISION)  # fmt: skip
+            if HAS_TEACHER:
+                p = _stored_teacher(TEACHER, slot_row, ok, j, BLOCK, BLOCK_N, True)
+            else:
+                main_row, main_stat = _main_rows(q_row, stat, row_pos, G)
+                p = _teacher_t(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G,
+                               BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
             z = tl.dot(ki, tl.trans(qi), input_precision=PRECISION) * idx_scale
             log_s = tl.where(visible, z - lse_i[None, :], float("-inf"))
@@ -144,9 +165,10 @@ def _kl_dq_kernel(
     chunk, CHUNK, S, HQ, HKV, KSEL, N_KB, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TEACHER=None, HAS_TEACHER: tl.constexpr = False,
 ):  # fmt: skip
     """The rows' dq_idx and KL slot partials over a block wider than the dK kernel's step,
-    ``BLOCK_N`` keys a step. Rows x keys."""
+    ``BLOCK_N`` keys a step. Rows x keys. ``HAS_TEACHER`` as ``_kl_bwd_kernel``'s."""
     _item, n_tiles, b, r, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)
@@ -165,11 +187,14 @@ def _kl_dq_kernel(
             dq = tl.zeros([BLOCK_M, DI_PAD], tl.float32)
             kl = tl.zeros([BLOCK_M], tl.float32)
             for j in range(BLOCK // BLOCK_N):
-                k, cols, col_ok = _key_rows(K, b, r, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
-                ki, _, _ = _key_rows(KI, b, 0, kb, j, S, 1, di, di_ok, DI, BLOCK, BLOCK_N)
+                ki, cols, col_ok = _key_rows(KI, b, 0, kb, j, S, 1, di, di_ok, DI, BLOCK, BLOCK_N)
                 visible = col_ok[None, :] & (cols[None, :] <= row_pos[:, None])
-                p = _teacher(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G, BLOCK_M,
-                             BLOCK_N, PRECISION)  # fmt: skip
+                if HAS_TEACHER:
+                    p = _stored_teacher(TEACHER, slot_row, ok, j, BLOCK, BLOCK_N, False)
+                else:
+                    k, _, _ = _key_rows(K, b, r, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+                    p = _teacher(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G,
+                                 BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
                 p = tl.where(visible, p, 0.0) * inv_g
                 z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
                 log_s = tl.where(visible, z - lse_i[:, None], float("-inf"))

@@ -185,58 +185,91 @@ def kv_kl_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq_idx, dk_idx, per-row KL ``[B, Hkv, S]`` fp32) of ``grad * sum_rows KL / rows``,
     as ``loss.kl_backward`` with the index's selection in place of tile tables."""
-    q, k = q.contiguous(), k.contiguous()
-    lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
-    grad = grad.detach().float().reshape(1).contiguous()
-    b, s, hq, d = q.shape
-    p = _Problem.of(q_idx, k_idx, index, q.numel() * q.element_size(), d)
-    hkv, di = p.q_idx.shape[2], p.q_idx.shape[3]
-    group = hq // hkv
-    dev = q.device
-    cfg, block_m, block_n = p.config("bwd")
-    steps = p.block // block_n
-    slot_dtype = kv.dq_slot_dtype(p.q_idx.dtype)
-    chunk = p.chunk("bwd", di * slot_dtype.itemsize + 4)
-    rev = p.reverse_index(chunk)
-    n_slots = p.slot_rows(chunk) * p.topk
-    # Split groups' dK partials (fp32, a whole block each): PARTIAL_SHARE of the dq slots' bytes.
-    pool = max(2, int(kv.PARTIAL_SHARE * n_slots * di * slot_dtype.itemsize) // (p.block * di * 4))
-    work = work_list(rev, block_m, cfg.tiles_per_item * steps, pool)
-    if steps > 1:
-        dq_cfg, dq_block_m, dq_block_n = p.config("dq")
-        dq_work = work_list(rev, dq_block_m, max(1, dq_cfg.tiles_per_item // (p.block // dq_block_n)))
+    backward = KLBackward(q, k, lse, q_idx, k_idx, lse_idx, index, scale, grad, rows)
+    for c in range(backward.rev.n_chunks):
+        backward.run(c)
+    return backward.result()
 
-    dk_sum = torch.zeros((b, s, hkv, di), dtype=torch.float32, device=dev)
-    dq_idx = buffers.new_buffer(p.q_idx.shape, p.q_idx.dtype, dev)
-    kl = buffers.new_buffer((b, hkv, s), torch.float32, dev)
-    dq_buf = buffers.new_buffer((n_slots, di), slot_dtype, dev)
-    kl_buf = buffers.new_buffer((n_slots,), torch.float32, dev)
-    dk_part = buffers.new_buffer((pool * p.block, di), torch.float32, dev)
-    reduce_grid = (min(work.splits_per_chunk * (p.block // ROWS), kv.reduce_programs(dev)),)
-    dims = {**p.index_dims(), "HEAD_DIM": d, "D_PAD": _pad(d), "G": group}
-    scalars = (scale * LOG2E, LOG2E / math.sqrt(di), 1.0 / group, 1.0 / (rows * math.sqrt(di)))
-    tensors = (q, k, lse, p.q_idx, p.k_idx, lse_idx, grad, rev.entries)
-    sizes = (chunk, s, hq, hkv, p.topk, p.n_blocks)
-    for c in range(rev.n_chunks):
-        _kl_bwd_kernel[(work.items_per_chunk, steps)](
-            *tensors, work.tiles, work.items, work.chunk_items, work.partial, dk_sum, dk_part, dq_buf, kl_buf, c,
-            *sizes, *scalars, **dims, HAS_DQ=steps == 1, **_opts(cfg, block_m, block_n),
+
+class KLBackward:
+    """:func:`kv_kl_backward` a query chunk at a time: :meth:`run` each chunk, then
+    :meth:`result`. Given ``chunks`` (the main attention backward's chunk length and reverse
+    index, ``kv_outer.attention.backward_chunks``), it is that backward's
+    ``ChunkFollower``: the teacher is not recomputed from the main queries and keys but read
+    from :attr:`teacher`, where the main backward's dK/dV kernel stored each chunk's sums
+    of P over the group's heads just before :meth:`run` (``q``, ``k`` and ``lse`` are then
+    not read). Else the teacher is recomputed (``_teacher_t``) on chunks of its own."""
+
+    def __init__(self, q, k, lse, q_idx, k_idx, lse_idx, index: BlockTopKIndex, scale: float, grad, rows: int,
+                 chunks=None):  # fmt: skip
+        q, k = q.contiguous(), k.contiguous()
+        lse, lse_idx = lse.float().contiguous(), lse_idx.float().contiguous()
+        grad = grad.detach().float().reshape(1).contiguous()
+        b, s, hq, d = q.shape
+        p = _Problem.of(q_idx, k_idx, index, q.numel() * q.element_size(), d)
+        hkv, di = p.q_idx.shape[2], p.q_idx.shape[3]
+        dev = q.device
+        self.cfg, self.block_m, self.block_n = p.config("bwd")
+        self.steps = p.block // self.block_n
+        slot_dtype = kv.dq_slot_dtype(p.q_idx.dtype)
+        if chunks is None:
+            self.chunk = p.chunk("bwd", di * slot_dtype.itemsize + 4)
+            self.rev = p.reverse_index(self.chunk)
+        else:
+            self.chunk, self.rev = chunks
+        n_slots = p.slot_rows(self.chunk) * p.topk
+        self.teacher = None if chunks is None else buffers.new_buffer((n_slots, p.block), torch.float32, dev)
+        # Split groups' dK partials (fp32, a whole block each): PARTIAL_SHARE of the dq slots' bytes.
+        pool = max(2, int(kv.PARTIAL_SHARE * n_slots * di * slot_dtype.itemsize) // (p.block * di * 4))
+        self.work = work_list(self.rev, self.block_m, self.cfg.tiles_per_item * self.steps, pool)
+        if self.steps > 1:
+            self.dq_cfg, self.dq_block_m, self.dq_block_n = p.config("dq")
+            tiles = max(1, self.dq_cfg.tiles_per_item // (p.block // self.dq_block_n))
+            self.dq_work = work_list(self.rev, self.dq_block_m, tiles)
+
+        self.dk_sum = torch.zeros((b, s, hkv, di), dtype=torch.float32, device=dev)
+        self.dq_idx = buffers.new_buffer(p.q_idx.shape, p.q_idx.dtype, dev)
+        self.kl = buffers.new_buffer((b, hkv, s), torch.float32, dev)
+        self.dq_buf = buffers.new_buffer((n_slots, di), slot_dtype, dev)
+        self.kl_buf = buffers.new_buffer((n_slots,), torch.float32, dev)
+        self.dk_part = buffers.new_buffer((pool * p.block, di), torch.float32, dev)
+        self.reduce_grid = (min(self.work.splits_per_chunk * (p.block // ROWS), kv.reduce_programs(dev)),)
+        group = hq // hkv
+        self.dims = {**p.index_dims(), "HEAD_DIM": d, "D_PAD": _pad(d), "G": group}
+        if self.teacher is not None:
+            self.dims |= {"TEACHER": self.teacher, "HAS_TEACHER": True}
+        self.scalars = (scale * LOG2E, LOG2E / math.sqrt(di), 1.0 / group, 1.0 / (rows * math.sqrt(di)))
+        self.tensors = (q, k, lse, p.q_idx, p.k_idx, lse_idx, grad, self.rev.entries)
+        self.sizes = (self.chunk, s, hq, hkv, p.topk, p.n_blocks)
+        self.p = p
+
+    def run(self, c: int) -> None:
+        """The kernels of query chunk ``c``."""
+        p, work, s, hkv = self.p, self.work, self.sizes[1], self.sizes[3]
+        _kl_bwd_kernel[(work.items_per_chunk, self.steps)](
+            *self.tensors, work.tiles, work.items, work.chunk_items, work.partial, self.dk_sum, self.dk_part,
+            self.dq_buf, self.kl_buf, c, *self.sizes, *self.scalars, **self.dims, HAS_DQ=self.steps == 1,
+            **_opts(self.cfg, self.block_m, self.block_n),
         )  # fmt: skip
-        if steps > 1:
+        if self.steps > 1:
+            dq_work = self.dq_work
             _kl_dq_kernel[(dq_work.items_per_chunk,)](
-                *tensors, dq_work.tiles, dq_work.items, dq_work.chunk_items, dq_buf, kl_buf, c, *sizes, *scalars,
-                **dims, **_opts(dq_cfg, dq_block_m, dq_block_n),
+                *self.tensors, dq_work.tiles, dq_work.items, dq_work.chunk_items, self.dq_buf, self.kl_buf, c,
+                *self.sizes, *self.scalars, **self.dims, **_opts(self.dq_cfg, self.dq_block_m, self.dq_block_n),
             )  # fmt: skip
         # dK alone: the dV arguments are placeholders, not read.
-        kv_kernels._reduce_kernel[reduce_grid](
-            work.splits, work.chunk_splits, dk_part, dk_part, dk_sum, dk_sum, c, s, hkv, p.n_blocks,
-            HEAD_DIM=di, D_PAD=dims["DI_PAD"], BLOCK=p.block, ROWS=ROWS, HAS_DV=False,
+        kv_kernels._reduce_kernel[self.reduce_grid](
+            work.splits, work.chunk_splits, self.dk_part, self.dk_part, self.dk_sum, self.dk_sum, c, s, hkv,
+            p.n_blocks, HEAD_DIM=self.dims["DI"], D_PAD=self.dims["DI_PAD"], BLOCK=p.block, ROWS=ROWS, HAS_DV=False,
         )  # fmt: skip
-        kv_kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
-            dq_buf, p.blocks, dq_idx, c, *p.slot_args(chunk), HEAD_DIM=di, ROWS=ROWS, D_PAD=dims["DI_PAD"],
-            STAT_BUF=kl_buf, STAT=kl, HAS_STAT=True,
+        kv_kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(self.chunk), ROWS),)](
+            self.dq_buf, p.blocks, self.dq_idx, c, *p.slot_args(self.chunk), HEAD_DIM=self.dims["DI"], ROWS=ROWS,
+            D_PAD=self.dims["DI_PAD"], STAT_BUF=self.kl_buf, STAT=self.kl, HAS_STAT=True,
         )  # fmt: skip
-    return dq_idx, dk_sum.sum(2, keepdim=True).to(p.k_idx.dtype), kl
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq_idx, dk_idx, per-row KL), once every chunk has run."""
+        return self.dq_idx, self.dk_sum.sum(2, keepdim=True).to(self.p.k_idx.dtype), self.kl
 
 
 @dataclass(frozen=True)

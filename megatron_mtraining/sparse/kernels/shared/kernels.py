@@ -65,7 +65,8 @@ def _dq_step(dq, q, do, lse, delta, k, v, col_pos, col_ok, row_pos, row_first, q
 @triton.jit
 def _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION: tl.constexpr):
     """dK/dV sums with one step of rows added, from that step's unscaled transposed logits
-    ``s`` (keys x rows, invisible at -inf), and the step's dS^T in q's dtype (for a dQ). The
+    ``s`` (keys x rows, invisible at -inf), the step's dS^T in q's dtype (for a dQ) and its
+    probabilities P^T (fp32; MSA's KL takes them as its teacher, ``kv_outer._bwd_kernel``). The
     scale is folded into the exponent's argument, one fused multiply-add an element, which
     made both dK/dV kernels faster; in the forward and dQ kernels the same fold measured no
     gain (docs/benchmarks.md, "Forward mask variants, the scale fold and a launch sweep")."""
@@ -74,4 +75,4 @@ def _transposed_grads(dk, dv, s, q, v, do, lse, delta, qk_scale, PRECISION: tl.c
     dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds = (p * (dp - delta[None, :])).to(q.dtype)
     dk += tl.dot(ds, q, input_precision=PRECISION)
-    return dk, dv, ds
+    return dk, dv, ds, p
