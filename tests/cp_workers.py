@@ -291,14 +291,22 @@ def check_ring_with_nothing_attended(rank, world, backend, kv_exchange):
 
 
 def check_ring_with_documents(
-    rank, world, seed, seq, kernels: bool, kv_exchange: str, layouts=("contiguous", "zigzag", "striped")
+    rank,
+    world,
+    seed,
+    seq,
+    kernels: bool,
+    kv_exchange: str,
+    layouts=("contiguous", "zigzag", "striped"),
+    inner_size: int | None = None,
 ):
     """Packed documents over the ring (or the all-gather): each pattern's distributed index
     with ``cu_seqlens`` equals the single-device one, and the rank's attention (fp64 on the
     reference path, or fp32 on the Triton kernels with poisoned outputs) equals fp64 dense
     attention under the index's mask, which stays inside the block-diagonal causal mask,
     gradients included; the recorded areas add up to the index's. ``layouts``: the kinds
-    (``balanced`` placed by the boundaries)."""
+    (``balanced`` placed by the boundaries); ``inner_size``: a hierarchical ring, inner rings
+    of that many ranks."""
     from dense_reference import dense_attention, finite
     from documents_reference import block_diagonal, random_boundaries
 
@@ -311,6 +319,7 @@ def check_ring_with_documents(
     # The ring's LSE is fp32, so its gradient's share is too (as in check_ring_equals_single_device).
     dtype, tol, grad_tol = (torch.float32, 2e-5, 1e-4) if kernels else (torch.float64, 1e-10, 1e-5)
     device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
+    hierarchy = new_hierarchy(inner_size) if inner_size else None
     cu = random_boundaries(gen, seq)
     allowed = block_diagonal(cu, seq)
     vs = VerticalSlashConfig(last_q=16, vertical_topp=0.5, slash_topp=0.5, block_size=16, sink_tokens=2, dense_below=32)
@@ -334,7 +343,7 @@ def check_ring_with_documents(
         grads = torch.autograd.grad((out * g_out).sum() + (finite(lse) * g_lse).sum(), (qr, kr, vr))
         for layout_kind in layouts:
             layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, documents=cu)
-            where = f"documents cp={world} {kv_exchange} kernels={kernels} rank={rank} {kind} {layout_kind}"
+            where = f"documents cp={world} inner={inner_size} {kv_exchange} kernels={kernels} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
             local = pattern
             if kind == "msa":  # each rank has its tokens' index queries and keys
@@ -347,8 +356,8 @@ def check_ring_with_documents(
                 assert torch.equal(built.blocks[:, mine], index.blocks[:, mine]), where
             stats = RingStats()
             l_out, l_lse = ring_attention(
-                lq, lk, lv, local, layout, None, softmax_scale=scale, stats=stats, kv_exchange=kv_exchange,
-                backend="triton" if kernels else None, cu_seqlens=cu.to(device),
+                lq, lk, lv, local, layout, None, hierarchy=hierarchy, softmax_scale=scale, stats=stats,
+                kv_exchange=kv_exchange, backend="triton" if kernels else None, cu_seqlens=cu.to(device),
             )  # fmt: skip
             assert not l_out.isnan().any(), where
             torch.testing.assert_close(

@@ -684,19 +684,55 @@ def test_context_parallel_document_statistics_reduced_once(rng):
     run(2, check_document_statistics_reduced_once, seed, 192)
 
 
-@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
-def test_context_parallel_reference_path(kv_exchange, rng):
-    """CP 2 on gloo, fp64 reference path: contiguous, zigzag and striped layouts."""
+# (ranks, K/V exchange, inner ring size of a hierarchical ring): CP 2 and a 2x2 hierarchy by
+# default, CP 4 and 8 (flat and hierarchical, both exchanges) behind -m slow.
+CP_SHAPES = [
+    (2, "ring", None),
+    (2, "allgather", None),
+    (4, "ring", 2),
+    *(
+        pytest.param(*shape, marks=pytest.mark.slow)
+        for shape in (
+            (4, "ring", None),
+            (4, "allgather", None),
+            (8, "ring", None),
+            (8, "ring", 4),
+            (8, "allgather", None),
+        )
+    ),
+]
+
+
+def _tokens(world: int) -> int:
+    """Whole 16-token stripes on every rank: 192 up to CP 4, 256 at CP 8."""
+    return 192 if world <= 4 else 256
+
+
+@pytest.mark.parametrize("world,kv_exchange,inner", CP_SHAPES)
+def test_context_parallel_reference_path(world, kv_exchange, inner, rng):
+    """fp64 reference path on gloo: contiguous, zigzag and striped layouts, flat rings,
+    hierarchical ones (inner rings of ``inner`` ranks) and the all-gather."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    run(2, check_ring_with_documents, seed, 192, False, kv_exchange)
+    layouts = ("contiguous", "zigzag", "striped")
+    run(world, check_ring_with_documents, seed, _tokens(world), False, kv_exchange, layouts, inner)
 
 
 @KERNELS
-@pytest.mark.parametrize("kv_exchange", ["ring", pytest.param("allgather", marks=pytest.mark.slow)])
-def test_context_parallel_kernels(kv_exchange, rng):
-    """CP 2, the ring steps (and the column piece) or the all-gathered piece on the kernels."""
+@pytest.mark.parametrize(
+    "world,kv_exchange,inner",
+    [
+        (2, "ring", None),
+        pytest.param(2, "allgather", None, marks=pytest.mark.slow),
+        pytest.param(4, "ring", 2, marks=pytest.mark.slow),
+        pytest.param(8, "ring", None, marks=pytest.mark.slow),
+    ],
+)
+def test_context_parallel_kernels(world, kv_exchange, inner, rng):
+    """The ring steps (and the column piece) or the all-gathered piece on the kernels: CP 2
+    flat by default; the all-gather, a 2x2 hierarchy and CP 8 behind -m slow."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    run_on_device(2, check_ring_with_documents, seed, 192, True, kv_exchange)
+    layouts = ("contiguous", "zigzag", "striped")
+    run_on_device(world, check_ring_with_documents, seed, _tokens(world), True, kv_exchange, layouts, inner)
 
 
 @KERNELS
