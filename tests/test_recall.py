@@ -106,6 +106,13 @@ def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
         pattern = VerticalSlashPattern(cfg)
     index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
     rows = _draw(pattern, index, seq, rng)
+    if kind != "dense":
+        # Rows near a document's start may see every key they can (about one draw in 60 has
+        # only such rows): draw again until some row is sparse, so the recall must fall below 1.
+        for _ in range(50):
+            if (_dense_recall(q, k, index, rows) < 1 - 1e-6).any():
+                break
+            rows = _draw(pattern, index, seq, rng)
     recall = heldout_recall(q, k, index, rows)
     torch.testing.assert_close(recall, _dense_recall(q, k, index, rows).float(), rtol=1e-6, atol=1e-6)
     if kind != "dense":

@@ -292,6 +292,7 @@ class SparseCoreAttention(MegatronModule):
             # Attention and KL in one call, so that on the KV-outer kernels the attention's
             # backward hands the KL its teacher (the step report then counts that KL as
             # attention; a KL of its own runs in the msa_kl range).
+            self._index_metrics(q, k, index, cu_seqlens)
             out, _, kl = msa_attention(
                 q, k, v, q_idx, k_idx, index, self.softmax_scale, self._record_kl, backend,
                 kl_scope=lambda: part_range("msa_kl"),
@@ -310,6 +311,11 @@ class SparseCoreAttention(MegatronModule):
     def _msa_metrics(self, q, k, q_idx, k_idx, index, layout) -> None:
         """Called by :meth:`_msa` with the selection before the main branch runs: a hook for
         ``training.attention_metrics.MeasuredCoreAttention`` (MSA's recall); nothing here."""
+
+    def _index_metrics(self, q, k, index, cu_seqlens=None) -> None:
+        """Called with a single-device index before attention that bypasses :meth:`_attend`
+        (:meth:`_msa` in training): a hook for ``MeasuredCoreAttention`` (the attended
+        fraction and recalls, which its ``_attend`` records otherwise); nothing here."""
 
     def _record_kl(self, value: torch.Tensor) -> None:
         record_kl(value, self.layer_number, self.config.num_layers, self.cp_group)

@@ -153,25 +153,31 @@ class MeasuredCoreAttention(SparseCoreAttention):
             self._record(BLOCK_RECALL_METRIC, block.mean() * share, group)
             self._record(SCORE_RECALL_METRIC, score.mean() * share, group)
 
+    def _index_metrics(self, q, k, index, cu_seqlens=None) -> None:
+        # Marks the micro-batch measured, as _attend does.
+        flag = self._measuring()
+        if flag is None:
+            return
+        self._measured_micro_batch = flag.micro_batch
+        with part_range("metrics"):
+            fraction = index.attended_area().sum().double() / _causal_pairs(q, q.shape[1], cu_seqlens)
+            self._record(FRACTION_METRIC, fraction * flag.weight, None, flag.tracker)
+            if not flag.evaluation:
+                self._recalls(q, k, index, None, flag)
+
     def _attend(self, q, k, v, pattern, layout, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         flag = self._measuring()
         if flag is None:
             return super()._attend(q, k, v, pattern, layout, cu_seqlens)
-        self._measured_micro_batch = flag.micro_batch
-        weight, tracker = flag.weight, flag.tracker
-        seq = q.shape[1] if layout is None else layout.seq_len
-        # Attendable pairs: the causal triangle, or each packed document's.
-        lengths = [seq] if cu_seqlens is None else packed_documents(cu_seqlens, seq).lengths()
-        causal = q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
         if layout is None:
             with part_range("index"):
                 source = self._source(pattern, q, k, None, cu_seqlens)
                 index = build_index(source, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
-            with part_range("metrics"):
-                self._record(FRACTION_METRIC, index.attended_area().sum().double() * (weight / causal), None, tracker)
-                if not flag.evaluation:
-                    self._recalls(q, k, index, None, flag)
+            self._index_metrics(q, k, index, cu_seqlens)
             return super()._attend(q, k, v, index, layout)
+        self._measured_micro_batch = flag.micro_batch
+        weight, tracker = flag.weight, flag.tracker
+        causal = _causal_pairs(q, layout.seq_len, cu_seqlens)
         # Built here rather than inside the ring so that the recall scores the index the ring runs.
         with part_range("index"):
             source = self._source(pattern, q, k, layout, cu_seqlens)
@@ -227,6 +233,13 @@ class MeasuredCoreAttention(SparseCoreAttention):
         tensor = torch.as_tensor(value).to(device=torch.cuda.current_device(), dtype=torch.float32)
         tracker = get_attention_metrics_tracker() if tracker is None else tracker
         tracker.record(name, tensor, self.layer_number, self.config.num_layers, group)
+
+
+def _causal_pairs(q: torch.Tensor, seq: int, cu_seqlens=None) -> float:
+    """Attendable pairs of a ``seq``-token sample: the causal triangle, or each packed
+    document's, per batch row and query head."""
+    lengths = [seq] if cu_seqlens is None else packed_documents(cu_seqlens, seq).lengths()
+    return q.shape[0] * q.shape[2] * sum(n * (n + 1) / 2 for n in lengths)
 
 
 def measured(block_spec):
