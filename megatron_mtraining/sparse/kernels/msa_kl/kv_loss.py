@@ -12,7 +12,10 @@ at the end (the index keys are the groups' shared head). Nothing is ``S x S``.
 
 :class:`KVOuterKL` is the order ``loss.FusedMSAKL`` takes (``loss.fused_kl``);
 :func:`kv_index_lse` and :func:`kv_kl_backward` are ``loss.index_lse`` and
-``loss.kl_backward`` in this order.
+``loss.kl_backward`` in this order. :class:`KLBackward` runs the backward a query chunk at
+a time, on chunks of its own or, reading the teacher the attention's backward stored, on
+the attention's (``kv_attention``: then a chunk's teacher buffer, ``B x chunk x Hkv x k x
+block`` fp32, is added to the memory above).
 """
 
 from __future__ import annotations
