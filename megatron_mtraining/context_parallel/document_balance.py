@@ -94,17 +94,13 @@ def balanced_stripe_ranks(bounds: tuple[int, ...], seq_len: int, stripe: int, cp
     n, w = seq_len // stripe, cp_size
     if w == 1:
         return torch.zeros(n, dtype=torch.int64)
-    owner = stripe_documents(bounds, seq_len, stripe).numpy()
-    # Documents as runs of stripes (owners never decrease), in stripe order.
-    starts = np.flatnonzero(np.diff(owner, prepend=-1))
-    lengths = np.diff(starts, append=n)
-    long = lengths >= LONG_PERIODS * w
-    placement = Placement(w, starts, lengths, document_tiles(bounds, stripe, owner[starts[long]]))
+    placement = Placement(bounds, seq_len, stripe, w)
+    lengths = placement.lengths
     free, shorts = np.ones(w, dtype=bool), 0
     for m in np.argsort(-lengths, kind="stable"):
         if lengths[m] < filler_length(w):
             break
-        if long[m]:
+        if placement.striped[m]:
             placement.place_striped(m)
             continue
         if shorts % w == 0:
@@ -116,32 +112,62 @@ def balanced_stripe_ranks(bounds: tuple[int, ...], seq_len: int, stripe: int, cp
     return torch.from_numpy(_even_counts(placement.ranks, lengths[placement.run], w))
 
 
-def document_tiles(bounds: tuple[int, ...], stripe: int, striped: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(q, k, area)`` int64: every tile ``(q, k)``, ``k <= q``, of every document but the
-    ``striped`` ones (counted in closed form), one entry per document: its token pairs in
-    the two stripes (on the diagonal, the causal half with its own diagonal) in
-    ``TILE_UNITS`` per whole tile, rounded half up; tiles rounding to nothing are left out."""
-    cu = np.asarray(bounds, dtype=np.int64)
-    keep = np.ones(len(cu) - 1, dtype=bool)
-    keep[striped] = False
-    begin, end = cu[:-1][keep], cu[1:][keep]
-    first = begin // stripe
-    span = (end - 1) // stripe - first + 1
-    # Rows (a document's stripe i, from its first) of every document, then each row's tiles.
-    row_start = np.cumsum(span) - span
-    row_doc = np.repeat(np.arange(len(begin)), span)
-    row_i = np.arange(len(row_doc)) - row_start[row_doc]
-    row_stripe = first[row_doc] + row_i
-    tokens = np.minimum(end[row_doc], (row_stripe + 1) * stripe) - np.maximum(begin[row_doc], row_stripe * stripe)
-    row = np.repeat(np.arange(len(row_doc)), row_i + 1)
-    j = np.arange(len(row)) - np.repeat(np.cumsum(row_i + 1) - (row_i + 1), row_i + 1)
-    key_row = row_start[row_doc[row]] + j
-    q, k = row_stripe[row], row_stripe[key_row]
-    tq, tk = tokens[row], tokens[key_row]
-    twice = np.where(row == key_row, tq * (tq + 1), 2 * tq * tk)
-    area = (TILE_UNITS * twice + stripe * stripe) // (2 * stripe * stripe)
-    kept = area > 0
-    return q[kept], k[kept], area[kept]
+def document_tiles(bounds: tuple[int, ...], seq_len: int, stripe: int, cp_size: int) -> tuple[np.ndarray, ...]:
+    """``(q, k, area)``: every tile the cost model counts, one entry per document and tile:
+    the runs' own (``Placement.run_tiles``) and the tiles across runs' edges
+    (``boundary_tiles``); striped documents' own tiles, counted whole in closed form, are
+    not among them."""
+    placement = Placement(bounds, seq_len, stripe, cp_size)
+    parts = [placement.run_tiles(m) for m in np.flatnonzero(~placement.striped)]
+    parts.append((placement.q, placement.k, placement.area))
+    q, k, area = (np.concatenate(x) for x in zip(*parts, strict=True))
+    return q[area > 0], k[area > 0], area[area > 0]
+
+
+def tile_area(tokens_q: np.ndarray, tokens_k: np.ndarray, diagonal: np.ndarray, stripe: int) -> np.ndarray:
+    """A document's tile area from its tokens in the query and key stripes: its token pairs
+    (on the diagonal, the causal half with its own diagonal) in ``TILE_UNITS`` per whole
+    tile, rounded half up."""
+    twice = np.where(diagonal, tokens_q * (tokens_q + 1), 2 * tokens_q * tokens_k)
+    return (TILE_UNITS * twice + stripe * stripe) // (2 * stripe * stripe)
+
+
+def boundary_tiles(
+    cu: np.ndarray, stripe: int, run_doc: np.ndarray, starts: np.ndarray, lengths: np.ndarray, striped: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """``(q, k, area)`` int64: the tiles of every document but the ``striped`` ones with a
+    stripe outside the document's run (its first or last stripe, where another document holds
+    most tokens; every tile of a document that holds no stripe), those of some area. A
+    document's tiles inside its run are ``Placement.run_tiles``."""
+    n_docs = len(cu) - 1
+    lo, hi = np.full(n_docs, -1), np.full(n_docs, -1)
+    lo[run_doc], hi[run_doc] = starts, starts + lengths
+    keep = np.ones(n_docs, dtype=bool)
+    keep[run_doc[striped]] = False
+    d = np.flatnonzero(keep)
+    begin, end = cu[d], cu[d + 1]
+    first, last = begin // stripe, (end - 1) // stripe
+    span, owns = last - first + 1, lo[d] >= 0
+    first_out, last_out = ~owns | (first < lo[d]), ~owns | (last >= hi[d])
+    # The last stripe's row (last, j) where it lies outside; the first stripe's column (i,
+    # first) where it does, less (last, first) when the row holds it.
+    row = np.where(last_out, span, 0)
+    column = np.where(first_out, span - last_out, 0)
+    row_doc, column_doc = np.repeat(np.arange(len(d)), row), np.repeat(np.arange(len(d)), column)
+    q = np.concatenate([last[row_doc], first[column_doc] + _ramp(column)])
+    k = np.concatenate([first[row_doc] + _ramp(row), first[column_doc]])
+    doc = np.concatenate([row_doc, column_doc])
+
+    def tokens(x: np.ndarray) -> np.ndarray:
+        return np.minimum(end[doc], (x + 1) * stripe) - np.maximum(begin[doc], x * stripe)
+
+    area = tile_area(tokens(q), tokens(k), q == k, stripe)
+    return q[area > 0], k[area > 0], area[area > 0]
+
+
+def _ramp(counts: np.ndarray) -> np.ndarray:
+    """``0, 1, ..., c - 1`` for every ``c`` in ``counts``, concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def window_count(w: int) -> int:
@@ -175,56 +201,84 @@ class Placement:
     ``psi[b, s] = sum_r phi[b, r, s]`` (the per-step variance's derivative); the factor 2 is
     left out throughout.
 
-    NumPy, not torch: a few small operations per document and stripe, which torch hands to
-    its intra-op threads (on a busy 2-core host that made the layout 50 times slower)."""
+    A run's own tiles (its document's, both stripes in the run) follow from the document's
+    tokens in its stripes and are made when needed (``run_tiles``); the tiles across runs'
+    edges are listed once (``boundary_tiles``), by run. NumPy, not torch: a few small
+    operations per document and stripe, which torch hands to its intra-op threads (on a busy
+    2-core host that made the layout 50 times slower)."""
 
-    def __init__(self, w: int, starts: np.ndarray, lengths: np.ndarray, tiles: tuple[np.ndarray, ...]):
-        self.w, self.starts, self.lengths = w, starts, lengths
-        self.run = np.repeat(np.arange(len(starts)), lengths)
-        self.ranks = np.full(int(lengths.sum()), -1, dtype=np.int64)
-        q, k, area = tiles
+    def __init__(self, bounds: tuple[int, ...], seq_len: int, stripe: int, w: int):
+        n = seq_len // stripe
+        owner = stripe_documents(bounds, seq_len, stripe).numpy()
+        # Documents as runs of stripes (owners never decrease), in stripe order.
+        self.starts = np.flatnonzero(np.diff(owner, prepend=-1))
+        self.lengths = np.diff(self.starts, append=n)
+        self.doc, self.striped = owner[self.starts], self.lengths >= LONG_PERIODS * w
+        self.w, self.stripe, self.cu = w, stripe, np.asarray(bounds, dtype=np.int64)
+        self.run = np.repeat(np.arange(len(self.starts)), self.lengths)
+        self.ranks = np.full(n, -1, dtype=np.int64)
+        q, k, area = boundary_tiles(self.cu, stripe, self.doc, self.starts, self.lengths, self.striped)
         run_q, run_k = self.run[q], self.run[k]
-        # Each run's own tiles (both stripes in it), by run, with their slot in the run's
-        # triangle of tiles; the tiles between runs under both.
+        # Listed tiles with both stripes in one run (other documents' tokens in its first or
+        # last stripe), by run, with their slot in the run's triangle of tiles; the tiles
+        # between runs under both.
         own = np.flatnonzero(run_q == run_k)
         own = own[np.argsort(run_q[own], kind="stable")]
-        self.own = own
-        self.own_ptr = np.searchsorted(run_q[own], np.arange(len(starts) + 1))
-        base = starts[run_q[own]]
-        self.own_slot = _triangular(q[own] - base) + k[own] - base
+        base = self.starts[run_q[own]]
+        self.own, self.own_slot = own, _triangular(q[own] - base) + k[own] - base
+        self.own_ptr = np.searchsorted(run_q[own], np.arange(len(self.starts) + 1))
         cross = np.flatnonzero(run_q != run_k)
         cross_run = np.concatenate([run_q[cross], run_k[cross]])
         order = np.argsort(cross_run, kind="stable")
         self.cross = np.concatenate([cross, cross])[order]
-        self.cross_ptr = np.searchsorted(cross_run[order], np.arange(len(starts) + 1))
-        self.q, self.k, self.area = q, k, area
-        self.bucket = diagonal_bucket(q - k, w)
+        self.cross_ptr = np.searchsorted(cross_run[order], np.arange(len(self.starts) + 1))
+        self.q, self.k, self.area, self.bucket = q, k, area, diagonal_bucket(q - k, w)
+        self._touching: dict = {}
         self.coupling = window_coupling(w)
         self.coupling_f = self.coupling.astype(np.float64)
         self.phi = np.zeros((window_count(w), w, w), dtype=np.int64)
         self.psi = np.zeros((window_count(w), w), dtype=np.int64)  # phi summed over the ranks
 
     # -- tiles ------------------------------------------------------------------------------
+    def run_tiles(self, m: int) -> tuple[np.ndarray, ...]:
+        """``(q, k, area)`` of run ``m``'s document inside the run (shorter than ``LONG_PERIODS
+        * w`` stripes), every tile ``(i, j)``, ``j <= i``, by ``i`` then ``j``."""
+        lo, length, d = int(self.starts[m]), int(self.lengths[m]), self.doc[m]
+        stripes = np.arange(lo, lo + length)
+        tokens = np.minimum(self.cu[d + 1], (stripes + 1) * self.stripe) - np.maximum(self.cu[d], stripes * self.stripe)
+        i, j = _triangle(self.w)
+        i, j = i[: _triangular(length)], j[: _triangular(length)]
+        return lo + i, lo + j, tile_area(tokens[i], tokens[j], i == j, self.stripe)
+
     def _own(self, m: int) -> np.ndarray:
         return self.own[self.own_ptr[m] : self.own_ptr[m + 1]]
 
     def _cross(self, m: int) -> np.ndarray:
-        """Run ``m``'s tiles with stripes of other runs, those whose other stripe is placed."""
+        """Run ``m``'s listed tiles with stripes of other runs, those whose other stripe is placed."""
         cross = self.cross[self.cross_ptr[m] : self.cross_ptr[m + 1]]
         q = self.q[cross]
         return cross[self.ranks[np.where(self.run[q] == m, self.k[cross], q)] >= 0]
 
-    def _incident(self, s: int) -> np.ndarray:
-        """Stripe ``s``'s tiles whose other stripe is placed, and its own tile."""
-        m = self.run[s]
-        tiles = np.concatenate([self._own(m), self.cross[self.cross_ptr[m] : self.cross_ptr[m + 1]]])
-        q, k = self.q[tiles], self.k[tiles]
-        return tiles[((q == s) & ((k == s) | (self.ranks[k] >= 0))) | ((k == s) & (q != s) & (self.ranks[q] >= 0))]
+    def _listed(self, tiles: np.ndarray) -> tuple[np.ndarray, ...]:
+        return self.q[tiles], self.k[tiles], self.area[tiles], self.bucket[tiles]
 
-    def _count(self, tiles: np.ndarray, sign: int = 1) -> None:
-        """Adds (or takes out) placed ``tiles`` to the potential and its step sums."""
-        w, rq, rk = self.w, self.ranks[self.q[tiles]], self.ranks[self.k[tiles]]
-        self._add((self.bucket[tiles] * w + rq) * w + (rq - rk) % w, sign * self.area[tiles])
+    def _incident(self, s: int) -> tuple[np.ndarray, ...]:
+        """``(q, k, area, bucket)``: stripe ``s``'s tiles whose other stripe is placed, and its
+        own tile (a stripe of a run shorter than ``LONG_PERIODS * w``)."""
+        m = self.run[s]
+        if m not in self._touching:  # every tile with a stripe in the run, made once
+            q, k, area = self.run_tiles(m)
+            listed = self._listed(np.concatenate([self._own(m), self.cross[self.cross_ptr[m] : self.cross_ptr[m + 1]]]))
+            own = (q, k, area, diagonal_bucket(q - k, self.w))
+            self._touching[m] = tuple(np.concatenate(x) for x in zip(own, listed, strict=True))
+        q, k, area, bucket = self._touching[m]
+        keep = ((q == s) & ((k == s) | (self.ranks[k] >= 0))) | ((k == s) & (q != s) & (self.ranks[q] >= 0))
+        return q[keep], k[keep], area[keep], bucket[keep]
+
+    def _count(self, q: np.ndarray, k: np.ndarray, area: np.ndarray, bucket: np.ndarray, sign: int = 1) -> None:
+        """Adds (or takes out) placed tiles to the potential and its step sums."""
+        w, rq, rk = self.w, self.ranks[q], self.ranks[k]
+        self._add((bucket * w + rq) * w + (rq - rk) % w, sign * area)
 
     def _add(self, index: np.ndarray, area: np.ndarray) -> None:
         """Adds ``area`` at the flat (bucket, rank, step) ``index`` to the potential and its
@@ -242,13 +296,14 @@ class Placement:
         self.phi += added
         self.psi += added.sum(1)
 
-    def _first_order(self, tiles: np.ndarray, rq: np.ndarray, rk: np.ndarray) -> np.ndarray:
-        """``[K]``: the first-order cost of ``tiles`` with query and key ranks ``rq``, ``rk``
-        (``[K, T]``, one row per candidate)."""
-        w, b = self.w, self.bucket[tiles]
+    def _first_order(self, tiles: tuple[np.ndarray, ...], rq: np.ndarray, rk: np.ndarray) -> np.ndarray:
+        """``[K]``: the first-order cost of ``tiles`` (``(q, k, area, bucket)``) with query and
+        key ranks ``rq``, ``rk`` (``[K, T]``, one row per candidate)."""
+        _, _, area, b = tiles
+        w = self.w
         step = (rq - rk) % w
         gain = w * self.phi.reshape(-1)[(b * w + rq) * w + step] - self.psi.reshape(-1)[b * w + step]
-        return gain @ self.area[tiles]
+        return gain @ area
 
     def _check(self, area: int) -> None:
         if area * int(self.phi.max(initial=0)) * self.w >= _COST_LIMIT:
@@ -263,25 +318,28 @@ class Placement:
         the ``free`` ones, that least raises the cost; returns the rotation."""
         w, lo, length = self.w, int(self.starts[m]), int(self.lengths[m])
         own, cross = self._own(m), self._cross(m)
-        self._check(int(self.area[own].sum() + self.area[cross].sum()))
-        # The run's own tiles, by slot of its triangle: a rotation moves every one to another
-        # rank on its step, so the steps' sums (psi) do not change with it; only phi's gather.
-        slots = self.own_slot[self.own_ptr[m] : self.own_ptr[m + 1]]
-        slot_area = _summed(slots, self.area[own], (_triangular(length),))
+        # The run's tiles by slot of its triangle: a rotation moves every one to another rank
+        # on its step, so the steps' sums (psi) do not change with it, only phi's gather.
+        slot_area = self.run_tiles(m)[2] + _summed(
+            self.own_slot[self.own_ptr[m] : self.own_ptr[m + 1]], self.area[own], (_triangular(length),)
+        )
+        self._check(int(slot_area.sum() + self.area[cross].sum()))
+        rotations = np.flatnonzero(free)
         reads = _short_tiles(w)[: len(slot_area)]
-        cost = w * (slot_area @ self.phi.reshape(-1)[reads])
+        cost = w * (slot_area @ self.phi.reshape(-1)[reads[:, rotations]])
         # Tiles to stripes of other runs: both rank and step move with the rotation.
         offset = (_triangular(np.arange(length))[None, :] + np.arange(w)[:, None]) % w
         if len(cross):
             cq, ck = self.q[cross], self.k[cross]
             in_q = cq < lo + length  # else the key is this run's and the query lies after it
-            rq = np.where(in_q, offset[:, np.where(in_q, cq - lo, 0)], self.ranks[cq])
-            rk = np.where(in_q, self.ranks[ck], offset[:, np.where(in_q, 0, ck - lo)])
-            cost = cost + self._first_order(cross, rq, rk)
-        c = int(np.argmin(np.where(free, cost, _NEVER)))
+            at = offset[rotations]
+            rq = np.where(in_q, at[:, np.where(in_q, cq - lo, 0)], self.ranks[cq])
+            rk = np.where(in_q, self.ranks[ck], at[:, np.where(in_q, 0, ck - lo)])
+            cost = cost + self._first_order(self._listed(cross), rq, rk)
+        c = int(rotations[np.argmin(cost)])
         self.ranks[lo : lo + length] = offset[c]
         self._add(reads[:, c], slot_area)
-        self._count(cross)
+        self._count(*self._listed(cross))
         return c
 
     def place_striped(self, m: int) -> None:
@@ -307,7 +365,7 @@ class Placement:
         self.psi += added.sum(1)
         # Other documents' tiles on its stripes (their tokens in its first and last stripes).
         self.ranks[lo : lo + length] = (c + direction * np.arange(length)) % w
-        self._count(np.concatenate([self._own(m), self._cross(m)]))
+        self._count(*self._listed(np.concatenate([self._own(m), self._cross(m)])))
 
     # -- stripes ----------------------------------------------------------------------------
     def release_surplus(self) -> None:
@@ -322,7 +380,7 @@ class Placement:
         over = over[counts[self.ranks[over]] > per_rank]
         for s in over[np.argsort(span[over], kind="stable")]:
             if counts[self.ranks[s]] > per_rank:
-                self._count(self._incident(s), -1)
+                self._count(*self._incident(s), -1)
                 counts[self.ranks[s]] -= 1
                 self.ranks[s] = -1
 
@@ -336,14 +394,23 @@ class Placement:
         candidates = np.arange(w)[:, None]
         for s in left[np.argsort(-self.lengths[self.run[left]], kind="stable")]:
             tiles = self._incident(s)
-            q, k = self.q[tiles], self.k[tiles]
+            q, k = tiles[:2]
             rq = np.where(q == s, candidates, self.ranks[q])
             rk = np.where(k == s, candidates, self.ranks[k])
             cost = self._first_order(tiles, rq, rk)
             r = int(np.argmin(np.where(counts < per_rank, cost, _NEVER)))
             self.ranks[s] = r
             counts[r] += 1
-            self._count(tiles)
+            self._count(*tiles)
+
+
+@functools.lru_cache(maxsize=8)
+def _triangle(w: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(i, j)``: the tiles ``j <= i`` of the longest short run, by ``i`` then ``j`` (a run
+    of ``L`` stripes has the first ``L (L + 1) / 2``)."""
+    longest = LONG_PERIODS * w - 1
+    i = np.repeat(np.arange(longest), np.arange(longest) + 1)
+    return i, np.arange(len(i)) - _triangular(i)
 
 
 @functools.lru_cache(maxsize=8)
@@ -352,9 +419,7 @@ def _short_tiles(w: int) -> np.ndarray:
     then ``j`` (a run of ``L`` stripes has the first ``L (L + 1) / 2``), their flat (bucket,
     rank, step) entry of the potential at each rotation: stripe ``i`` on rank offset ``i (i +
     1) / 2``, the tile on the step between its stripes' offsets."""
-    longest = LONG_PERIODS * w - 1
-    i = np.repeat(np.arange(longest), np.arange(longest) + 1)
-    j = np.arange(len(i)) - _triangular(i)
+    i, j = _triangle(w)
     rank = _triangular(i) % w
     step = (rank - _triangular(j)) % w
     cells = (rank[:, None] + np.arange(w)) % w * w + step[:, None]
