@@ -30,15 +30,19 @@ whole area:
   sequence); shorter ones put their stripe ``i`` on rank offset ``i (i + 1) / 2``, so their
   near diagonals spread over all ring steps instead of filling the first few;
 * documents of at least ``filler_length(W)`` stripes, longest first, each take the
-  rotation (and, striped ones, the direction) that least raises the cost to first order
-  given those placed before them. Those shorter than ``2 W`` stripes, in groups of ``W``,
-  take rotations not yet taken in their group: a group of similar documents then holds
-  every rotation of one shape, which balances every rank at every step by symmetry;
-* ranks then holding more than ``n / W`` stripes give up stripes, those of the shortest
-  documents first, and the stripes left (these and the documents shorter than
-  ``filler_length(W)``) are placed one at a time, longest documents' first, each on the
-  rank with room whose cost it least raises: short documents and boundary stripes, cheap
-  to move and tied to few others, fill the cells the shapes left uneven.
+  rotation that least raises the cost to first order given those placed before them (its
+  tiles with placed stripes of other documents included); striped ones take the rotation
+  and direction that least raise the windows' squared loads by their own tiles, counted
+  whole in closed form (their steps do not move with the rotation). Those shorter than
+  ``2 W`` stripes, in groups of ``W``, take rotations not yet taken in their group: a group
+  of similar documents then holds every rotation of one shape, which balances every rank at
+  every step by symmetry;
+* ranks then holding more than ``n / W`` stripes give up stripes of documents shorter than
+  ``2 W``, the shortest documents' first, and the stripes left (these and the documents
+  shorter than ``filler_length(W)``) are placed one at a time, longest documents' first,
+  each on the rank with room whose cost its tiles to placed stripes least raise: short
+  documents and released stripes, tied to few others, fill the cells the shapes left
+  uneven (what striped documents alone leave over their share moves to the emptiest rank).
 
 All integers (int64; float64 only for sums of integers far below ``2^53``, which are
 exact), so every rank computes the same assignment from the same bounds whatever its CPU;
