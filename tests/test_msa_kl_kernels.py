@@ -20,6 +20,7 @@ import torch
 from dense_reference import assert_close_rel, dense_attention
 from documents_reference import block_diagonal, random_boundaries
 from msa_reference import kl_parts
+from test_kv_outer import small_work
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.context_parallel.step_tables import StepTables
@@ -605,11 +606,7 @@ def test_kl_with_attention_matches_fp64(case, dtype, rng, kdevice, small_kv_work
     if dtype == torch.bfloat16 and kdevice.type == "cpu":
         pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
     lists = small_kv_work(chunk=48, block_n=block_n)  # the KL's passes; their own chunks go unused
-    for name, cfg in kv.DEFAULTS.items():
-        small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=2)
-        monkeypatch.setitem(kv.OVERRIDES, name, small)
-    for name in kv.CHUNKS:
-        monkeypatch.setitem(kv.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=40))
+    small_work(monkeypatch, kv, chunk=40, tiles_per_item=2, block_n=block_n)  # the attention's
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
     v = torch.randn(k.shape, generator=rng).to(dtype).to(kdevice)
     blocks = _fresh_topk(rng, b, s, 1 if shared else hkv, topk, block)

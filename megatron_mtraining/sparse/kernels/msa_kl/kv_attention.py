@@ -66,7 +66,9 @@ def kv_outer_msa_backward(q, k, v, out, lse, dout, q_idx, k_idx, lse_idx, index:
     backward for ``dout`` and the KL's for ``grad * sum_rows KL / rows``, the KL's kernels
     run after each of the attention's query chunks on the teacher it stored."""
     p = kv._Problem.of(q, k, v, index, scale)
-    follower = KLBackward(q, k, lse, q_idx, k_idx, lse_idx, index, scale, grad, rows, chunks=kv.backward_chunks(p))
+    # p's q and k: contiguous once (the layer's q is a transposed view), not copied again here.
+    chunks = kv.backward_chunks(p)
+    follower = KLBackward(p.q, p.k, lse, q_idx, k_idx, lse_idx, index, scale, grad, rows, chunks=chunks)
     return *kv.kv_outer_backward(p, out, lse, dout, None, follower), *follower.result()
 
 
