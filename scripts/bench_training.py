@@ -14,8 +14,8 @@ Rows (``--rows``):
   dense-triton  dense attention on the plugin's own Triton kernel
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
-  msa-kl-recompute  ``msa`` with the KL's teacher recomputed by its own kernels
-                (``MTRAINING_KL_TEACHER=recompute``), not taken from the attention's backward
+  msa-kl-shared ``msa`` with the KL's teacher taken from the attention's backward
+                (``MTRAINING_KL_TEACHER=shared``), not recomputed by the KL's own kernels
 
 Per layer, two ways. ``--double`` runs every row again with twice the layers and takes the
 difference in steady s/iteration over the added layers: everything a layer costs, with no
@@ -51,10 +51,10 @@ ROWS = {
     "moba": ["attention.type=moba"],
     "msa": ["attention.type=msa", "attention.msa.warmup_steps=0"],
     "msa-warmup": ["attention.type=msa", "attention.msa.warmup_steps=1000"],
-    "msa-kl-recompute": ["attention.type=msa", "attention.msa.warmup_steps=0"],
+    "msa-kl-shared": ["attention.type=msa", "attention.msa.warmup_steps=0"],
 }
 # Rows that differ from another by the environment only.
-ROW_ENV = {"msa-kl-recompute": {"MTRAINING_KL_TEACHER": "recompute"}}
+ROW_ENV = {"msa-kl-shared": {"MTRAINING_KL_TEACHER": "shared"}}
 RECOMPUTE = {
     "full": [
         "megatron.recompute_granularity=full",

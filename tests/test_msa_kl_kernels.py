@@ -457,17 +457,20 @@ def test_kl_dispatch_follows_the_attention_order(rng):
         on_gpu = (q.cuda().half(), q_idx.cuda().half())
         assert kl_kernel(*on_gpu, sparse.to("cuda")).kernel == "msa_kl_kv_outer"
         assert kl_kernel(*on_gpu, packed.to("cuda")).kernel == "msa_kl"
-        assert kl_kernel(*on_gpu, sparse.to("cuda"), with_attention=True).kernel == "msa_kl_with_attention"
+        assert kl_kernel(*on_gpu, sparse.to("cuda"), with_attention=True).kernel == "msa_kl_kv_outer"
 
 
 def test_kl_with_attention_dispatch(rng, monkeypatch):
-    """With the attention in the same call, the KV-outer KL takes its teacher from the
-    attention's backward, unless ``MTRAINING_KL_TEACHER=recompute`` or the attention does not
-    run KV-outer; each says why. A bad setting names the variable."""
+    """With the attention in the same call, the KV-outer KL recomputes its teacher by
+    default and takes it from the attention's backward under ``MTRAINING_KL_TEACHER=shared``
+    where the attention runs KV-outer; each says why. A bad setting names the variable."""
     s = 1024
     q = torch.randn(1, s, 4, 16, generator=rng)
     q_idx = torch.randn(1, s, 2, 16, generator=rng)
     sparse, wide = _topk_of(s, 16, 2), _topk_of(s, 256, 2)
+    decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
+    assert decision.kernel == "msa_kl_kv_outer" and "MTRAINING_KL_TEACHER=recompute (the default" in decision.reason
+    monkeypatch.setenv(dispatch.KL_TEACHER_ENV, "shared")
     decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
     assert decision.kernel == "msa_kl_with_attention" and "teacher from its probabilities" in decision.reason
     assert kl_kernel(q, q_idx, wide, backend="triton", with_attention=True).kernel == "msa_kl"
@@ -480,7 +483,7 @@ def test_kl_with_attention_dispatch(rng, monkeypatch):
     decision = kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
     assert decision.kernel == "msa_kl_kv_outer" and "MTRAINING_KL_TEACHER=recompute" in decision.reason
     monkeypatch.setenv(dispatch.KL_TEACHER_ENV, "attention")
-    with pytest.raises(ValueError, match="MTRAINING_KL_TEACHER.*shared, recompute"):
+    with pytest.raises(ValueError, match="MTRAINING_KL_TEACHER.*recompute, shared"):
         kl_kernel(q, q_idx, sparse, backend="triton", with_attention=True)
 
 

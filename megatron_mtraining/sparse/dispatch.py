@@ -28,8 +28,8 @@ and every ring call logs it. The other kernel families follow the same setting:
 :func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
 (the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
 the fused kernels (``kernels/msa_kl``) or the PyTorch reference, and on one device with
-the KV-outer attention inside its backward (``msa_kl_with_attention``, unless
-``MTRAINING_KL_TEACHER=recompute``); the union-of-tiles KL backward takes one pass or two as
+the KV-outer attention inside its backward where ``MTRAINING_KL_TEACHER=shared``
+(``msa_kl_with_attention``); the union-of-tiles KL backward takes one pass or two as
 :func:`kl_backward_passes` says.
 """
 
@@ -55,10 +55,13 @@ KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
 # or over the union of tiles, which recompute the teacher; or msa_kl_loss's PyTorch.
 KL_KERNELS = ("msa_kl_with_attention", "msa_kl_kv_outer", "msa_kl", "reference")
 # Where the KV-outer KL's teacher comes from when the attention runs KV-outer in the same
-# call: the attention's backward (``shared``), or recomputed by the KL's own kernels
-# (``recompute``, to compare the two).
+# call: recomputed by the KL's own kernels (``recompute``), or the attention's backward
+# (``shared``: one fewer product per tile, but in the first measured training step the
+# attention's backward with the group sums cost more than the KL's own recomputation saved
+# (docs/benchmarks.md, "The MSA step with the KL's teacher shared or recomputed"), so it is
+# opt-in until its launches are tuned).
 KL_TEACHER_ENV = "MTRAINING_KL_TEACHER"
-KL_TEACHERS = ("shared", "recompute")
+KL_TEACHERS = ("recompute", "shared")
 # The union-of-tiles KL backward (:func:`kl_backward_passes`): the dK kernel adding dq_idx
 # and the KL rows by atomics, or the dQ and dK kernels.
 KL_BACKWARDS = ("one_pass", "two_pass")
@@ -130,8 +133,8 @@ def kl_kernel(
     whole kernel blocks, ``StepTables.whole_blocks``): one of :data:`KL_KERNELS`. With
     ``with_attention`` the caller would run the main attention in the same call
     (``msa.msa_attention``): where both run KV-outer, ``msa_kl_with_attention`` (one autograd
-    function, ``msa_kl.kv_attention``: the attention's backward hands the KL its teacher),
-    unless ``MTRAINING_KL_TEACHER=recompute``. The fused
+    function, ``msa_kl.kv_attention``: the attention's backward hands the KL its teacher)
+    where ``MTRAINING_KL_TEACHER=shared``. The fused
     Triton kernels (``kernels/msa_kl``: no KL forward, the teacher from that LSE, the value
     computed in the backward), where the kernels serve both the main and the index queries.
     On one device in the loop order the main attention takes (:func:`kv_outer_preferred`,
@@ -184,11 +187,11 @@ def kl_kernel(
 
 def _teacher_not_shared(q: torch.Tensor, index: BlockTopKIndex, backend: str | None) -> str | None:
     """Why the KV-outer KL cannot take its teacher from the attention's backward, or None."""
-    setting = os.environ.get(KL_TEACHER_ENV) or "shared"
+    setting = os.environ.get(KL_TEACHER_ENV) or KL_TEACHERS[0]
     if setting not in KL_TEACHERS:
         fail(KL_TEACHER_ENV, setting, f"one of {', '.join(KL_TEACHERS)}")
     if setting == "recompute":
-        return f"{KL_TEACHER_ENV}=recompute"
+        return f"{KL_TEACHER_ENV}=recompute (the default; shared measured slower)"
     attention = attention_kernel(q, index, backend)
     if attention.kernel != "kv_outer":
         return f"the attention runs on {attention.kernel}"
