@@ -252,6 +252,7 @@ def stage_record(run: str, attention: str, seed: int, sha: str = "aaaa", seq: in
         "seq_length": seq,
         "train_iters": 500,
         "iterations": 500,
+        "documents_masked": True,
         "tokens": 500 * 8 * seq,
         "stopped_by_time_limit": False,
         "s_per_iteration": 0.5,
@@ -285,7 +286,10 @@ def fixture_workdir(tmp_path):
             evals = {attention: fixture_results(attention, seed)}
             if attention == "dense":
                 evals["mtraining"] = fixture_results("mtraining", seed, loss=2.1)
-            write_run(tmp_path, run, stage_record(run, attention, seed, sha), evals)
+            record = stage_record(run, attention, seed, sha)
+            if (attention, seed) == ("msa", 2):  # a record from before the field existed
+                del record["documents_masked"]
+            write_run(tmp_path, run, record, evals)
     pre_plan = EvalPlan(tasks=PLAN.tasks, lengths=(2048,), depths=(0.0, 1.0), samples=10)
     write_run(
         tmp_path,
@@ -326,11 +330,13 @@ def test_report_tables_from_fixture_results(fixture_workdir):
     assert "**Target: met by msa; not met by mtraining (niah_single -10.0 points; perplexity +2.02%).**" in text
     # The dense model evaluated with MTraining at inference only.
     assert "| dense | mtraining | 1 | 85.0 | -5.0 | 8.166 | +10.52% |" in text
-    assert "seed 1: the same data and iterations" in text and "seed 2: different data" in text
+    assert "seed 1: the same data and iterations (" in text
+    assert "seed 2: different data, documents masked in some runs only" in text
     assert (
-        "| continue/msa-seed1 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | 0.500 | 4.000 -> 2.500 | 2.100 | 0.900 | 0.700 | 0.800 |"
+        "| continue/msa-seed1 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | masked | 0.500 | 4.000 -> 2.500 | 2.100 | 0.900 | 0.700 | 0.800 |"
         in text
     )
+    assert "| continue/msa-seed2 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | not recorded |" in text
     assert "### The pretrained model (dense, 2048 tokens)" in text and "| 100.0 | 80.0 | 90.0 | 7.389 |" in text
 
 
@@ -415,6 +421,7 @@ def test_data_and_pretraining(pretrained):
         assert (work / f"data/{split}.idx").is_file() and manifest["splits"][split]["tokens"] > 10000
     record = json.loads((work / "pretrain/stage.json").read_text())
     assert (record["iterations"], record["tokens"], record["attention"]) == (2, 2 * 2 * 256, "dense")
+    assert record["documents_masked"] is False
     assert not record["stopped_by_time_limit"] and (work / record["checkpoint"]).is_dir()
     assert record["data"]["sha256"] == manifest["splits"]["pretrain"]["sha256"]
     assert math.isfinite(record["lm_loss"]["last"])
@@ -457,6 +464,8 @@ def test_continued_msa_from_the_pretrained_model_elsewhere(pretrained, tiny, cap
     record = json.loads((work / "continue/msa-seed3/stage.json").read_text())
     assert record["started_from"] == {"checkpoint": "pretrain/checkpoints", "iteration": 2}
     assert (record["loaded_iteration"], record["iterations"], record["seed"]) == (0, 3, 3)
+    # The continued stage masks packed documents (the indexes are built per document).
+    assert record["documents_masked"] is True
     assert record["validation"]["iteration"] == 3 and record["data"]["split"] == "continue"
     for attention in ("msa", "dense"):
         results = json.loads((work / f"continue/msa-seed3/eval/{attention}/results.json").read_text())

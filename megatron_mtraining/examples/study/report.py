@@ -228,6 +228,7 @@ def summarize(workdir: Path) -> dict:
             "runs": [r.name for r in seeded],
             "same_data": len({r.record["data"]["sha256"] for r in seeded}) == 1,
             "same_iterations": len({r.record["iterations"] for r in seeded}) == 1,
+            "same_masking": len({r.record.get("documents_masked") for r in seeded}) == 1,
         }
     summary = {
         "tasks": tasks,
@@ -387,7 +388,7 @@ def markdown(summary: dict) -> str:
                 ("different data" if not check["same_data"] else "the same data")
                 + (", different iterations" if not check["same_iterations"] else "")
             )
-        )
+        ) + ("" if check.get("same_masking", True) else ", documents masked in some runs only")
         checks.append(f"seed {seed}: {same} ({', '.join(check['runs'])})")
     lines += ["Runs compared: " + "; ".join(checks) + ".", ""]
     rows = [
@@ -397,6 +398,7 @@ def markdown(summary: dict) -> str:
             r["date"][:10],
             str(r["commit"]),
             f"{r['iterations']} of {r['train_iters']}",
+            {True: "masked", False: "attend across"}.get(r.get("documents_masked"), "not recorded"),
             _num(r["s_per_iteration"]),
             f"{_num(r['lm_loss']['first'])} -> {_num(r['lm_loss']['last'])}",
             _num((r.get("validation") or {}).get("lm_loss")),
@@ -406,9 +408,20 @@ def markdown(summary: dict) -> str:
         ]
         for name, r in summary["records"].items()
     ]
-    header = ["run", "device", "date", "commit", "iterations", "s / iteration", "lm_loss", "validation loss"]
+    header = [
+        "run",
+        "device",
+        "date",
+        "commit",
+        "iterations",
+        "documents",
+        "s / iteration",
+        "lm_loss",
+        "validation loss",
+    ]
     lines += [
-        "Training: the held-out text's loss at the last validation; the share of the last queries' dense "
+        "Training: whether packed documents attended only within themselves (`reset_attention_mask`, the "
+        "indexes built per document); the held-out text's loss at the last validation; the share of the last queries' dense "
         "attention mass the index kept, for those queries (recall) and for sampled queries that did not build "
         "it (held-out recall), and MSA's block recall, means over the logged steps after MSA's warmup.",
         "",

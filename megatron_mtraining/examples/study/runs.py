@@ -257,6 +257,9 @@ class Study:
             "attention_settings": run_config.attention_dict(),
             "seq_length": run_config.value("seq_length"),
             "global_batch_size": run_config.value("global_batch_size"),
+            # Whether packed documents attended only within themselves (and the sparse indexes
+            # were built per document): runs that differ here are not comparable.
+            "documents_masked": bool(run_config.value("reset_attention_mask")),
             "train_iters": steps,
             **summary,
             "checkpoint": checkpoint.as_posix(),
