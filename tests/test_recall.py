@@ -119,6 +119,35 @@ def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
         assert (recall < 1).any()
 
 
+@pytest.mark.parametrize("kind", ["vertical_slash", "vertical_slash_documents", "moba", "msa"])
+def test_recall_on_the_window_kernels(kind, rng, kdevice, monkeypatch):
+    """The recall's softmax and kept mass on the window-statistics kernels (fp32 inputs,
+    as on a GPU; runs of rows that cross documents, held-out rows) against the fp64 dense
+    mass under the index's mask."""
+    seq = 200
+    q, k = _inputs(rng, seq)
+    cu = torch.tensor([0, 61, 90, 150, seq], dtype=torch.int32) if kind.endswith("documents") else None
+    pattern = _patterns(q, rng)[kind.removesuffix("_documents")]
+    if cu is not None:  # documents from 32 tokens on are sparse
+        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
+        pattern = VerticalSlashPattern(cfg)
+    index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
+    window = torch.arange(seq - ROWS, seq)  # crosses the last boundary where there are documents
+    rows = _draw(pattern, index, seq, rng)
+    want = [_dense_recall(q, k, index, r).float() for r in (window, rows)]
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
+
+    calls, kept_sums = [], WindowKernels.kept_sums
+    monkeypatch.setattr(WindowKernels, "kept_sums", lambda *a: calls.append(1) or kept_sums(*a))
+    qf, kf, on = q.float().to(kdevice), k.float().to(kdevice), index.to(kdevice)
+    got = [attention_recall(qf, kf, on, num_rows=ROWS), heldout_recall(qf, kf, on, rows)]
+    assert len(calls) == 2  # both on the kernels
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+    assert (want[0] < 1).any() or (want[1] < 1).any()
+
+
 def test_heldout_rows_are_seeded_runs_outside_the_excluded_rows():
     excluded = [(0, 5), (100, 130)]
     rows = heldout_rows(256, excluded, 3, 16, seed=7)

@@ -75,7 +75,8 @@ def _recall_of_rows(q, k, index, layout, group, rows, num_rows, softmax_scale) -
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     if index.complete:  # the same answer on every rank, with no collective
         return torch.ones(q.shape[0], q.shape[2], dtype=torch.float32, device=q.device)
-    positions = layout.token_positions(dist.get_rank(group), q.device).values  # cached: no copy per call
+    tokens = layout.token_positions(dist.get_rank(group), q.device)  # cached: no copy per call
+    positions = tokens.values
     if rows is None:
         row_pos = torch.arange(seq - num_rows, seq, device=q.device)
         q_rows = gather_window(q, positions, seq - num_rows, seq, group)
@@ -97,6 +98,7 @@ def _recall_of_rows(q, k, index, layout, group, rows, num_rows, softmax_scale) -
         rows,
         all_reduce_max=all_reduce_fn(dist.ReduceOp.MAX, group),
         all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
+        host_positions=tokens.host,
     )
 
 

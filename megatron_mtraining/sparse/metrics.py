@@ -11,6 +11,7 @@ from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, sin
 from .msa import MSAConfig, block_max_scores
 from .reference import compute_dtype
 from .validation import check_index_qk, check_int, check_qk, check_softmax_scale, fail
+from .vertical_slash import ObservationWindows, window_parts
 
 
 @torch.no_grad()
@@ -52,7 +53,7 @@ def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 
     if index.complete:
         return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
     q_rows = q[:, seq - num_rows :] if rows is None else q[:, rows.to(q.device, non_blocking=True)]
-    return recall_from_parts(q_rows, k, torch.arange(seq, device=q.device), index, scale, rows)
+    return recall_from_parts(q_rows, k, None, index, scale, rows)
 
 
 def heldout_rows(
@@ -95,36 +96,38 @@ def check_rows(rows, seq: int) -> None:
 def recall_from_parts(
     q_rows: torch.Tensor,
     k: torch.Tensor,
-    key_positions: torch.Tensor,
+    key_positions: torch.Tensor | None,
     index: SparseIndex,
     scale: float,
     rows: torch.Tensor | None = None,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
+    host_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attention_recall`` from the queries at positions ``rows`` (ascending int64 on the
     host; None: the last ``R`` of ``index.seq_len``, the window) and *some* of the keys,
-    given with their global positions; ``all_reduce_*`` combine the partial softmax
+    given with their global positions (None: every position, in order), on the device and
+    on the host (``host_positions``); ``all_reduce_*`` combine the partial softmax
     statistics across the holders of the other keys (identity on one device). ``index``
-    must hold those rows (a context-parallel builder's top-k index holds only its own)."""
-    bsz, n_rows, hq, _ = q_rows.shape
-    hkv, n_keys, seq = k.shape[2], k.shape[1], index.seq_len
-    if rows is None:
-        row_pos = torch.arange(seq - n_rows, seq, device=k.device)  # made on the device: no copy
-        rows = range(seq - n_rows, seq)
-    else:
-        row_pos, rows = rows.to(k.device, non_blocking=True), rows.tolist()
-    qr = q_rows.float().unflatten(2, (hkv, hq // hkv))
-    logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.float()).flatten(1, 2) * scale
-    hidden = key_positions.view(1, -1) > row_pos.view(-1, 1)
-    if index.documents is not None:  # dense attention within each row's document
-        hidden |= key_positions.view(1, -1) < index.documents.starts[row_pos].view(-1, 1)
-    logits.masked_fill_(hidden, float("-inf"))
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))  # every row sees its document's start: finite
-    weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
+    must hold those rows (a context-parallel builder's top-k index holds only its own).
 
-    # Global key position -> its column here (n_keys where it is elsewhere or padding).
-    column = position_lookup(key_positions, seq, missing=n_keys)
+    The softmax statistics are the vertical-slash window passes' (``window_parts``: one
+    window per run of rows inside a document, on the Triton kernels on CUDA), whose sum
+    pass also adds up the mass on the keys the index attends: no ``[B, Hq, R, keys]``
+    tensor of probabilities is made."""
+    bsz, n_rows, hq, _ = q_rows.shape
+    seq = index.seq_len
+    n_keys = k.shape[1]
+    rows = range(seq - n_rows, seq) if rows is None else rows.tolist()
+    if key_positions is None:
+        column = torch.arange(seq + 1, device=k.device)  # position -> column; seq (padding) -> n_keys
+    else:
+        column = position_lookup(key_positions, seq, missing=n_keys)
+    doc_bounds = (0, seq) if index.documents is None else index.documents.bounds
+    windows = ObservationWindows.of_rows(rows, doc_bounds, seq, host_positions)
+    parts = window_parts(q_rows, k, key_positions, windows, scale, block_size=1)  # (the mass passes' only)
+    row_max = all_reduce_max(parts.row_max())  # every row sees its document's start on one holder: finite
+    # Which keys the index attends, per row slot and local key.
     attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=k.device)
     chunk, lists = index.query_chunk, {}
     for slot, first, end in _runs(rows, chunk):
@@ -136,8 +139,9 @@ def recall_from_parts(
         keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)
         keys = column[torch.where(keys >= 0, keys, seq).long()]
         attended[:, :, slot : slot + end - first].scatter_(-1, keys, True)
-    kept = all_reduce_sum(torch.stack([(weights * attended[..., :n_keys]).sum(-1), weights.sum(-1)]))
-    return (kept[0] / kept[1]).mean(-1)
+    total, kept = all_reduce_sum(torch.stack(parts.kept_sums(row_max, attended[..., :n_keys])))
+    share = kept / total  # [M, B, Hq, longest window]: each window's rows, in the rows' order
+    return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).mean(-1).float()
 
 
 def _runs(rows, chunk: int) -> list[list[int]]:

@@ -35,8 +35,10 @@ together. ``VerticalSlashIndex`` states what the per-document lists mean.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,17 +119,26 @@ class ObservationWindows:
         host positions ``key_positions`` (None: every position, in order), which must ascend
         so that each document's keys are one run of them (every layout's positions do)."""
         bounds = tuple((int(a), int(b)) for a, b in bounds)
-        if key_positions is None:
-            key_ranges = bounds
-        else:
-            descending = torch.nonzero(key_positions[1:] <= key_positions[:-1]).flatten()
-            if len(descending):
-                i = int(descending[0]) + 1
-                fail(f"key_positions[{i}]", int(key_positions[i]), f"a position after key_positions[{i - 1}] = "
-                     f"{int(key_positions[i - 1])}: strictly ascending, so that each document's keys are one run")  # fmt: skip
-            edges = torch.searchsorted(key_positions, torch.tensor(bounds, dtype=key_positions.dtype))
-            key_ranges = tuple((int(lo), int(hi)) for lo, hi in edges.tolist())
-        return cls(seq_len, bounds, tuple(min(last_q, b - a) for a, b in bounds), key_ranges)
+        return cls(seq_len, bounds, tuple(min(last_q, b - a) for a, b in bounds), _key_ranges(bounds, key_positions))
+
+    @classmethod
+    def of_rows(
+        cls, rows: Sequence[int], doc_bounds: Sequence[int], seq_len: int, key_positions: torch.Tensor | None = None
+    ) -> ObservationWindows:
+        """The query rows at the ascending positions ``rows``, each against its document's keys
+        up to itself (``doc_bounds``: the documents' boundaries ``[0, ..., S]``): one window
+        per run of consecutive rows inside one document, as the window of that document cut
+        at the run's end. Such windows may overlap, which only the row passes (``row_max``,
+        ``row_sum``, ``kept_sums``) allow. Keys as in :meth:`of_documents`."""
+        runs: list[list[int]] = []  # [document start, first row, end]
+        for row in rows:
+            start = doc_bounds[bisect.bisect_right(doc_bounds, row) - 1]
+            if runs and runs[-1][2] == row and runs[-1][0] == start:
+                runs[-1][2] += 1
+            else:
+                runs.append([start, row, row + 1])
+        bounds = tuple((a, end) for a, _, end in runs)
+        return cls(seq_len, bounds, tuple(end - first for _, first, end in runs), _key_ranges(bounds, key_positions))
 
     @property
     def lengths(self) -> list[int]:
@@ -145,6 +156,20 @@ class ObservationWindows:
     def diagonals(self, block_size: int) -> list[int]:
         """Each document's block diagonals (of its own length, not the sequence's)."""
         return [-(-n // block_size) for n in self.lengths]
+
+
+def _key_ranges(bounds, key_positions: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+    """The local indices ``[lo, hi)`` of each document's keys among keys at the host
+    positions ``key_positions`` (None: every position, in order)."""
+    if key_positions is None:
+        return tuple(bounds)
+    descending = torch.nonzero(key_positions[1:] <= key_positions[:-1]).flatten()
+    if len(descending):
+        i = int(descending[0]) + 1
+        fail(f"key_positions[{i}]", int(key_positions[i]), f"a position after key_positions[{i - 1}] = "
+             f"{int(key_positions[i - 1])}: strictly ascending, so that each document's keys are one run")  # fmt: skip
+    edges = torch.searchsorted(key_positions, torch.tensor(bounds, dtype=key_positions.dtype))
+    return tuple((int(lo), int(hi)) for lo, hi in edges.tolist())
 
 
 def _offsets(counts) -> list[int]:
@@ -228,15 +253,25 @@ def _key_passes(
     """The passes over the keys: the row maxima and normalisers, run now, then the parts
     and their mass pass, ``mass()``, for the caller to run (the graphed build has it write
     into its graph's input buffers: ``mass(out)``)."""
-    if backend_choice(q_windows) == "triton":
-        from .kernels.index_build.window_stats import WindowKernels  # imports Triton
-
-        parts = WindowKernels(q_windows, k, key_positions, windows, scale, block_size)
-    else:
-        parts = _ReferenceParts(q_windows, k, key_positions, windows, scale, block_size, key_chunk)
+    parts = window_parts(q_windows, k, key_positions, windows, scale, block_size, key_chunk)
     row_max = all_reduce_max(parts.row_max())  # every window row sees its document's first key: finite
     row_sum = all_reduce_sum(parts.row_sum(row_max))
     return parts, functools.partial(parts.mass, row_max, row_sum)
+
+
+def window_parts(
+    q_windows, k, key_positions, windows: ObservationWindows, scale: float, block_size: int, key_chunk: int = 4096
+):
+    """The passes over the keys of ``windows``' rows, on the Triton kernels where
+    ``backend_choice`` picks them (``WindowKernels``), else in fp64 torch
+    (``_ReferenceParts``): ``row_max()``, ``row_sum(row_max)``, ``kept_sums(row_max,
+    attended)`` (each ``[M, B, Hq, longest window]``, the maxima in each one's own units),
+    and the vertical-slash mass passes."""
+    if backend_choice(q_windows) == "triton":
+        from .kernels.index_build.window_stats import WindowKernels  # imports Triton
+
+        return WindowKernels(q_windows, k, key_positions, windows, scale, block_size)
+    return _ReferenceParts(q_windows, k, key_positions, windows, scale, block_size, key_chunk)
 
 
 def _from_mass(parts, mass: tuple, all_reduce_sum=single_device) -> WindowStatistics:
@@ -308,11 +343,19 @@ class _ReferenceParts:
         return row_max
 
     def row_sum(self, row_max: torch.Tensor) -> torch.Tensor:
-        row_sum = self._row_stats(0.0)
+        return self.kept_sums(row_max, None)[0]
+
+    def kept_sums(self, row_max: torch.Tensor, attended: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_sum`` and the sum over the keys ``attended`` marks for each row (bool ``[B, Hq,
+        R, n_keys]``: window row slot, local key; None: no kept sums, zeros)."""
+        row_sum, kept = self._row_stats(0.0), self._row_stats(0.0)
         for m, c0, c1 in self.pieces:
-            w = self.windows.rows[m]
-            row_sum[m, ..., :w] += torch.exp(self.logits(m, c0, c1)[0] - row_max[m, ..., :w, None]).sum(-1)
-        return row_sum
+            w, first = self.windows.rows[m], self.row_offsets[m]
+            probs = torch.exp(self.logits(m, c0, c1)[0] - row_max[m, ..., :w, None])
+            row_sum[m, ..., :w] += probs.sum(-1)
+            if attended is not None:
+                kept[m, ..., :w] += (probs * attended[:, :, first : first + w, c0:c1]).sum(-1)
+        return row_sum, kept
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The window mass summed over each document's rows: per key ``[B, Hq, seq_len]``,

@@ -134,17 +134,19 @@ def _probabilities(s, row_max, inv_sum, visible):
 
 @triton.jit
 def _row_stats_kernel(
-    Q, K, KPOS, DOCS, ROW_MAX, OUT, n_docs, n_rows, W, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
+    Q, K, KPOS, DOCS, ROW_MAX, OUT, ATT, KEPT, n_docs, n_rows, n_keys, W, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, SUM: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, SUM: tl.constexpr, HAS_KEPT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per row of the tile, over one chunk of its document's keys: the maximum logit, or
-    (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``. A work item is chunk ``c`` of one
-    document's keys, ``[lo + c CHUNK, lo + (c + 1) CHUNK)`` (the document's own split,
-    whatever precedes it; a document with no key here has one empty chunk). A document's
-    rows are (head of the group, window row), ``G x W`` of them (rows past its window,
-    padding, see no key); the row tiles of a chunk are neighbours in the grid, so they
-    share its keys in L2."""
+    (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``, and with ``HAS_KEPT`` also the sum
+    over the keys that ``ATT`` (``[B, Hq, n_rows, n_keys]``, nonzero: attended) marks for
+    the row, into ``KEPT`` (the index recall's kept mass, ``WindowKernels.kept_sums``). A
+    work item is chunk ``c`` of one document's keys, ``[lo + c CHUNK, lo + (c + 1) CHUNK)``
+    (the document's own split, whatever precedes it; a document with no key here has one
+    empty chunk). A document's rows are (head of the group, window row), ``G x W`` of them
+    (rows past its window, padding, see no key); the row tiles of a chunk are neighbours in
+    the grid, so they share its keys in L2."""
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     item = tl.program_id(1)
     m = _document_of(DOCS, n_docs, _CHUNK0, item)
@@ -167,6 +169,9 @@ def _row_stats_kernel(
         acc = tl.zeros([BLOCK_M], tl.float64)
     else:
         acc = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    kept = tl.zeros([BLOCK_M], tl.float64)
+    # The row's marks: its slot among all window rows, per head (only read with HAS_KEPT).
+    att_rows = ATT + ((b * HQ + heads) * n_rows + _field(DOCS, n_docs, _ROW0, m) + r).to(tl.int64) * n_keys
     first = _field(DOCS, n_docs, _KEY_LO, m) + (item - _field(DOCS, n_docs, _CHUNK0, m)) * CHUNK
     for j0 in range(first, tl.minimum(first + CHUNK, key_hi), BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
@@ -175,10 +180,17 @@ def _row_stats_kernel(
         s = _logits2(q, _keys(K, b, kvh, cols, col_ok, sk_b, sk_s, sk_h, HEAD_DIM, D_PAD), qk_scale, PRECISION)
         visible = col_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
         if SUM:
-            acc += tl.sum(tl.where(visible, tl.exp2(s - row_max[:, None]), 0.0).to(tl.float64), 1)
+            p = tl.where(visible, tl.exp2(s - row_max[:, None]), 0.0)
+            acc += tl.sum(p.to(tl.float64), 1)
+            if HAS_KEPT:
+                marks = tl.load(att_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+                kept += tl.sum(tl.where(marks != 0, p, 0.0).to(tl.float64), 1)
         else:
             acc = tl.maximum(acc, tl.max(tl.where(visible, s, float("-inf")), 1))
-    tl.store(OUT + ((item * n_heads + b * HQ + heads) * W + r), acc, mask=in_document)
+    out = (item * n_heads + b * HQ + heads) * W + r
+    tl.store(OUT + out, acc, mask=in_document)
+    if HAS_KEPT:
+        tl.store(KEPT + out, kept, mask=in_document)
 
 
 @triton.jit
@@ -345,27 +357,39 @@ class WindowKernels:
             flat[-self.n_docs - 1 :],
         )
 
-    def _row_stats(self, row_max: torch.Tensor | None) -> torch.Tensor:
+    def _row_stats(self, row_max: torch.Tensor | None, attended: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``[M, B, Hq, longest window]``: each document's partials, one per key chunk,
-        reduced in order (``segment_reduce``: no atomics, so the sums are deterministic)."""
+        reduced in order (``segment_reduce``: no atomics, so the sums are deterministic);
+        with ``attended``, the kept sums beside the row sums."""
         launch = LAUNCH
         rows = self.longest * (self.hq // self.hkv)
         block_m = min(launch.block_m, _pow2(rows))
         dtype = torch.float32 if row_max is None else torch.float64
-        out = torch.empty(self.n_chunks, self.q.shape[0], self.hq, self.longest, dtype=dtype, device=self.q.device)
+        outs = [
+            torch.empty(self.n_chunks, self.q.shape[0], self.hq, self.longest, dtype=dtype, device=self.q.device)
+            for _ in range(1 if attended is None else 2)
+        ]
+        marks = outs[0] if attended is None else attended.contiguous().view(torch.uint8)
         _row_stats_kernel[(triton.cdiv(rows, block_m), self.n_chunks, self.bkv)](
-            self.q, self.k, self.key_positions, self.tables, out if row_max is None else row_max.contiguous(), out,
-            self.n_docs, self.n_rows, self.longest, *self.scalars, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-            CHUNK=self.chunk, SUM=row_max is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages,
-            **self.dims,
+            self.q, self.k, self.key_positions, self.tables, outs[0] if row_max is None else row_max.contiguous(),
+            outs[0], marks, outs[-1], self.n_docs, self.n_rows, self.n_keys, self.longest, *self.scalars,
+            BLOCK_M=block_m, BLOCK_N=launch.block_n, CHUNK=self.chunk, SUM=row_max is not None,
+            HAS_KEPT=attended is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages, **self.dims,
         )  # fmt: skip
-        return torch.segment_reduce(out, "max" if row_max is None else "sum", offsets=self.chunk_offsets)
+        reduce = "max" if row_max is None else "sum"
+        return [torch.segment_reduce(out, reduce, offsets=self.chunk_offsets) for out in outs]
 
     def row_max(self) -> torch.Tensor:
-        return self._row_stats(None)
+        return self._row_stats(None)[0]
 
     def row_sum(self, row_max: torch.Tensor) -> torch.Tensor:
-        return self._row_stats(row_max)
+        return self._row_stats(row_max)[0]
+
+    def kept_sums(self, row_max: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_sum`` and, in the same pass, the sum over the keys ``attended`` marks for each
+        row (bool ``[B, Hq, R, n_keys]``: window row slot, local key)."""
+        row_sum, kept = self._row_stats(row_max, attended)
+        return row_sum, kept
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor, out: tuple | None = None) -> tuple:
         """The mass pass's outputs (``totals`` adds them up): the vertical window mass
