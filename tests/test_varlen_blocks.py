@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dense_reference import TOLERANCE, check_index_attention, make_inputs
+from dense_reference import TOLERANCE, assert_close_rel, check_index_attention, make_inputs
 
 from megatron_mtraining.sparse import BlockTopKIndex, MoBAConfig, build_moba_index, sparse_attention
 from megatron_mtraining.sparse.kernels.varlen_blocks import attention as varlen_attention
@@ -191,20 +191,22 @@ def test_flash_calls_match_fp64_and_the_stand_in(causal, rng):
     q, k, v = (torch.randn(int(cu[-1]), h, d, generator=rng).to("cuda", torch.bfloat16).requires_grad_()
                for cu, h in ((cu_q, hq), (cu_k, hkv), (cu_k, hkv)))  # fmt: skip
     args = (cu_q, cu_k, max_q, max_k, causal, scale)
+    tol = TOLERANCE[torch.bfloat16]
     out, lse = library.FlashVarlen.forward(q, k, v, *args)
     ref_out, ref_lse = _fp64_segments(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale)
-    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=0)
+    assert_close_rel(out, ref_out, tol, "out")
+    assert_close_rel(lse, ref_lse, 1e-4, "lse")
     dout = torch.randn(out.shape, generator=rng).to("cuda", torch.bfloat16)
     grads = library.FlashVarlen.backward(dout, q, k, v, out, lse, *args)
     want = torch.autograd.grad((ref_out * dout.double()).sum(), (q, k, v))
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
-        torch.testing.assert_close(got.double(), ref.double(), atol=4e-2, rtol=0, msg=name)
+        assert_close_rel(got, ref, 2 * tol, name)
     stand_in = library.ReferenceVarlen.forward(q, k, v, *args)
-    torch.testing.assert_close(stand_in[0].double(), out.double(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(stand_in[1].double(), lse.double(), atol=1e-3, rtol=0)
-    for got, ref in zip(library.ReferenceVarlen.backward(dout, q, k, v, out, lse, *args), grads, strict=True):
-        torch.testing.assert_close(got.double(), ref.double(), atol=4e-2, rtol=0)
+    assert_close_rel(stand_in[0], out, tol, "stand-in out")
+    assert_close_rel(stand_in[1], lse, 1e-4, "stand-in lse")
+    stand_in_grads = library.ReferenceVarlen.backward(dout, q, k, v, out, lse, *args)
+    for name, got, ref in zip(("dq", "dk", "dv"), stand_in_grads, grads, strict=True):
+        assert_close_rel(got, ref, 2 * tol, f"stand-in {name}")
 
 
 @pytest.mark.gpu
