@@ -177,7 +177,7 @@ def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
     output, LSE and dq / dk / dv of one random output gradient checked first against the union
     of tiles (the Triton path MoBA took at 128K before), relative to each tensor's largest entry
     (bf16's tolerance of the tests for the values, 1e-3 for the fp32 LSE); then timed, with its
-    peak memory and backward kernels."""
+    forward's kernels, its peak memory and its backward's kernels."""
     from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
     from megatron_mtraining.sparse.kernels.varlen_blocks.attention import VarlenBlockAttention
 
@@ -202,7 +202,11 @@ def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
         return
     run = lambda a, b, c: VarlenBlockAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
     measure(name, lambda: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn), rows)
+    if "error" in rows[-1]:
+        return
     rows[-1]["error_vs_union"] = errors
+    # Where the forward's time goes: the library's kernels against the layout's sorts, gathers and merges.
+    rows[-1]["fwd_kernel_ms"] = profile_kernels(lambda: run(q, k, v), f"{name} forward, GPU time per kernel")
     for what in (memory, kernel_times):
         try:
             what(q, k, v, index, seq, extra, f"{pattern} (varlen blocks)", backend="varlen_blocks")
