@@ -103,6 +103,8 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     assert packed.kernel == "block_bar" and "not varlen_blocks: got packed documents" in packed.reason
     with pytest.raises(ValueError, match=r"backend='varlen_blocks'.*got a DenseIndex"):
         dispatch.attention_kernel(q, DenseIndex(1, 4, seq), "varlen_blocks")
+    cpu = torch.zeros(1, seq, 4, 64, dtype=torch.bfloat16)
+    assert dispatch.varlen_blocks_preferred(cpu, moba) == (False, "cpu tensors")
     monkeypatch.setattr(library, "unsupported", lambda q: "got head dim 12")
     assert "(not varlen_blocks: got head dim 12)" in dispatch.attention_kernel(q, moba).reason
     with pytest.raises(ValueError, match=r"backend='varlen_blocks'.*got head dim 12"):

@@ -275,6 +275,8 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
         return False, "the setting is not auto"
     if index.block_size < VARLEN_MIN_BLOCK:
         return False, f"blocks of {index.block_size} tokens, under {VARLEN_MIN_BLOCK}"
+    if not q.is_cuda:  # the stand-in calls serve tests and a forced setting only
+        return False, f"{q.device.type} tensors"
     why_not = varlen_blocks.unsupported(q, index)
     if why_not is not None:
         return False, why_not
