@@ -26,7 +26,12 @@ Rows:
 * MSA (k=16, block 128) and MoBA (chunk 4096, k=12) through ``sparse_attention`` (the
   KV-outer kernels) and, for comparison, through the union-of-tiles kernels with the share
   of their computed tile area that is useful; for MSA also the KV-outer path's peak memory
-  and backward kernel times.
+  and backward kernel times; for MoBA also the varlen library path (``varlen_blocks``, which
+  ``auto`` gives it on CUDA), its output, LSE and gradients first checked against the union of
+  tiles, then timed, with its peak memory and backward kernel times. ``--patterns moba`` runs
+  the MoBA rows and the cuDNN dense row alone, e.g. on an H200::
+
+      python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 524288 --patterns moba
 """
 
 from __future__ import annotations
@@ -121,27 +126,29 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
     rows[-1]["rows_same_selection"] = same
 
 
-def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"):
+def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured", patterns=("msa", "moba")):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data, or
     with ``msa_index="untrained"`` independent random index queries and keys, whose
     selections spread evenly over each query's visible blocks as an untrained index
-    branch's do) and MoBA (chunk 4096, k=12) through the KV-outer kernels and the union-of-tiles kernels
-    (its tile tables built in each call, as ``sparse_attention`` builds them), each called directly;
-    memory and kernel times through ``sparse_attention``, on the loop order it picks."""
+    branch's do) and MoBA (chunk 4096, k=12), those of ``patterns``, through the KV-outer kernels
+    and the union-of-tiles kernels (its tile tables built in each call, as ``sparse_attention``
+    builds them), each called directly; memory and kernel times through ``sparse_attention``, on
+    the loop order it picks; MoBA on the varlen library too (``varlen_rows``)."""
     from megatron_mtraining.sparse.dispatch import kv_outer_preferred
     from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
     from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
 
     sq, sk = structured_qk(seq, gen)
-    q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
-    if msa_index == "untrained":
-        q_idx, k_idx = (torch.randn(t.shape, generator=gen).to(t) for t in (q_idx, k_idx))
-    # Timed on bf16 index queries and keys, the dtype the index branch gives in training.
-    msa_selection(q_idx.bfloat16(), k_idx.bfloat16(), msa_config, seq, rows, rep)
-    indices = {
-        "msa k16 b128": msa_select_blocks(q_idx, k_idx, msa_config, HQ),
-        "moba c4096 k12": build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12)),
-    }
+    indices = {}
+    if "msa" in patterns:
+        q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
+        if msa_index == "untrained":
+            q_idx, k_idx = (torch.randn(t.shape, generator=gen).to(t) for t in (q_idx, k_idx))
+        # Timed on bf16 index queries and keys, the dtype the index branch gives in training.
+        msa_selection(q_idx.bfloat16(), k_idx.bfloat16(), msa_config, seq, rows, rep)
+        indices["msa k16 b128"] = msa_select_blocks(q_idx, k_idx, msa_config, HQ)
+    if "moba" in patterns:
+        indices["moba c4096 k12"] = build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12))
     scale = D**-0.5
     for pattern, index in indices.items():
         area = float(index.attended_area().sum())
@@ -161,6 +168,50 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"
                     what(q, k, v, index, seq, extra, f"{pattern} ({order}, as dispatched)")
                 except Exception as e:
                     print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
+        else:
+            varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area)
+
+
+def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
+    """A top-k index on the varlen library (``kernels/varlen_blocks``), called directly: its
+    output, LSE and dq / dk / dv of one random output gradient checked first against the union
+    of tiles (the Triton path MoBA took at 128K before), relative to each tensor's largest entry
+    (bf16's tolerance of the tests for the values, 1e-3 for the fp32 LSE); then timed, with its
+    forward's kernels, its peak memory and its backward's kernels."""
+    from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
+    from megatron_mtraining.sparse.kernels.varlen_blocks.attention import VarlenBlockAttention
+
+    name, scale = f"ours {pattern} (varlen blocks)", D**-0.5
+    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+    check = {}
+    for key, fn in (("varlen", VarlenBlockAttention.apply), ("union", TritonBlockBarAttention.apply)):
+        out, lse = fn(q, k, v, index if key == "varlen" else block_topk_tables(index), scale)
+        check[key] = (out, lse, *torch.autograd.grad(out, (q, k, v), grad))
+        del out, lse
+    errors = {}
+    for part, got, want in zip(("out", "lse", "dq", "dk", "dv"), *check.values(), strict=True):
+        errors[part] = (got.float() - want.float()).abs().max().item() / max(1.0, want.float().abs().max().item())
+    del check
+    print(f"    {name} against the union of tiles, max error relative to max(1, |largest|): "
+          + ", ".join(f"{part} {err:.2e}" for part, err in errors.items()))  # fmt: skip
+    tolerance = {"out": 4e-2, "lse": 1e-3, "dq": 8e-2, "dk": 8e-2, "dv": 8e-2}  # bf16 values, fp32 LSEs
+    wrong = {part: err for part, err in errors.items() if err > tolerance[part]}
+    if wrong:
+        print(f"{name:<34} FAILED: differs from the union of tiles: {wrong}", flush=True)
+        rows.append({"kernel": name, "error": f"differs from the union of tiles: {wrong}"})
+        return
+    run = lambda a, b, c: VarlenBlockAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
+    measure(name, lambda: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn), rows)
+    if "error" in rows[-1]:
+        return
+    rows[-1]["error_vs_union"] = errors
+    # Where the forward's time goes: the library's kernels against the layout's sorts, gathers and merges.
+    rows[-1]["fwd_kernel_ms"] = profile_kernels(lambda: run(q, k, v), f"{name} forward, GPU time per kernel")
+    for what in (memory, kernel_times):
+        try:
+            what(q, k, v, index, seq, extra, f"{pattern} (varlen blocks)", backend="varlen_blocks")
+        except Exception as e:
+            print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
 
 
 def flex_block_mask(index: VerticalSlashIndex, with_bars: bool):
@@ -265,8 +316,9 @@ def bench_seq(seq, args, gen, rows, extra):
         # Dense cuDNN time extrapolated as S^2 from the longest measured length, marked as such.
         cudnn = extra.get("cudnn_scaled", lambda s: {})(seq)
 
-    if "topk" in args.patterns:
-        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, args.msa_index)
+    topk = [p for p in ("msa", "moba") if "topk" in args.patterns or p in args.patterns]
+    if topk:
+        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, args.msa_index, topk)
     if "vertical_slash" not in args.patterns:
         return
     index = natural_index(seq, args.block, args.density, gen, dev)
@@ -375,11 +427,11 @@ def profile_kernels(fn, title: str, calls: int = 5, top: int = 12) -> float:
     return total
 
 
-def memory(q, k, v, index, seq, extra, name="vertical-slash"):
+def memory(q, k, v, index, seq, extra, name="vertical-slash", backend="triton"):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = sparse_attention(q, k, v, index, backend="triton")[0]
+    out = sparse_attention(q, k, v, index, backend=backend)[0]
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
@@ -395,9 +447,9 @@ def memory(q, k, v, index, seq, extra, name="vertical-slash"):
     del out, grads
 
 
-def kernel_times(q, k, v, index, seq, extra, name="vertical-slash"):
+def kernel_times(q, k, v, index, seq, extra, name="vertical-slash", backend="triton"):
     """Device time of each kernel (summed over its launches) in one backward."""
-    out = sparse_attention(q, k, v, index, backend="triton")[0]
+    out = sparse_attention(q, k, v, index, backend=backend)[0]
     grad = torch.ones_like(out)
     times = device_times(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
     extra.setdefault("bwd_kernel_ms", {})[seq if name == "vertical-slash" else f"{seq} {name}"] = {
@@ -546,7 +598,8 @@ def main():
         "--patterns",
         nargs="+",
         default=["dense", "vertical_slash", "topk"],
-        choices=["dense", "vertical_slash", "topk"],
+        choices=["dense", "vertical_slash", "topk", "msa", "moba"],
+        help="topk: MSA and MoBA; msa or moba: one of them (the cuDNN dense row always runs up to --dense-max)",
     )
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -72,6 +72,54 @@ def test_top_k_indices_pick_their_loop_order_by_the_share_they_select():
     assert dispatch.attention_kernel(q, vs).kernel == "block_bar"
 
 
+def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkeypatch):
+    """MoBA's chunks (blocks of at least ``VARLEN_MIN_BLOCK`` tokens) run on ``varlen_blocks``
+    where the library serves the call; narrower blocks, pieces, a forced ``triton``, torch's
+    deterministic mode and packed documents keep the plugin's kernels, and a wide-block decision
+    says why it is not the library's. Forcing ``varlen_blocks`` where it cannot run fails."""
+    from megatron_mtraining.sparse.documents import packed_documents
+    from megatron_mtraining.sparse.kernels.varlen_blocks import library
+
+    monkeypatch.setattr(library, "unsupported", lambda q: None)  # stands for a GPU it serves
+    q, seq = cuda_q(seq=65536), 65536
+    moba = topk(seq, 4, 4096)  # a quarter of the keys: the union of tiles otherwise
+    decision = dispatch.attention_kernel(q, moba)
+    assert decision.kernel == "varlen_blocks" and "4096-token blocks" in decision.reason
+    assert dispatch.attention_kernel(q, moba, "varlen_blocks") == dispatch.Decision("varlen_blocks", "forced")
+    narrow = dispatch.attention_kernel(q, topk(seq, 4, dispatch.VARLEN_MIN_BLOCK // 2))
+    assert narrow.kernel == "kv_outer" and "varlen" not in narrow.reason
+    assert dispatch.attention_kernel(q, moba, piece=True).kernel == "block_bar"
+    triton = dispatch.attention_kernel(q, moba, "triton")
+    assert triton.kernel == "block_bar" and "varlen" not in triton.reason
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = dispatch.attention_kernel(q, moba)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert deterministic.kernel == "block_bar" and "(not varlen_blocks: deterministic mode" in deterministic.reason
+    documents = packed_documents(torch.tensor([0, 30000, seq], dtype=torch.int32), seq)
+    packed = dispatch.attention_kernel(q, BlockTopKIndex(moba.blocks, 4096, 4, documents=documents))
+    assert packed.kernel == "block_bar" and "not varlen_blocks: got packed documents" in packed.reason
+    with pytest.raises(ValueError, match=r"backend='varlen_blocks'.*got a DenseIndex"):
+        dispatch.attention_kernel(q, DenseIndex(1, 4, seq), "varlen_blocks")
+    cpu = torch.zeros(1, seq, 4, 64, dtype=torch.bfloat16)
+    assert dispatch.varlen_blocks_preferred(cpu, moba) == (False, "cpu tensors")
+    monkeypatch.setattr(library, "unsupported", lambda q: "got head dim 12")
+    assert "(not varlen_blocks: got head dim 12)" in dispatch.attention_kernel(q, moba).reason
+    with pytest.raises(ValueError, match=r"backend='varlen_blocks'.*got head dim 12"):
+        dispatch.attention_kernel(q, moba, "varlen_blocks")
+
+
+def test_the_varlen_library_says_what_it_does_not_serve():
+    from megatron_mtraining.sparse.kernels.varlen_blocks import library
+
+    assert library.unsupported(torch.zeros(4, 2, 64, dtype=torch.bfloat16)) == "got inputs on cpu"
+    assert library.unsupported(cuda_q(dtype=torch.float32)) == "got torch.float32"
+    assert library.unsupported(cuda_q(dim=12)) == "got head dim 12"
+    assert library.unsupported(cuda_q(dim=264)) == "got head dim 264"
+
+
 def test_the_reference_path_says_why():
     cpu = torch.zeros(1, 64, 4, 16)
     assert dispatch.attention_kernel(cpu, DenseIndex(1, 4, 64)) == dispatch.Decision("reference", "cpu tensors")

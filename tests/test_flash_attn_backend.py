@@ -208,10 +208,14 @@ def test_other_work_runs_as_auto_under_flash_attn(monkeypatch):
 
 def test_bad_backend_values_name_the_setting_and_the_choices(monkeypatch):
     q = torch.zeros(1, 40, 4, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"^backend='flash' .*one of auto, reference, triton, flash_attn, sdpa$"):
+    with pytest.raises(
+        ValueError, match=r"^backend='flash' .*one of auto, reference, triton, flash_attn, sdpa, varlen_blocks$"
+    ):
         sparse_attention(q, q, q, DenseIndex(1, 4, 40), backend="flash")
     monkeypatch.setenv(api.BACKEND_ENV, "flash-attn")
-    with pytest.raises(ValueError, match=r"^MTRAINING_ATTENTION_BACKEND='flash-attn' .*triton, flash_attn, sdpa$"):
+    with pytest.raises(
+        ValueError, match=r"^MTRAINING_ATTENTION_BACKEND='flash-attn' .*triton, flash_attn, sdpa, varlen_blocks$"
+    ):
         sparse_attention(q, q, q, DenseIndex(1, 4, 40))
 
 

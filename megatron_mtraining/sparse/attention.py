@@ -8,6 +8,7 @@ from .dispatch import attention_kernel, backend_choice, log_decision
 from .index import SparseIndex
 from .kernels.block_bar.tables import tile_tables
 from .kernels.dense_backends import flash_attn, sdpa
+from .kernels.varlen_blocks.attention import VarlenBlockAttention
 from .reference import ReferenceSparseAttention, combine
 from .validation import check_qkv, check_softmax_scale, check_tensor, fail
 
@@ -27,8 +28,8 @@ def sparse_attention(
     visible key gives zeros and ``lse = -inf``. Differentiable in q, k, v (and
     through ``lse``).
 
-    ``backend``: ``"auto"`` (default), ``"reference"``, ``"triton"``, ``"flash_attn"`` or
-    ``"sdpa"``; the environment variable ``MTRAINING_ATTENTION_BACKEND`` sets the default,
+    ``backend``: ``"auto"`` (default), ``"reference"``, ``"triton"``, ``"flash_attn"``,
+    ``"sdpa"`` or ``"varlen_blocks"``; the environment variable ``MTRAINING_ATTENTION_BACKEND`` sets the default,
     e.g. ``reference`` to rule the kernels out while debugging. Which implementation runs,
     and why, is ``dispatch.attention_kernel``'s decision.
     """
@@ -44,6 +45,8 @@ def sparse_attention(
         return flash_attn.FlashAttention.apply(q, k, v, scale)
     if decision.kernel == "sdpa":
         return sdpa.SDPAAttention.apply(q, k, v, scale)
+    if decision.kernel == "varlen_blocks":
+        return VarlenBlockAttention.apply(q, k, v, index, scale)
     if decision.kernel == "kv_outer":
         from .kernels.kv_outer.attention import KVOuterAttention  # imports Triton
 

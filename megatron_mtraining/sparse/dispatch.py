@@ -8,6 +8,11 @@ An attention call goes to one of :data:`KERNELS`:
   documents: these libraries take no index, no key positions, no document bounds and no
   running result. Not ``sdpa`` under torch's deterministic
   mode (Megatron's ``deterministic_mode``): its backward is not bitwise reproducible.
+* ``varlen_blocks``: a top-k index of wide blocks (MoBA's chunks) a key block at a time on
+  PyTorch's FlashAttention-2 varlen kernels (``kernels/varlen_blocks``; sm80 and sm90): each
+  block's own rows causally, then per selection slot the rows that chose each earlier block
+  against its keys, merged by LSE (:func:`varlen_blocks_preferred`). Not under torch's
+  deterministic mode, and not with packed documents.
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
   queries select a small share of the keys (:func:`kv_outer_preferred`), without packed
   documents (they take no document bounds; ``block_bar`` masks rows by their document start).
@@ -45,11 +50,12 @@ from .index import BlockTopKIndex, DenseIndex, SparseIndex
 from .kernels import triton_available
 from .kernels.block_bar.tables import SERVED_INDEXES
 from .kernels.dense_backends import flash_attn, sdpa
+from .kernels.varlen_blocks import attention as varlen_blocks
 from .validation import fail
 
-BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa")
+BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa", "varlen_blocks")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
-KERNELS = ("flash_attn", "sdpa", "kv_outer", "block_bar", "reference")
+KERNELS = ("flash_attn", "sdpa", "varlen_blocks", "kv_outer", "block_bar", "reference")
 # MSA's KL loss in training (:func:`kl_kernel`): the KV-outer KL run by the KV-outer
 # attention's backward, which hands it the teacher; the fused kernels in the KV-outer order
 # or over the union of tiles, which recompute the teacher; or msa_kl_loss's PyTorch.
@@ -76,6 +82,15 @@ KL_BACKWARDS = ("one_pass", "two_pass")
 KV_OUTER_MAX_BLOCK = 128
 KV_OUTER_MAX_SHARE = 1 / 16  # blocks of at most KV_OUTER_MAX_BLOCK tokens
 KV_OUTER_MAX_SHARE_WIDE = 1 / 4  # wider blocks
+# A top-k index whose blocks hold at least this many tokens runs on ``varlen_blocks``: every row
+# of its library calls attends a whole block it chose, so nothing is computed for a block a row
+# did not choose (the union of tiles' waste) and the tiles run at the library's dense rate. Its
+# own cost is per (row, chosen block): the row gathered, its partial merged, its dQ summed, about
+# ten row-wide passes over memory, against the block's keys' work, so it pays only where blocks
+# are wide. NOT YET MEASURED: 1024 sits between MSA's 128-token blocks (the KV-outer kernels'
+# range) and MoBA's 4096; scripts/bench_kernels.py times this path beside the Triton ones
+# (--patterns moba) to set it, and to say whether it should depend on the share selected too.
+VARLEN_MIN_BLOCK = 1024
 
 logger = logging.getLogger("megatron_mtraining.dispatch")
 
@@ -103,6 +118,11 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
             if dense == "sdpa" and setting != "sdpa":
                 why += f" (not flash-attn: {flash_attn.unsupported(q, index)})"
             return Decision(dense, why)
+        if setting == "varlen_blocks":
+            why_not = varlen_blocks.unsupported(q, index)
+            if why_not is not None:
+                fail("backend" if backend else BACKEND_ENV, setting, f"{varlen_blocks.REQUIREMENTS}; {why_not}")
+            return Decision("varlen_blocks", "forced")
     if backend_choice(q, backend) == "reference":
         return Decision("reference", _reference_reason(q, setting))
     if not isinstance(index, SERVED_INDEXES):
@@ -112,7 +132,12 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
     if piece:
         return Decision("block_bar", "a context-parallel piece: keys at global positions, an fp32 running result")
     if isinstance(index, BlockTopKIndex):
+        on_library, library_why = varlen_blocks_preferred(q, index, backend)
+        if on_library:
+            return Decision("varlen_blocks", library_why)
         kv_outer, why = _top_k_order(index)
+        if setting == "auto" and index.block_size >= VARLEN_MIN_BLOCK:
+            why += f" (not varlen_blocks: {library_why})"
         return Decision("kv_outer" if kv_outer else "block_bar", why)
     if isinstance(index, DenseIndex) and torch.are_deterministic_algorithms_enabled():
         return Decision("block_bar", "a DenseIndex on CUDA in deterministic mode (cuDNN's backward is not)")
@@ -242,6 +267,30 @@ def _top_k_order(index: BlockTopKIndex) -> tuple[bool, str]:
     return True, share
 
 
+def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str | None = None) -> tuple[bool, str]:
+    """(whether a whole single-device call of a top-k index runs on ``varlen_blocks`` under
+    ``auto``, why or why not): blocks of at least ``VARLEN_MIN_BLOCK`` tokens, where
+    ``varlen_blocks.unsupported`` has nothing against the call, outside torch's deterministic
+    mode. PyTorch runs FlashAttention-2's deterministic backward in that mode (its
+    ``_flash_attention_backward`` reads the flag), but that is not yet checked on a GPU here,
+    so deterministic runs keep the plugin's bitwise-reproducible kernels, as for ``sdpa``."""
+    if _backend_setting(backend) != "auto":
+        return False, "the setting is not auto"
+    if index.block_size < VARLEN_MIN_BLOCK:
+        return False, f"blocks of {index.block_size} tokens, under {VARLEN_MIN_BLOCK}"
+    if not q.is_cuda:  # the stand-in calls serve tests and a forced setting only
+        return False, f"{q.device.type} tensors"
+    why_not = varlen_blocks.unsupported(q, index)
+    if why_not is not None:
+        return False, why_not
+    if torch.are_deterministic_algorithms_enabled():
+        return False, "deterministic mode (FlashAttention-2's fast backward adds dQ by fp32 atomics)"
+    return True, (
+        f"a top-k index of {index.block_size}-token blocks on CUDA: a key block at a time on PyTorch's "
+        "FlashAttention-2 varlen kernels, no row computed against a block it did not choose"
+    )
+
+
 def kv_outer_preferred(index: SparseIndex) -> bool:
     """Whether a top-k ``index`` runs on the KV-outer kernels rather than the union of tiles:
     each query selecting under ``KV_OUTER_MAX_SHARE`` of the sequence in blocks of at most
@@ -289,7 +338,7 @@ def backend_choice(q: torch.Tensor, backend: str | None = None) -> str:
             f"installed), got {q.dtype}, head dim {q.shape[-1]}, {q.numel()} elements; split longer sequences "
             "with context parallelism",
         )
-    if choice in ("auto", "flash_attn", "sdpa"):
+    if choice in ("auto", "flash_attn", "sdpa", "varlen_blocks"):
         choice = "triton" if q.is_cuda and kernel_ok else "reference"
     return choice
 
