@@ -25,7 +25,7 @@ from megatron_mtraining.evaluation.harness import EvalPlan, summarize  # noqa: E
 from megatron_mtraining.evaluation.report import has_matplotlib  # noqa: E402
 from megatron_mtraining.evaluation.tasks import TASKS, make_sample  # noqa: E402
 from megatron_mtraining.examples.quickstart import StageError, run_logged  # noqa: E402
-from megatron_mtraining.examples.study import report, transfer  # noqa: E402
+from megatron_mtraining.examples.study import report, schedule, transfer  # noqa: E402
 from megatron_mtraining.examples.study.cli import main  # noqa: E402
 from megatron_mtraining.examples.study.data import (  # noqa: E402
     BYTES,
@@ -167,6 +167,63 @@ def test_real_text_split_is_seeded_disjoint_and_capped():
 
 
 # ---- moving stages between machines --------------------------------------------------------
+def test_jobs_share_the_devices_and_never_run_a_seed_twice_at_once(tmp_path, capsys):
+    """``study all``'s scheduler on real processes: one job per device at a time, never two
+    of one seed together, jobs side by side where they may, every job run once, a failure
+    reported without stopping the rest."""
+    record = tmp_path / "spans.txt"
+    code = (
+        "import sys, time; a = time.time(); time.sleep(0.3); "
+        f"open({str(record)!r}, 'a').write(' '.join([*sys.argv[1:], str(a), str(time.time())]) + '\\n'); "
+        "sys.exit(3 if sys.argv[1].startswith('bad') else 0)"
+    )
+
+    def start(job, device, threads, log):
+        return schedule.subprocess.Popen([sys.executable, "-c", code, job.name, str(job.seed), device])
+
+    jobs = [schedule.Job(f"{kind}-{seed}", (), seed) for kind in ("a", "b", "bad") for seed in (1, 2, 3)]
+    failed = schedule.run_jobs(jobs, ["0", "1"], tmp_path, start=start, poll_seconds=0.02)
+    assert failed == ["bad-1", "bad-2", "bad-3"]
+    spans = [line.split() for line in record.read_text().splitlines()]
+    assert sorted(name for name, *_ in spans) == sorted(j.name for j in jobs)
+    together = 0
+    for i, (_, seed_a, dev_a, a0, a1) in enumerate(spans):
+        for _, seed_b, dev_b, b0, b1 in spans[i + 1 :]:
+            if float(a0) < float(b1) and float(b0) < float(a1):  # they overlapped
+                together += 1
+                assert dev_a != dev_b and seed_a != seed_b, spans
+    assert together >= 3, spans  # the two devices were used at once
+    assert "bad-2: FAILED (exit 3)" in capsys.readouterr().out
+
+
+def test_all_runs_every_stage_it_has_not_run(tmp_path, monkeypatch, capsys):
+    """``study all``: the data, then the pretraining alone, then the continued runs it has
+    not finished, with the evaluation's and export's flags and the overrides, then the report."""
+    from megatron_mtraining.examples.study import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_data", lambda cli_, workdir, splits: ran.append(("data", splits)))
+    monkeypatch.setattr(schedule, "run_jobs", lambda jobs, devices, logs: ran.append((list(jobs), devices)) or [])
+    run = "continue/dense-seed2"
+    write_run(tmp_path, run, stage_record(run, "dense", 2), {"dense": fixture_results("dense", 2)})
+    main(["all", "--workdir", str(tmp_path), "--gpus", "0", "1", "--no-cross", "--samples", "2",
+          "--export", "out", "megatron.lr=1e-4"])  # fmt: skip
+    assert ran[0] == ("data", ("pretrain", "continue", "heldout"))
+    (pretrain,), devices = ran[1]
+    assert pretrain.name == "pretrain" and devices == ["0"] and "megatron.lr=1e-4" in pretrain.args
+    jobs, devices = ran[2]
+    assert devices == ["0", "1"]
+    assert [j.name for j in jobs] == [f"continue-{a}-seed{s}" for a in ("dense", "mtraining", "msa") for s in (1, 2)
+                                      if (a, s) != ("dense", 2)]  # fmt: skip
+    args = jobs[0].args
+    for flag in (["--attention", "dense"], ["--seed", "1"], ["--samples", "2"], ["--export", "out"],
+                 ["--time-limit", "0"]):  # fmt: skip
+        assert any(list(args[i : i + 2]) == flag for i in range(len(args))), (flag, args)
+    assert "--no-cross" in args and "--eval" in args and args[-1] == "megatron.lr=1e-4" and jobs[0].seed == 1
+    assert "[study] report: " in capsys.readouterr().out  # of the one finished run
+    assert (tmp_path / "report" / "study.md").is_file()
+
+
 def test_archives_in_parts_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(transfer, "PART_BYTES", 5000)
     src = tmp_path / "src"

@@ -117,6 +117,29 @@ def _parser() -> argparse.ArgumentParser:
         help="attention types (default: the run's own, and the cross types of a continued run)",
     )
     ev.add_argument("--export", metavar="DIR", help="pack the evaluations into DIR")
+    every = stages.add_parser(
+        "all",
+        parents=[common, evaluation],
+        help="data, pretraining and every continued run (side by side on the GPUs), evaluated, then the report",
+    )
+    every.add_argument(
+        "--gpus", nargs="+", metavar="N", help="CUDA devices to spread the continued runs over (default: every GPU)"
+    )
+    every.add_argument(
+        "--seeds", nargs="+", type=int, default=[1, 2], help="seeds of the continued runs (default: 1 2)"
+    )
+    every.add_argument(
+        "--attention",
+        nargs="+",
+        choices=ATTENTION_TYPES,
+        default=list(ATTENTION_TYPES),
+        help="attention types of the continued runs (default: all)",
+    )
+    every.add_argument(
+        "--cross", action=argparse.BooleanOptionalAction, default=True, help="as the continue stage's --cross"
+    )
+    every.add_argument("--export", metavar="DIR", help="each stage packs its outputs into DIR, as with the stages")
+    every.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every stage")
     rep = stages.add_parser("report", parents=[common], help="the markdown tables and plots of every evaluated run")
     rep.add_argument("--output", help="folder of the report (default: WORKDIR/report)")
     imp = stages.add_parser("import", help="unpack archives of another machine's stages into the workdir")
@@ -133,6 +156,12 @@ def _check(parser: argparse.ArgumentParser, cli: argparse.Namespace) -> None:
         ("--ppl-docs", getattr(cli, "ppl_docs", 0), lambda v: v >= 0, "an integer >= 0"),
         ("--eval-minutes", getattr(cli, "eval_minutes", 0), lambda v: v >= 0, "minutes >= 0"),
         ("--seed", getattr(cli, "seed", 0), lambda v: v >= 0, "an integer >= 0"),
+        (
+            "--seeds",
+            getattr(cli, "seeds", [0]),
+            lambda v: min(v) >= 0 and len(set(v)) == len(v),
+            "distinct integers >= 0",
+        ),
     ]
     for flag, value, test, accepted in checks:
         if not test(value):
@@ -217,6 +246,9 @@ def run(cli) -> None:
             shutil.rmtree(workdir / "data", ignore_errors=True)
         _data(cli, workdir, tuple(cli.splits))
         return
+    if cli.stage == "all":
+        _all(cli, workdir)
+        return
     if cli.stage == "report":
         from .report import write_report
 
@@ -275,6 +307,49 @@ def run(cli) -> None:
                 _export(
                     workdir, cli.export, f"study-eval-{'-'.join(run_dir.parts)}", [run_dir], [run_dir / "checkpoints"]
                 )
+
+
+def _all(cli, workdir: Path) -> None:
+    """Every stage in order (``study all``): the data here, then the pretraining and the
+    continued runs as their own stage commands (``schedule``), skipping a run whose stage
+    record and evaluation exist, then the report."""
+    from .report import write_report
+    from .schedule import Job, check_finished, run_jobs, visible_devices
+
+    devices = visible_devices(cli.gpus)
+    _data(cli, workdir, ("pretrain", "continue", "heldout"))
+    shared = ["--workdir", str(workdir), "--data-config", cli.data_config, "--configs", cli.configs]
+    shared += ["--samples", str(cli.samples), "--eval-seed", str(cli.eval_seed), "--ppl-docs", str(cli.ppl_docs)]
+    shared += ["--lengths", *map(str, cli.lengths)] if cli.lengths else []
+    shared += ["--export", cli.export] if cli.export else []
+    train = ["--eval", "--time-limit", "0", *shared]
+    logs = workdir / "logs"
+
+    def finished(run: Path, attention: str) -> bool:
+        return (workdir / run / STAGE_FILE).is_file() and (
+            workdir / run / "eval" / attention / "results.json"
+        ).is_file()
+
+    if not finished(PRETRAIN, "dense"):
+        check_finished(run_jobs([Job("pretrain", ("pretrain", *train, *cli.overrides))], devices[:1], logs))
+    cross = [] if cli.cross else ["--no-cross"]
+    jobs = [
+        Job(
+            f"continue-{attention}-seed{seed}",
+            ("continue", "--attention", attention, "--seed", str(seed), *train, *cross, *cli.overrides),
+            seed,
+        )
+        for attention in cli.attention
+        for seed in cli.seeds
+        if not finished(continue_run(attention, seed), attention)
+    ]
+    failed = run_jobs(jobs, devices, logs)
+    try:
+        _, written = write_report(workdir, None)
+        print(f"[study] report: {', '.join(map(str, written))}")
+    except ValueError as err:
+        print(f"[study] no report: {err}")
+    check_finished(failed)
 
 
 def _default_types(workdir: Path, run: Path) -> tuple[str, ...]:

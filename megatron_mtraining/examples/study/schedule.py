@@ -1,0 +1,100 @@
+"""The whole study in one command (``study all``): its stage commands, the continued runs
+side by side on the machine's GPUs.
+
+The continued runs only read the pretrained model, so they are independent; each gets one
+GPU (``CUDA_VISIBLE_DEVICES``) and its own share of the CPU threads. Runs of one seed read
+the same samples, and the first of them builds Megatron's dataset index cache for that
+seed, which the others read: two runs of one seed never run at the same time (with two
+GPUs and two seeds, the seeds' runs of one type run together). A failed run does not stop
+the others; the command fails at the end, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..quickstart import StageError
+
+
+@dataclass(frozen=True)
+class Job:
+    """One stage command of the study."""
+
+    name: str
+    args: tuple[str, ...]  # after ``python -m megatron_mtraining.examples.study``
+    seed: int | None = None  # runs of one seed run one after another
+
+
+def launch(job: Job, device: str | None, threads: int, log: Path) -> subprocess.Popen:
+    """Starts ``job`` on ``device`` (a CUDA device number; None: whatever the process sees),
+    its output to ``log``."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    command = [sys.executable, "-m", "megatron_mtraining.examples.study", *job.args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        out.write(f"# command: {shlex.join(command)}\n# device: {device}\n")
+        out.flush()
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    devices: Sequence[str | None],
+    logs: Path,
+    start: Callable[[Job, str | None, int, Path], subprocess.Popen] = launch,
+    poll_seconds: float = 2.0,
+) -> list[str]:
+    """Runs ``jobs`` in order, at most one per device at a time and never two of one seed
+    together (a job whose seed is running waits; a later job of another seed may pass it);
+    returns the names of those that failed. Each job's output goes to ``logs/<name>.log``."""
+    threads = max(1, (os.cpu_count() or 1) // len(devices))
+    waiting, running, failed = list(jobs), {}, []  # running: device -> (job, process, start)
+    while waiting or running:
+        for device, (job, proc, began) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[device]
+            minutes = (time.monotonic() - began) / 60
+            outcome = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+            print(f"[study] {job.name}: {outcome} in {minutes:.1f} minutes (log: {logs / (job.name + '.log')})")
+            if proc.returncode != 0:
+                failed.append(job.name)
+        busy = {job.seed for job, _, _ in running.values() if job.seed is not None}
+        for device in [d for d in devices if d not in running]:
+            job = next((j for j in waiting if j.seed is None or j.seed not in busy), None)
+            if job is None:
+                break
+            waiting.remove(job)
+            where = "this process's devices" if device is None else f"GPU {device}"
+            print(f"[study] {job.name}: started on {where}")
+            running[device] = (job, start(job, device, threads, logs / f"{job.name}.log"), time.monotonic())
+            if job.seed is not None:
+                busy.add(job.seed)
+        if running:
+            time.sleep(poll_seconds)
+    return failed
+
+
+def visible_devices(requested: Sequence[str] | None) -> list[str | None]:
+    """The devices to spread the runs over: ``requested`` (CUDA device numbers), else every
+    GPU torch sees, else one slot that leaves the device choice to the process (a CPU)."""
+    if requested:
+        return list(requested)
+    import torch
+
+    count = torch.cuda.device_count()
+    return [str(i) for i in range(count)] if count else [None]
+
+
+def check_finished(failed: list[str]) -> None:
+    if failed:
+        raise StageError(f"runs failed: {', '.join(failed)} (their logs are named above)")
