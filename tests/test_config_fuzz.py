@@ -84,7 +84,7 @@ BAD_OVERRIDES = [
     (["attention.mtraining.block_size=24"], r"a power of two >= 16"),
     (["attention.mtraining.vertical_topp=1.5"], r"a number in \(0, 1\]"),
     (["attention.msa.bogus=1"], r"one of the MSAConfig fields"),
-    (["attention.backend=cuda"], r"'reference', 'triton', 'flash_attn' or 'sdpa'"),
+    (["attention.backend=cuda"], r"'reference', 'triton', 'flash_attn', 'sdpa', 'varlen_blocks'"),
     (["cluster.nodes=-1"], r"a positive integer"),
     (["cluster.gpu=V100"], r"accepted: A100-40GB"),
 ]

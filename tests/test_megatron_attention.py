@@ -61,11 +61,15 @@ def test_config_from_dict_builds_the_pattern_sections():
         ({"hierarchy": 0}, r"MTrainingAttentionConfig\.hierarchy=0"),
         (
             {"backend": "flash"},
-            r"MTrainingAttentionConfig\.backend='flash'.*'reference', 'triton', 'flash_attn' or 'sdpa'",
+            r"MTrainingAttentionConfig\.backend='flash'.*'reference', 'triton', 'flash_attn', 'sdpa', 'varlen_blocks'",
         ),
         (
             {"type": "msa", "backend": "flash_attn"},
             r"MTrainingAttentionConfig\.backend='flash_attn'.*for type 'msa' \(flash_attn computes dense attention only",
+        ),
+        (
+            {"type": "mtraining", "backend": "varlen_blocks"},
+            r"backend='varlen_blocks'.*for type 'mtraining' \(varlen_blocks runs MoBA's wide blocks only",
         ),
         ({"msa": {"blok_size": 64}}, r"attention\.msa\.blok_size=64.*MSAConfig fields"),
         ({"mtraining": {"block_size": 24}}, r"VerticalSlashConfig\.block_size=24.*power of two"),

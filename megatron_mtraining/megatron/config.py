@@ -22,12 +22,16 @@ from .. import patterns
 from ..context_parallel.layout import KINDS, STRIPED_KINDS, ContextParallelLayout
 from ..context_parallel.ring import KV_EXCHANGES
 from ..patterns.base import Pattern
+from ..sparse import dispatch
 from ..sparse.validation import ValidatedConfig, check_choice, check_int, fail, setting
 
 ATTENTION_TYPES = patterns.names()
-BACKENDS = (None, "reference", "triton", "flash_attn", "sdpa")
+# ``sparse_attention``'s settings; None is its ``auto``.
+BACKENDS = (None, *(b for b in dispatch.BACKENDS if b != "auto"))
 # Libraries that compute whole causal attention only: dense type, no context parallelism.
 DENSE_ONLY_BACKENDS = ("flash_attn", "sdpa")
+# Library calls over wide top-k blocks (MoBA's chunks) on one device.
+WIDE_BLOCK_BACKENDS = ("varlen_blocks",)
 CONFIG_ATTRIBUTE = "mtraining_attention"
 
 
@@ -42,7 +46,7 @@ def _check_backend(name: str, value) -> None:
             name,
             value,
             "None (automatic: for dense attention on a GPU flash-attn where installed, else PyTorch's fused "
-            "attention; Triton kernels for the other CUDA calls), 'reference', 'triton', 'flash_attn' or 'sdpa'",
+            "attention; Triton kernels for the other CUDA calls), " + ", ".join(repr(b) for b in BACKENDS[1:]),
         )
 
 
@@ -106,6 +110,12 @@ class _AttentionSettings(ValidatedConfig):
                 f"{type(self).__name__}.backend",
                 self.backend,
                 f"None, 'reference' or 'triton' for type '{self.type}' ({self.backend} computes dense attention only)",
+            )
+        if self.backend in WIDE_BLOCK_BACKENDS and self.type != "moba":
+            fail(
+                f"{type(self).__name__}.backend",
+                self.backend,
+                f"None, 'reference' or 'triton' for type '{self.type}' ({self.backend} runs MoBA's wide blocks only)",
             )
 
     @classmethod
@@ -184,7 +194,7 @@ class _AttentionSettings(ValidatedConfig):
                 f"1 for type '{self.type}'",
             )
         cp = config.context_parallel_size
-        if self.backend in DENSE_ONLY_BACKENDS and cp > 1:
+        if self.backend in (*DENSE_ONLY_BACKENDS, *WIDE_BLOCK_BACKENDS) and cp > 1:
             # These compute whole causal attention; the ring's steps attend parts of it.
             fail(
                 "TransformerConfig.context_parallel_size", cp, f"1 with {type(self).__name__}.backend={self.backend!r}"
