@@ -47,14 +47,19 @@ def test_whole_dense_attention_goes_to_the_fused_library_and_pieces_do_not():
     assert dispatch.attention_kernel(cuda_q(dtype=torch.float32), dense).kernel == "block_bar"
 
 
-def test_deterministic_mode_keeps_dense_attention_off_cudnn():
-    q, dense = cuda_q(), DenseIndex(1, 4, 4096)
+def _deterministic_decision(q, index):
+    """``attention_kernel`` under torch's deterministic mode, the mode restored after."""
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        decision = dispatch.attention_kernel(q, dense)
+        return dispatch.attention_kernel(q, index)
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def test_deterministic_mode_keeps_dense_attention_off_cudnn():
+    q, dense = cuda_q(), DenseIndex(1, 4, 4096)
+    decision = _deterministic_decision(q, dense)
     assert decision.kernel == "block_bar" and "deterministic mode" in decision.reason
     assert dispatch.attention_kernel(q, dense).kernel == "sdpa"
 
@@ -94,12 +99,7 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     assert dispatch.attention_kernel(q, moba, piece=True).kernel == "block_bar"
     triton = dispatch.attention_kernel(q, moba, "triton")
     assert triton.kernel == "block_bar" and "varlen" not in triton.reason
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        deterministic = dispatch.attention_kernel(q, moba)
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    deterministic = _deterministic_decision(q, moba)
     assert deterministic.kernel == "block_bar" and "(not varlen_blocks: deterministic mode" in deterministic.reason
     documents = packed_documents(torch.tensor([0, 30000, seq], dtype=torch.int32), seq)
     packed = dispatch.attention_kernel(q, BlockTopKIndex(moba.blocks, 4096, 4, documents=documents))
