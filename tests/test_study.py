@@ -206,6 +206,8 @@ def test_all_runs_every_stage_it_has_not_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(schedule, "run_jobs", lambda jobs, devices, logs: ran.append((list(jobs), devices)) or [])
     run = "continue/dense-seed2"
     write_run(tmp_path, run, stage_record(run, "dense", 2), {"dense": fixture_results("dense", 2)})
+    trained = "continue/msa-seed1"  # trained, not evaluated
+    write_run(tmp_path, trained, stage_record(trained, "msa", 1), {})
     main(["all", "--workdir", str(tmp_path), "--gpus", "0", "1", "--no-cross", "--samples", "2",
           "--export", "out", "megatron.lr=1e-4"])  # fmt: skip
     assert ran[0] == ("data", ("pretrain", "continue", "heldout"))
@@ -213,8 +215,10 @@ def test_all_runs_every_stage_it_has_not_run(tmp_path, monkeypatch, capsys):
     assert pretrain.name == "pretrain" and devices == ["0"] and "megatron.lr=1e-4" in pretrain.args
     jobs, devices = ran[2]
     assert devices == ["0", "1"]
-    assert [j.name for j in jobs] == [f"continue-{a}-seed{s}" for a in ("dense", "mtraining", "msa") for s in (1, 2)
-                                      if (a, s) != ("dense", 2)]  # fmt: skip
+    assert [j.name for j in jobs] == ["continue-dense-seed1", "continue-mtraining-seed1", "continue-mtraining-seed2",
+                                      "continue-msa-seed1-eval", "continue-msa-seed2"]  # fmt: skip
+    evaluate = jobs[3].args
+    assert evaluate[:4] == ("eval", "continue/msa-seed1", "--as", "msa") and "megatron.lr=1e-4" not in evaluate
     args = jobs[0].args
     for flag in (["--attention", "dense"], ["--seed", "1"], ["--samples", "2"], ["--export", "out"],
                  ["--time-limit", "0"]):  # fmt: skip
@@ -581,6 +585,22 @@ def test_three_types_one_seed_evaluated_and_reported(pretrained, tiny, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_all_end_to_end(pretrained, tiny, tmp_path):
+    """``study all`` on the tiny recipe: the pretraining reused from its archive, two types of
+    one seed continued and evaluated, the report written; a second call has nothing to run."""
+    root, options, evaluation = tiny
+    fresh = ["--workdir", str(tmp_path / "w"), *options[2:]]
+    output = study(root, "all", *fresh, "--import", "out", "--seeds", "5", "--attention", "dense", "msa",
+                   *evaluation, "--no-cross", "megatron.lr=2e-4")  # fmt: skip
+    assert "continue-dense-seed5: done" in output and "continue-msa-seed5: done" in output
+    assert "pretrain: started" not in output and (tmp_path / "w/report/study.md").is_file()
+    record = json.loads((tmp_path / "w/continue/msa-seed5/stage.json").read_text())
+    assert "megatron.lr=2e-4" in record["overrides"] and record["documents_masked"]
+    again = study(root, "all", *fresh, "--seeds", "5", "--attention", "dense", "msa", *evaluation, "--no-cross")
+    assert "started" not in again
+
+
 def test_the_time_limit_stops_training_with_a_checkpoint(pretrained, tiny, monkeypatch):
     """Megatron's own SIGTERM path: the run saves where it is, exits cleanly, and says so."""
     from megatron_mtraining.examples.study import runs

@@ -311,8 +311,10 @@ def run(cli) -> None:
 
 def _all(cli, workdir: Path) -> None:
     """Every stage in order (``study all``): the data here, then the pretraining and the
-    continued runs as their own stage commands (``schedule``), skipping a run whose stage
-    record and evaluation exist, then the report."""
+    continued runs as their own stage commands (``schedule``): a run with no stage record
+    trains and is evaluated, one with a record but no evaluation of its own attention is
+    evaluated, the rest are skipped; then the report. ``--lengths`` is the continued runs'
+    (the pretraining is evaluated at its own length)."""
     from .report import write_report
     from .schedule import Job, check_finished, run_jobs, visible_devices
 
@@ -320,30 +322,35 @@ def _all(cli, workdir: Path) -> None:
     _data(cli, workdir, ("pretrain", "continue", "heldout"))
     shared = ["--workdir", str(workdir), "--data-config", cli.data_config, "--configs", cli.configs]
     shared += ["--samples", str(cli.samples), "--eval-seed", str(cli.eval_seed), "--ppl-docs", str(cli.ppl_docs)]
-    shared += ["--lengths", *map(str, cli.lengths)] if cli.lengths else []
     shared += ["--export", cli.export] if cli.export else []
-    train = ["--eval", "--time-limit", "0", *shared]
+    # --lengths (several values) first: a one-value flag after it ends its list before the overrides.
+    lengths = ["--lengths", *map(str, cli.lengths)] if cli.lengths else []
     logs = workdir / "logs"
 
-    def finished(run: Path, attention: str) -> bool:
-        return (workdir / run / STAGE_FILE).is_file() and (
-            workdir / run / "eval" / attention / "results.json"
-        ).is_file()
+    def job(run: Path, attention: str, train: tuple[str, ...], types: tuple[str, ...], seed=None, more=()):
+        name = "-".join(run.parts)
+        if not (workdir / run / STAGE_FILE).is_file():
+            return Job(name, (*train, *more, "--eval", "--time-limit", "0", *shared, *cli.overrides), seed)
+        if not (workdir / run / "eval" / attention / "results.json").is_file():
+            return Job(f"{name}-eval", ("eval", run.as_posix(), "--as", *types, *more, *shared), seed)
+        return None
 
-    if not finished(PRETRAIN, "dense"):
-        check_finished(run_jobs([Job("pretrain", ("pretrain", *train, *cli.overrides))], devices[:1], logs))
-    cross = [] if cli.cross else ["--no-cross"]
+    pretrain = job(PRETRAIN, "dense", ("pretrain",), ("dense",))
+    if pretrain is not None:
+        check_finished(run_jobs([pretrain], devices[:1], logs))
     jobs = [
-        Job(
-            f"continue-{attention}-seed{seed}",
-            ("continue", "--attention", attention, "--seed", str(seed), *train, *cross, *cli.overrides),
+        job(
+            continue_run(attention, seed),
+            attention,
+            ("continue", "--attention", attention, "--seed", str(seed), *([] if cli.cross else ["--no-cross"])),
+            (attention, *(CROSS[attention] if cli.cross else ())),
             seed,
+            lengths,
         )
         for attention in cli.attention
         for seed in cli.seeds
-        if not finished(continue_run(attention, seed), attention)
     ]
-    failed = run_jobs(jobs, devices, logs)
+    failed = run_jobs([j for j in jobs if j is not None], devices, logs)
     try:
         _, written = write_report(workdir, None)
         print(f"[study] report: {', '.join(map(str, written))}")
