@@ -3,7 +3,7 @@ for every index type, whole and as a context-parallel rank's step."""
 
 import pytest
 import torch
-from cp_workers import HostReads
+from host_reads import HostReads
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, StepIndex
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex
