@@ -213,7 +213,8 @@ def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk
     scores = block_scores.scatter(-1, own_block.view(-1, 1).expand(block_scores.shape[:-1] + (1,)).long(), float("inf"))
     k = min(topk, scores.shape[-1])
     values, chosen = scores.topk(k, dim=-1)
-    chosen, _ = compact(chosen.int(), values > float("-inf"))
+    # Width k, a bound from the shapes: the longest row would be read on the host.
+    chosen, _ = compact(chosen.int(), values > float("-inf"), k)
     pad = topk - chosen.shape[-1]
     return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad else chosen
 
