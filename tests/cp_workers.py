@@ -4,8 +4,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.profiler import ProfilerActivity, profile
+from host_reads import HostReads
 
 from megatron_mtraining.context_parallel import (
     ContextParallelLayout,
@@ -215,31 +214,6 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
                     got.double().cpu(), layout.shard(full, rank), atol=5 * tol, rtol=0,
                     msg=lambda m, n=name, where=where: f"{where} d{n}: {m}",
                 )  # fmt: skip
-
-
-class HostReads(TorchFunctionMode):
-    """Counts, while active, the operations that read tensor data on the host: on a CUDA
-    tensor each one waits for the device's queue to drain (``.item()``, ``int`` / ``bool``,
-    boolean indexing and ``nonzero``, ``unique``, ``.tolist()`` / ``.cpu()`` / ``.numpy()``).
-    On CPU every tensor counts, host-made ones included, so this bounds a GPU's count."""
-
-    ATEN = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2"}
-    COPIES = {"tolist", "cpu", "numpy"}  # seen here, not as aten ops, when the tensor is on the CPU
-
-    def __enter__(self):
-        self.count = 0
-        self.profiler = profile(activities=[ProfilerActivity.CPU])
-        self.profiler.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self.profiler.__exit__(*exc)
-        self.count += sum(e.name in self.ATEN for e in self.profiler.events())
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in self.COPIES
-        return func(*args, **(kwargs or {}))
 
 
 def check_host_reads(rank, world, seq_lens, kv_exchange):

@@ -11,6 +11,7 @@ Context-parallel runs split the batch and RoPE with Megatron's own functions, pa
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -44,7 +45,7 @@ from megatron_mtraining.megatron import (
 )
 from megatron_mtraining.megatron.layer_specs import get_gpt_decoder_block_spec
 from megatron_mtraining.patterns import msa as msa_pattern
-from megatron_mtraining.patterns.base import HELDOUT_RECALL_METRIC
+from megatron_mtraining.patterns.base import FRACTION_METRIC, HELDOUT_RECALL_METRIC, RECALL_METRIC
 from megatron_mtraining.patterns.msa import BLOCK_RECALL_METRIC, KL_METRIC, SCORE_RECALL_METRIC, MSAPattern
 from megatron_mtraining.sparse import DenseIndex, block_max_scores, msa_kl_loss, msa_recall, msa_select_blocks
 from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows
@@ -87,12 +88,12 @@ def attention_config(kind: str, **overrides):
     return MTrainingAttentionConfig.from_dict({"type": kind, **PATTERNS[kind], **overrides})
 
 
-def transformer_config(attention, **config_overrides) -> TransformerConfig:
+def transformer_config(attention, num_layers: int = 2, **config_overrides) -> TransformerConfig:
     """The tiny GPT's config for the current parallel state, with ``attention`` (an
     MTrainingAttentionConfig) attached unless None."""
     cp = parallel_state.get_context_parallel_world_size()
     config = TransformerConfig(
-        num_layers=2,
+        num_layers=num_layers,
         hidden_size=64,
         num_attention_heads=4,
         num_query_groups=2,
@@ -796,3 +797,58 @@ def check_packed_documents_equal_separate_samples(rank, world, layout_kind="stri
                 assert err < 1e-3, f"{where} {n}: max error {err:.2e} of the largest gradient"
         if cp > 1:
             patches.remove_patches()
+
+
+def check_layer_host_reads(rank, world, kind, want):
+    """Host reads (``host_reads.HostReads``) of a one-layer GPT's training step with ``kind``'s
+    attention on the Triton kernels (``MTRAINING_ATTENTION_BACKEND=triton``, interpreted on a
+    CPU) under full recompute, as ``bench_training.py`` runs it, each ``want[part]``: the
+    forward (the layer under ``no_grad``), the backward (the layer again, with the index the
+    forward kept, then its backward), and what a logging step's metrics add to the forward
+    (nothing to the backward)."""
+    from host_reads import HostReads
+
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    assert os.environ.get("MTRAINING_ATTENTION_BACKEND") == "triton"
+    init_megatron()
+    launches = collections.Counter()
+
+    def counted(name, launch):
+        def counting(*args, **kwargs):
+            launches[name] += 1
+            return launch(*args, **kwargs)
+
+        return counting
+
+    for name in ("kernel_forward", "kernel_backward"):
+        setattr(block_bar, name, counted(name, getattr(block_bar, name)))
+    config = transformer_config(
+        attention_config(kind), num_layers=1, recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1,
+    )  # fmt: skip
+    model = GPTModel(config, measured(get_gpt_decoder_block_spec(config)), VOCAB, SEQ)
+    core = model.decoder.layers[0].self_attention.core_attention
+    seq = SEQ // 2  # the kernels' interpretation is most of the time
+    tokens = full_batch()["tokens"][:1, :seq]
+    positions = torch.arange(seq).view(1, -1)
+    set_training_iteration(config, 0)
+    reads = {}
+    for step, weight in enumerate((0, 1)):
+        get_attention_metrics_tracker().clear()
+        collect_attention_metrics(config, weight, seed=step)
+        with HostReads() as forward:
+            # A loss of the logits: Megatron's cross entropy, which training replaces with the
+            # fused one at TP 1, masks by indexing.
+            loss = model(tokens, positions, None).float().square().mean()
+        with HostReads() as backward:
+            loss.backward()
+        reads[weight] = (forward.count, backward.count)
+        # The kernels ran, in the forward and the recompute; the recompute took the kept index.
+        assert launches == {"kernel_forward": 2 * step + 2, "kernel_backward": step + 1}, (kind, launches)
+        assert not len(core._kept_indexes), kind
+    recorded = get_attention_metrics_tracker().metrics
+    for name in (FRACTION_METRIC, RECALL_METRIC, HELDOUT_RECALL_METRIC):
+        assert bool(recorded[name].values.any()), (kind, name)
+    got = {"forward": reads[0][0], "backward": reads[0][1], "metrics": reads[1][0] - reads[0][0]}
+    assert got == want and reads[1][1] == reads[0][1], (kind, reads)

@@ -3,7 +3,7 @@ for every index type, whole and as a context-parallel rank's step."""
 
 import pytest
 import torch
-from cp_workers import HostReads
+from host_reads import HostReads
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, StepIndex
 from megatron_mtraining.sparse import BlockTopKIndex, DenseIndex, VerticalSlashIndex
@@ -76,11 +76,13 @@ def dense_mask(index) -> torch.Tensor:
     return tiles if index.part == "tiles" else whole.to_dense_mask(whole.seq_len) & ~tiles
 
 
-def from_key_lists(index) -> torch.Tensor:
-    """The count the kernels see: every row chunk's key lists, masked by ``visible``."""
+def from_key_lists(index, bounded: bool = False) -> torch.Tensor:
+    """The count the kernels see: every row chunk's key lists (``bounded``: as the recall
+    reads them, ``bounded_key_lists``), masked by ``visible``."""
     area = torch.zeros(index.batch_size, index.selection_heads, dtype=torch.int64, device=index.device)
     for q0, q1 in index.query_ranges(index.seq_len):
-        area += index.visible(index.key_lists(q0, q1), q0, q1).flatten(2).sum(-1)
+        keys = index.bounded_key_lists(q0, q1) if bounded else index.key_lists(q0, q1)
+        area += index.visible(keys, q0, q1).flatten(2).sum(-1)
     return area.repeat_interleave(index.num_heads // index.selection_heads, dim=1)
 
 
@@ -93,6 +95,7 @@ def test_whole_index(kind, seq, rng, device):
     assert area.device.type == device.type
     assert torch.equal(area, dense_mask(index).sum((-2, -1)))
     assert torch.equal(area, from_key_lists(index))
+    assert torch.equal(area, from_key_lists(index, bounded=True))
 
 
 def layouts(seq):
@@ -155,13 +158,16 @@ def test_ring_parts_add_up_to_the_index(rng):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reads_nothing_on_host(kind, rng):
-    """The ring records every step's area; a host read there would stall each step on the GPU."""
+    """The ring records every step's area, the metrics the index's area and the recall's key
+    lists; a host read there would stall each step on the GPU."""
     index = random_index(kind, rng, 256, "cpu")
     layout = ContextParallelLayout("striped", 4, 256, stripe=16)
     step = StepIndex(index, layout.positions(1), layout.positions(2))
     with HostReads() as reads:
         index.attended_area()
         step.attended_area()
+        if not isinstance(index, VerticalSlashPart):  # what the recall metric reads
+            index.bounded_key_lists(64, 128)
     assert reads.count == 0
 
 

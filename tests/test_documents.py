@@ -270,12 +270,13 @@ def test_mask_is_block_diagonal_for_every_index_type(rng):
         assert torch.equal(key_list_mask(index), mask), type(index).__name__
 
 
-def key_list_mask(index) -> torch.Tensor:
-    """The mask that ``key_lists`` and ``visible`` give (the reference path's view)."""
+def key_list_mask(index, bounded: bool = False) -> torch.Tensor:
+    """The mask that ``key_lists`` (``bounded``: ``bounded_key_lists``, the recall's) and
+    ``visible`` give (the reference path's view)."""
     b, h, s = index.batch_size, index.num_heads, index.seq_len
     mask = torch.zeros(b, h, s, s + 1, dtype=torch.bool)
     for q0, q1 in index.query_ranges(s):
-        keys = index.key_lists(q0, q1)
+        keys = index.bounded_key_lists(q0, q1) if bounded else index.key_lists(q0, q1)
         seen = index.visible(keys, q0, q1)
         keys = torch.where(seen, keys.expand_as(seen), s).long()
         keys = keys.expand(b, -1, -1, -1).repeat_interleave(h // keys.shape[1], dim=1)
@@ -291,6 +292,7 @@ def test_views_and_area_agree_with_the_mask(kind, rng):
     index = index_of(kind, q, k, cu)
     mask = index.to_dense_mask(seq)
     assert torch.equal(key_list_mask(index), mask)
+    assert torch.equal(key_list_mask(index, bounded=True), mask)
     assert torch.equal(index.attended_area(), mask.sum((-1, -2)))
     rows = torch.randperm(seq, generator=rng)[: seq // 3].sort().values
     keys = torch.randperm(seq, generator=rng)[: seq // 2].sort().values

@@ -77,6 +77,14 @@ class SparseIndex:
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def bounded_key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        """``key_lists`` padded (-1) to a width that follows from the index's shapes, where
+        ``key_lists`` trims its lists to the longest one by reading their lengths on the host,
+        which waits for the device: for callers on the training step's path (the recall
+        metric), to which the padding costs little. The same as ``key_lists`` for the types
+        whose lists read nothing."""
+        return self.key_lists(q_start, q_end)
+
     def query_ranges(self, num_rows: int) -> list[tuple[int, int]]:
         """The row chunks ``key_lists`` is called with."""
         return [(q0, min(q0 + self.query_chunk, num_rows)) for q0 in range(0, num_rows, self.query_chunk)]
@@ -205,7 +213,8 @@ def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk
     scores = block_scores.scatter(-1, own_block.view(-1, 1).expand(block_scores.shape[:-1] + (1,)).long(), float("inf"))
     k = min(topk, scores.shape[-1])
     values, chosen = scores.topk(k, dim=-1)
-    chosen, _ = compact(chosen.int(), values > float("-inf"))
+    # Width k, a bound from the shapes: the longest row would be read on the host.
+    chosen, _ = compact(chosen.int(), values > float("-inf"), k)
     pad = topk - chosen.shape[-1]
     return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad else chosen
 
@@ -471,10 +480,17 @@ class VerticalSlashIndex(SparseIndex):
         return self.slash.long().index_select(2, first_doc)
 
     def block_columns(
-        self, qblock_start: int = 0, qblock_end: int | None = None, qblocks: torch.Tensor | None = None
+        self,
+        qblock_start: int = 0,
+        qblock_end: int | None = None,
+        qblocks: torch.Tensor | None = None,
+        bounded: bool = False,
     ) -> BlockColumns:
         """The kernel form of query blocks ``qblock_start .. qblock_end`` (or of the query
-        blocks listed in ``qblocks``, e.g. a context-parallel rank's)."""
+        blocks listed in ``qblocks``, e.g. a context-parallel rank's). Lists are trimmed to
+        the longest, which reads their lengths on the host; with ``bounded``, padded to what
+        a block can list at most: every diagonal (and with documents its own tile) and
+        every column of its head."""
         qblock_end = self.num_blocks if qblock_end is None else qblock_end
         bs, dev = self.block_size, self.device
         if qblocks is None:
@@ -482,20 +498,24 @@ class VerticalSlashIndex(SparseIndex):
         else:
             qb = qblocks.to(device=dev, dtype=torch.int32)
         if self.documents is not None:
-            return self._document_block_columns(qb.long())
+            return self._document_block_columns(qb.long(), bounded)
         # Tiles: key block qb - d for each attended diagonal d <= qb.
         kb = qb.view(1, 1, -1, 1) - self.slash.unsqueeze(2)
-        block_idx, block_count = compact(kb, (self.slash.unsqueeze(2) >= 0) & (kb >= 0))
+        block_idx, block_count = compact(
+            kb, (self.slash.unsqueeze(2) >= 0) & (kb >= 0), self.slash.shape[-1] if bounded else None
+        )
         # Bars: vertical columns visible to some row of the block and outside its tiles.
         diag = qb.view(1, 1, -1, 1) - (self.vertical // bs).unsqueeze(2)
         active = self.active_diagonals()
         in_tile = (diag >= 0) & active.gather(-1, diag.clamp(0, self.num_blocks - 1).long().flatten(2)).view(diag.shape)
         last_row = torch.clamp((qb + 1) * bs, max=self.seq_len) - 1
         visible = (self.vertical.unsqueeze(2) >= 0) & (self.vertical.unsqueeze(2) <= last_row.view(1, 1, -1, 1))
-        column_idx, column_count = compact(self.vertical.unsqueeze(2).expand_as(diag), visible & ~in_tile)
+        column_idx, column_count = compact(
+            self.vertical.unsqueeze(2).expand_as(diag), visible & ~in_tile, self.vertical.shape[-1] if bounded else None
+        )
         return BlockColumns(block_idx, block_count, column_idx, column_count)
 
-    def _document_block_columns(self, qb: torch.Tensor) -> BlockColumns:
+    def _document_block_columns(self, qb: torch.Tensor, bounded: bool) -> BlockColumns:
         """``block_columns`` with documents: the tiles of the diagonals of the document holding
         each block's first row, from its start's key block on, and the block's own tile;
         the bars, its columns from that start on that are in no such tile."""
@@ -506,21 +526,27 @@ class VerticalSlashIndex(SparseIndex):
         kb = qbv - diags
         own = qbv.expand(*diags.shape[:3], 1)
         keep = torch.cat([(diags > 0) & (kb >= firsts // bs), torch.ones_like(own, dtype=torch.bool)], -1)
-        block_idx, block_count = compact(torch.cat([kb, own], -1).int(), keep)
+        block_idx, block_count = compact(torch.cat([kb, own], -1).int(), keep, keep.shape[-1] if bounded else None)
         v = self.vertical.long().unsqueeze(2)
         last_row = torch.clamp((qb + 1) * bs, max=self.seq_len).view(1, 1, -1, 1) - 1
         visible = (v >= firsts) & (v <= last_row)  # a column before the start: no row of the block sees it
         in_tile = self._document_in_tile(qbv, v.clamp(min=0) // bs)
-        column_idx, column_count = compact(v.expand_as(in_tile).int(), visible & ~in_tile)
+        column_idx, column_count = compact(
+            v.expand_as(in_tile).int(), visible & ~in_tile, self.vertical.shape[-1] if bounded else None
+        )
         return BlockColumns(block_idx, block_count, column_idx, column_count)
 
     def key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         return torch.cat(self.tile_and_bar_keys(q_start), dim=-1)
 
-    def tile_and_bar_keys(self, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key positions of the query block at ``q_start``: (its tiles' tokens, its bars)."""
+    def bounded_key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
+        return torch.cat(self.tile_and_bar_keys(q_start, bounded=True), dim=-1)
+
+    def tile_and_bar_keys(self, q_start: int, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key positions of the query block at ``q_start``: (its tiles' tokens, its bars);
+        ``bounded`` as for ``block_columns``."""
         qb = q_start // self.block_size
-        columns = self.block_columns(qb, qb + 1)
+        columns = self.block_columns(qb, qb + 1, bounded=bounded)
         return _blocks_to_tokens(columns.block_idx, self.block_size, self.seq_len), columns.column_idx.long()
 
     def _area(self, rows: _PositionSet, keys: _PositionSet) -> torch.Tensor:

@@ -3,6 +3,7 @@ pattern, and MSA's block and score recall."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -67,10 +68,11 @@ def heldout_rows(
     for the same arguments."""
     check_int("blocks", blocks, minimum=1)
     check_int("block_rows", block_rows, minimum=1)
-    free = torch.ones(seq // block_rows, dtype=torch.bool)
+    free = [True] * (seq // block_rows)
     for start, end in excluded:
-        free[start // block_rows : -(-end // block_rows)] = False
-    candidates = free.nonzero().flatten()
+        first, last = start // block_rows, -(-end // block_rows)
+        free[first:last] = [False] * len(free[first:last])
+    candidates = torch.tensor([run for run, ok in enumerate(free) if ok], dtype=torch.int64)
     order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
     first = candidates[order[:blocks]].sort().values * block_rows
     return (first.view(-1, 1) + torch.arange(block_rows)).flatten()
@@ -89,8 +91,9 @@ def check_rows(rows, seq: int) -> None:
         fail("rows", type(rows).__name__, accepted)
     if rows.dim() != 1 or rows.dtype != torch.int64 or rows.device.type != "cpu" or len(rows) == 0:
         fail("rows", f"{rows.dtype} {tuple(rows.shape)} on {rows.device}", accepted)
-    if rows[0] < 0 or rows[-1] >= seq or bool((rows[1:] <= rows[:-1]).any()):
-        fail("rows", rows.tolist(), accepted)
+    values = rows.tolist()  # one read of host memory, which waits for nothing
+    if values[0] < 0 or values[-1] >= seq or any(b <= a for a, b in itertools.pairwise(values)):
+        fail("rows", values, accepted)
 
 
 def recall_from_parts(
@@ -133,7 +136,7 @@ def recall_from_parts(
     for slot, first, end in _runs(rows, chunk):
         q0 = first // chunk * chunk
         if q0 not in lists:  # runs come in order: one chunk's key lists at a time
-            lists = {q0: index.key_lists(q0, min(q0 + chunk, seq))}
+            lists = {q0: index.bounded_key_lists(q0, min(q0 + chunk, seq))}
         keys = lists[q0]
         keys = keys.expand(bsz, -1, min(q0 + chunk, seq) - q0, -1)[:, :, first - q0 : end - q0]
         keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)

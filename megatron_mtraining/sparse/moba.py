@@ -79,7 +79,8 @@ def moba_select_from_parts(
         at_head = chunks == first.view(-1, 1)
         gate = torch.where(at_head, head_gate.flatten(1, 2).unsqueeze(-1), gate)
         earlier &= chunks >= first.view(-1, 1)
-    blocks = select_topk_blocks(gate.masked_fill(~earlier, float("-inf")), own, config.topk)  # [B, Hq, Lq, k]
+    # In place: the gate is [B, Hq, Lq, chunks] fp64, whose copy would be as large.
+    blocks = select_topk_blocks(gate.masked_fill_(~earlier, float("-inf")), own, config.topk)  # [B, Hq, Lq, k]
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 

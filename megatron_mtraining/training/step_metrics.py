@@ -20,21 +20,25 @@ from .run_state import STATE, device
 
 class TokenLoss:
     """An LM loss over several micro-batches at full precision: each micro-batch's loss sum
-    and token count (this rank's tokens) added on the host in fp64."""
+    and token count (this rank's tokens) added in fp64 where they are. On the device: a
+    copy to the host would wait for the micro-batch's forward, between it and its backward."""
 
     def __init__(self):
-        self.sums = torch.zeros(2, dtype=torch.float64)
+        self.sums: torch.Tensor | None = None
 
     def add(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        self.sums += torch.stack([loss.detach().double().cpu(), num_tokens.detach().double().cpu()])
+        sums = torch.stack([loss.detach().double(), num_tokens.detach().double()])
+        self.sums = sums if self.sums is None else self.sums + sums
 
     def mean(self) -> float | None:
         """The loss per token over every DP x CP rank's tokens since the last call (None: no
         token), a collective of that group; starts the next sum."""
-        sums = self.sums.to(device(), copy=True)
+        sums = torch.zeros(2, dtype=torch.float64, device=device()) if self.sums is None else self.sums
+        self.sums = None
         torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        self.sums.zero_()
-        return float(sums[0] / sums[1]) if sums[1] > 0 else None
+        # The one read of the interval: the line prints the value.
+        total, tokens = sums.tolist()
+        return total / tokens if tokens > 0 else None
 
 
 def write_scalars(scalars: dict[str, float], iteration: int, prefix: str = "mtraining/") -> None:

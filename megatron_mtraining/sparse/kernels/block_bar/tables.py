@@ -3,9 +3,10 @@ query block, their transpose per KV block, and the vertical-column ("bar") table
 
 Everything here is a few vectorised torch ops on index-sized tensors, done once
 per attention call and shared by the forward and backward kernels. Table widths
-given by the caller (``widths``), or fixed by shapes (``slash_tiles``), keep the
-construction from reading the device; without them a table is trimmed to its
-longest row (``compact``).
+given by the caller (``widths``), or fixed by shapes (``slash_tiles``, and a
+membership table's block counts by default), keep the construction from reading
+the device, which would stall the training step once per call; trimming a table to
+its longest row (``compact`` without a width) would read it.
 """
 
 from __future__ import annotations
@@ -280,9 +281,12 @@ def tables_from_membership(
     member: torch.Tensor, block: int, widths: tuple[int, int] | None = None, **fields
 ) -> TileTables:
     """Tile tables from ``member [TB, TH, n_q, n_k]`` (query block i reads KV block j);
-    ``widths``: bounds on the tiles per query block and per KV block (see ``compact``)."""
+    ``widths``: bounds on the tiles per query block and per KV block (see ``compact``),
+    by default the block counts ``(n_k, n_q)``. The kernels walk each list to its count,
+    so the padding costs memory only: a dense table is full anyway, and a top-k union's
+    longest list (MoBA's, whose rows choose different chunks) is near it."""
     kb = torch.arange(member.shape[-1], device=member.device, dtype=torch.int32)
-    width, width_t = widths if widths is not None else (None, None)
+    width, width_t = widths if widths is not None else (member.shape[-1], member.shape[-2])
     tiles, count = compact(kb.expand_as(member), member, width)
     return TileTables(block, tiles, count, *transpose_tiles(tiles, count, member.shape[-1], width_t), **fields)
 
