@@ -1,6 +1,9 @@
-"""Deterministic mode on one GPU: the same training run twice per attention type, compared.
+"""Deterministic mode: the same training run twice per attention type, compared.
 
-    python scripts/check_determinism.py [--types dense,mtraining,moba,msa] [--seq-length 8192]
+    python scripts/check_determinism.py [--types dense,mtraining,moba,msa] [--seq-length 8192] [--cp 2]
+
+With ``--cp N`` each run is ``N`` processes under torchrun, one GPU each, with context
+parallelism ``N`` (the recipe's layout and exchange), over NCCL.
 
 Each type runs ``megatron_mtraining.pretrain`` (Megatron's loop, mock data, the recipe's
 model shape cut to ``--num-layers``) ``--runs`` times with ``megatron.deterministic_mode=true``
@@ -24,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_training import _common  # noqa: E402 (the training bench's mock-data run)
 
+from megatron_mtraining.examples.quickstart import pretrain_command  # noqa: E402
+
 LOSS = re.compile(r"\[mtraining\] iteration\s+(\d+) \| lm_loss: (\S+)")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*grad norm: (\S+) \|")
 
@@ -44,6 +49,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--timeout", type=int, default=150, help="seconds per run")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: processes (GPUs) per run")
     p.add_argument("--out", default="runs/check_determinism")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args()
@@ -57,9 +63,10 @@ def main() -> int:
             # The paper's 4096-token chunks select everything at 8K: a config error.
             "moba": [f"attention.moba.chunk_size={args.seq_length // 8}", "attention.moba.topk=3"],
         }.get(kind, [])
-        command = [sys.executable, "-m", "megatron_mtraining.pretrain", "--config", args.config,
-                   *_common(args, args.num_layers), f"attention.type={kind}", *extra,
-                   "megatron.deterministic_mode=true", "megatron.cross_entropy_loss_fusion=false"]  # fmt: skip
+        command = pretrain_command(args.cp, args.config, [
+            *_common(args, args.num_layers), f"attention.type={kind}", *extra,
+            f"megatron.context_parallel_size={args.cp}",
+            "megatron.deterministic_mode=true", "megatron.cross_entropy_loss_fusion=false"])  # fmt: skip
         runs = []
         for n in range(args.runs):
             proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
