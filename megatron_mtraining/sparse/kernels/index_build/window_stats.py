@@ -388,8 +388,7 @@ class WindowKernels:
     def kept_sums(self, row_max: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``row_sum`` and, in the same pass, the sum over the keys ``attended`` marks for each
         row (bool ``[B, Hq, R, n_keys]``: window row slot, local key)."""
-        row_sum, kept = self._row_stats(row_max, attended)
-        return row_sum, kept
+        return tuple(self._row_stats(row_max, attended))
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor, out: tuple | None = None) -> tuple:
         """The mass pass's outputs (``totals`` adds them up): the vertical window mass
