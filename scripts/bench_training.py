@@ -13,7 +13,9 @@ Rows (``--rows``):
   dense         ``attention.type=dense`` as configured (``auto``: the same library on a GPU)
   dense-triton  dense attention on the plugin's own Triton kernel
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
-  moba-varlen   MoBA on PyTorch's FlashAttention-2 varlen calls (``backend=varlen_blocks``)
+  moba-triton   MoBA on the plugin's Triton kernels (``backend=triton``), the path ``moba`` takes
+                under context parallelism and with packed documents (``moba`` on one GPU runs
+                PyTorch's FlashAttention-2 varlen calls)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
   msa-kl-shared ``msa`` with the KL's teacher taken from the attention's backward
                 (``MTRAINING_KL_TEACHER=shared``), not recomputed by the KL's own kernels
@@ -50,7 +52,7 @@ ROWS = {
     "dense-triton": ["attention.type=dense", "attention.backend=triton"],
     "mtraining": ["attention.type=mtraining"],
     "moba": ["attention.type=moba"],
-    "moba-varlen": ["attention.type=moba", "attention.backend=varlen_blocks"],
+    "moba-triton": ["attention.type=moba", "attention.backend=triton"],
     "msa": ["attention.type=msa", "attention.msa.warmup_steps=0"],
     "msa-warmup": ["attention.type=msa", "attention.msa.warmup_steps=1000"],
     "msa-kl-shared": ["attention.type=msa", "attention.msa.warmup_steps=0"],

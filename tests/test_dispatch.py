@@ -88,9 +88,6 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     monkeypatch.setattr(library, "unsupported", lambda q: None)  # stands for a GPU it serves
     q, seq = cuda_q(seq=65536), 65536
     moba = topk(seq, 4, 4096)  # a quarter of the keys: the union of tiles otherwise
-    unmeasured = dispatch.attention_kernel(q, moba)  # auto leaves it alone until measured
-    assert unmeasured.kernel == "block_bar" and "(not varlen_blocks: not yet measured" in unmeasured.reason
-    monkeypatch.setattr(dispatch, "VARLEN_BLOCKS_AUTO", True)
     decision = dispatch.attention_kernel(q, moba)
     assert decision.kernel == "varlen_blocks" and "4096-token blocks" in decision.reason
     assert dispatch.attention_kernel(q, moba, "varlen_blocks") == dispatch.Decision("varlen_blocks", "forced")

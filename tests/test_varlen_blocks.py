@@ -219,7 +219,6 @@ def test_moba_on_cuda_matches_fp64_dense(dtype, rng, library_calls, monkeypatch)
     from megatron_mtraining.sparse import dispatch
 
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(dispatch, "VARLEN_BLOCKS_AUTO", True)  # the rule as it will stand once measured
     q, k, v = make_inputs(rng, (1, 3000, 16, 2, 128), dtype, "cuda")
     index = moba_index(q, k, 1024, 2)
     decision = dispatch.attention_kernel(q, index)

@@ -87,15 +87,10 @@ KV_OUTER_MAX_SHARE_WIDE = 1 / 4  # wider blocks
 # did not choose (the union of tiles' waste) and the tiles run at the library's dense rate. Its
 # own cost is per (row, chosen block): the row gathered, its partial merged, its dQ summed, about
 # ten row-wide passes over memory, against the block's keys' work, so it pays only where blocks
-# are wide. NOT YET MEASURED: 1024 sits between MSA's 128-token blocks (the KV-outer kernels'
-# range) and MoBA's 4096; scripts/bench_kernels.py times this path beside the Triton ones
-# (--patterns moba) to set it, and to say whether it should depend on the share selected too.
+# are wide. Measured at MoBA's 4096-token blocks only (faster than the Triton kernels in the
+# training step: docs/benchmarks.md); 1024 sits between that and MSA's 128-token blocks, the
+# KV-outer kernels' range, and is not measured (scripts/bench_kernels.py --patterns moba).
 VARLEN_MIN_BLOCK = 1024
-# Whether ``auto`` takes ``varlen_blocks`` at all: not before its GPU tests pass on the
-# project's torch and ``scripts/bench_kernels.py --patterns moba`` shows it faster than the
-# Triton kernels; until then ``backend="varlen_blocks"`` (``attention.backend`` in a config)
-# selects it.
-VARLEN_BLOCKS_AUTO = False
 
 logger = logging.getLogger("megatron_mtraining.dispatch")
 
@@ -290,8 +285,6 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
         return False, why_not
     if torch.are_deterministic_algorithms_enabled():
         return False, "deterministic mode (FlashAttention-2's fast backward adds dQ by fp32 atomics)"
-    if not VARLEN_BLOCKS_AUTO:
-        return False, "not yet measured on a GPU (backend varlen_blocks selects it)"
     return True, (
         f"a top-k index of {index.block_size}-token blocks on CUDA: a key block at a time on PyTorch's "
         "FlashAttention-2 varlen kernels, no row computed against a block it did not choose"
