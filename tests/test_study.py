@@ -167,32 +167,48 @@ def test_real_text_split_is_seeded_disjoint_and_capped():
 
 
 # ---- moving stages between machines --------------------------------------------------------
-def test_jobs_share_the_devices_and_never_run_a_seed_twice_at_once(tmp_path, capsys):
-    """``study all``'s scheduler on real processes: one job per device at a time, never two
-    of one seed together, jobs side by side where they may, every job run once, a failure
-    reported without stopping the rest."""
+def test_jobs_share_the_devices_and_a_seed_only_once_its_cache_exists(tmp_path, capsys):
+    """``study all``'s scheduler on real processes: one job per device at a time; a job of a
+    seed starts beside another of that seed only after that one logged a training iteration
+    (its dataset cache is built); jobs side by side where they may, every job run once, a
+    failure reported without stopping the rest."""
     record = tmp_path / "spans.txt"
     code = (
-        "import sys, time; a = time.time(); time.sleep(0.3); "
-        f"open({str(record)!r}, 'a').write(' '.join([*sys.argv[1:], str(a), str(time.time())]) + '\\n'); "
-        "sys.exit(3 if sys.argv[1].startswith('bad') else 0)"
+        "import sys, time; a = time.time(); time.sleep(0.1); name = sys.argv[1]; m = 'none'\n"
+        "if name.startswith('train'):\n"
+        "    m = str(time.time()); print('  iteration  10/300 | lm_loss 4.5', flush=True)\n"
+        "time.sleep(0.3)\n"
+        f"open({str(record)!r}, 'a').write(' '.join([*sys.argv[1:], str(a), m, str(time.time())]) + '\\n')\n"
+        "sys.exit(3 if name.startswith('bad') else 0)"
     )
 
     def start(job, device, threads, log):
-        return schedule.subprocess.Popen([sys.executable, "-c", code, job.name, str(job.seed), device])
+        with log.open("w") as out:
+            return schedule.subprocess.Popen(
+                [sys.executable, "-c", code, job.name, str(job.seed), device], stdout=out, stderr=out
+            )
 
-    jobs = [schedule.Job(f"{kind}-{seed}", (), seed) for kind in ("a", "b", "bad") for seed in (1, 2, 3)]
-    failed = schedule.run_jobs(jobs, ["0", "1"], tmp_path, start=start, poll_seconds=0.02)
+    # "train" jobs log an iteration (their seed's cache then exists), "eval" and "bad" ones never do.
+    jobs = [schedule.Job(f"{kind}-{seed}", (), seed) for kind in ("train", "eval", "bad") for seed in (1, 2, 3)]
+    failed = schedule.run_jobs(jobs, ["0", "1", "2", "3"], tmp_path, start=start, poll_seconds=0.02)
     assert failed == ["bad-1", "bad-2", "bad-3"]
-    spans = [line.split() for line in record.read_text().splitlines()]
+    spans = sorted((line.split() for line in record.read_text().splitlines()), key=lambda s: float(s[3]))
     assert sorted(name for name, *_ in spans) == sorted(j.name for j in jobs)
-    together = 0
-    for i, (_, seed_a, dev_a, a0, a1) in enumerate(spans):
-        for _, seed_b, dev_b, b0, b1 in spans[i + 1 :]:
-            if float(a0) < float(b1) and float(b0) < float(a1):  # they overlapped
+    # When each seed's cache first existed: a job of it logged an iteration or ended well.
+    ready = {}
+    for name, seed, _, _, marked, end in spans:
+        done = float(marked) if marked != "none" else float(end) if not name.startswith("bad") else float("inf")
+        ready[seed] = min(ready.get(seed, float("inf")), done)
+    together = same_seed = 0
+    for i, (_, seed_a, dev_a, _, _, a1) in enumerate(spans):
+        for _, seed_b, dev_b, b0, _, _ in spans[i + 1 :]:
+            if float(b0) < float(a1):  # b started while a ran
                 together += 1
-                assert dev_a != dev_b and seed_a != seed_b, spans
-    assert together >= 3, spans  # the two devices were used at once
+                assert dev_a != dev_b, spans
+                if seed_a == seed_b:
+                    same_seed += 1
+                    assert float(b0) >= ready[seed_a], spans
+    assert together >= 6 and same_seed >= 1, spans  # the devices were used at once, seeds shared
     assert "bad-2: FAILED (exit 3)" in capsys.readouterr().out
 
 

@@ -4,14 +4,15 @@ side by side on the machine's GPUs.
 The continued runs only read the pretrained model, so they are independent; each gets one
 GPU (``CUDA_VISIBLE_DEVICES``) and its own share of the CPU threads. Runs of one seed read
 the same samples, and the first of them builds Megatron's dataset index cache for that
-seed, which the others read: two runs of one seed never run at the same time (with two
-GPUs and two seeds, the seeds' runs of one type run together). A failed run does not stop
-the others; the command fails at the end, naming it.
+seed, which the others read: a run of a seed starts beside another of that seed only once
+the cache exists, when the first has logged a training iteration (or finished). A failed run
+does not stop the others; the command fails at the end, naming it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -22,6 +23,10 @@ from pathlib import Path
 
 from ..quickstart import StageError
 
+# A stage's progress line: Megatron builds every split's dataset index before the first
+# iteration, so once a run of a seed has logged one, that seed's cache is complete.
+TRAINING = re.compile(r"^\s*iteration\s+\d+/\d+", re.MULTILINE)
+
 
 @dataclass(frozen=True)
 class Job:
@@ -29,7 +34,7 @@ class Job:
 
     name: str
     args: tuple[str, ...]  # after ``python -m megatron_mtraining.examples.study``
-    seed: int | None = None  # runs of one seed run one after another
+    seed: int | None = None  # runs of one seed share its dataset cache
 
 
 def launch(job: Job, device: str | None, threads: int, log: Path) -> subprocess.Popen:
@@ -53,22 +58,28 @@ def run_jobs(
     start: Callable[[Job, str | None, int, Path], subprocess.Popen] = launch,
     poll_seconds: float = 2.0,
 ) -> list[str]:
-    """Runs ``jobs`` in order, at most one per device at a time and never two of one seed
-    together (a job whose seed is running waits; a later job of another seed may pass it);
-    returns the names of those that failed. Each job's output goes to ``logs/<name>.log``."""
+    """Runs ``jobs`` in order, at most one per device at a time and no two of one seed together
+    until that seed's dataset cache exists (see the module; a job whose seed is building it
+    waits, a later job of another seed may pass it); returns the names of those that failed.
+    Each job's output goes to ``logs/<name>.log``."""
     threads = max(1, (os.cpu_count() or 1) // len(devices))
     waiting, running, failed = list(jobs), {}, []  # running: device -> (job, process, start)
+    cached = set()  # seeds whose dataset cache a run has finished building
     while waiting or running:
         for device, (job, proc, began) in list(running.items()):
             if proc.poll() is None:
+                if job.seed is not None and job.seed not in cached and _training(logs / f"{job.name}.log"):
+                    cached.add(job.seed)
                 continue
             del running[device]
+            if proc.returncode == 0 and job.seed is not None:
+                cached.add(job.seed)
             minutes = (time.monotonic() - began) / 60
             outcome = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
             print(f"[study] {job.name}: {outcome} in {minutes:.1f} minutes (log: {logs / (job.name + '.log')})")
             if proc.returncode != 0:
                 failed.append(job.name)
-        busy = {job.seed for job, _, _ in running.values() if job.seed is not None}
+        busy = {job.seed for job, _, _ in running.values() if job.seed is not None and job.seed not in cached}
         for device in [d for d in devices if d not in running]:
             job = next((j for j in waiting if j.seed is None or j.seed not in busy), None)
             if job is None:
@@ -77,11 +88,18 @@ def run_jobs(
             where = "this process's devices" if device is None else f"GPU {device}"
             print(f"[study] {job.name}: started on {where}")
             running[device] = (job, start(job, device, threads, logs / f"{job.name}.log"), time.monotonic())
-            if job.seed is not None:
+            if job.seed is not None and job.seed not in cached:
                 busy.add(job.seed)
         if running:
             time.sleep(poll_seconds)
     return failed
+
+
+def _training(log: Path) -> bool:
+    try:
+        return TRAINING.search(log.read_text(errors="replace")) is not None
+    except FileNotFoundError:
+        return False
 
 
 def visible_devices(requested: Sequence[str] | None) -> list[str | None]:
