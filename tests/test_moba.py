@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from megatron_mtraining.sparse import BlockTopKIndex, MoBAConfig, build_moba_index
+from megatron_mtraining.sparse.index import select_topk_blocks
 
-# The index is built from fp32 gate scores; two earlier chunks whose fp64 scores are
-# closer than this may be ranked either way.
+# The index ranks fp64 gate scores rounded to fp32 (ties to the earlier chunk); two earlier
+# chunks whose fp64 scores are closer than this may be ranked either way.
 TIE_TOL = 1e-4
 
 
@@ -134,3 +135,43 @@ def test_hand_built_gate(rng):
     assert blocks[s - 1, 1].tolist() == [1, 3, 5]  # negated: means -1.0 and 0.5
     assert blocks[4 * cs, 0].tolist() == [0, 2, 4]  # chunk 4 sees 0..3: 5.0 and 3.0
     check_index(index, q, k, cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_top_k_selection_ties_to_the_lower_block(dtype, rng):
+    """``select_topk_blocks`` against a sort by (score descending, block id ascending) in Python,
+    on scores drawn from a few values (many ties, at the cut too), with invisible blocks, NaNs,
+    rows seeing fewer blocks than ``topk`` and a ``topk`` above the block count."""
+    rows, n = 300, 9
+    scores = torch.randint(0, 4, (2, rows, n), generator=rng).to(dtype)
+    drop = torch.rand(2, rows, n, generator=rng)
+    scores = scores.masked_fill(drop < 0.2, float("-inf")).masked_fill(drop > 0.95, float("nan"))
+    own = torch.randint(0, n, (rows,), generator=rng)
+    for topk in (1, 3, 5, n + 2):
+        got = select_topk_blocks(scores, own, topk)
+        assert got.dtype == torch.int32 and got.shape == (2, rows, topk)
+        for h in range(2):
+            for r in range(rows):
+                row = scores[h, r].tolist()
+                visible = [c for c in range(n) if c != own[r] and row[c] > float("-inf")]  # NaN > -inf is False
+                best = sorted(visible, key=lambda c: (-row[c], c))[: topk - 1]
+                want = sorted([int(own[r]), *best])
+                assert got[h, r].tolist() == want + [-1] * (topk - len(want)), (topk, h, r, row)
+
+
+def test_equal_gates_take_the_earlier_chunks(rng):
+    """Chunks of equal means (an exact tie in fp64) and means that differ below fp32's
+    resolution: the earlier chunks are taken, as ``select_topk_blocks`` breaks ties."""
+    d, cs = 4, 16
+    s = 6 * cs
+    k = torch.zeros(1, s, 1, d, dtype=torch.float64)
+    levels = [1.0, 2.0, 2.0, 2.0 * (1 + 2**-30), 1.0, 0.0]
+    for c, level in enumerate(levels):
+        k[0, c * cs : (c + 1) * cs, 0, 0] = level
+    q = torch.zeros(1, s, 1, d, dtype=torch.float64)
+    # Few mantissa bits: 2**-30 relative above such a score is below half an fp32 ulp of it.
+    q[..., 0] = 1.0 + torch.randint(0, 8, (1, s, 1), generator=rng, dtype=torch.float64) / 8
+    blocks = build_moba_index(q, k, MoBAConfig(chunk_size=cs, topk=3)).blocks[0, :, 0]
+    assert blocks[5 * cs].tolist() == [1, 2, 5]  # 2.0 three times (one just above): chunks 1, 2
+    assert blocks[4 * cs].tolist() == [1, 2, 4]
+    assert blocks[3 * cs].tolist() == [1, 2, 3]

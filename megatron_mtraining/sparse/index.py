@@ -203,19 +203,30 @@ def _blocks_to_tokens(blocks: torch.Tensor, block_size: int, seq_len: int) -> to
 
 
 def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk: int) -> torch.Tensor:
-    """Per query row: its own block plus the ``topk - 1`` best-scoring visible others.
+    """Per query row: its own block plus the ``topk - 1`` best-scoring visible others, ties to
+    the lower block id: the top by (score descending, block id ascending), exactly, as the MSA
+    selection kernel (``kernels/index_build/msa_index.py``) takes them.
 
-    ``block_scores [..., nq, n_blocks]`` holds -inf for blocks the row cannot see;
-    ``own_block [nq]``. Returns int32 ``[..., nq, topk]``, ascending, ``-1`` padded
-    (all visible blocks when fewer than ``topk`` are). Ranks raw scores: no
-    softmax is needed to choose.
+    ``block_scores [..., nq, n_blocks]`` holds -inf for blocks the row cannot see (a NaN is
+    never taken); ``own_block [nq]``. Returns int32 ``[..., nq, topk]``, ascending, ``-1`` padded
+    (all visible blocks when fewer than ``topk`` are). Ranks raw scores: no softmax is needed to
+    choose. Selections run on the scores' dtype and on int32 keys.
     """
-    scores = block_scores.scatter(-1, own_block.view(-1, 1).expand(block_scores.shape[:-1] + (1,)).long(), float("inf"))
-    k = min(topk, scores.shape[-1])
-    values, chosen = scores.topk(k, dim=-1)
+    n = block_scores.shape[-1]
+    k = min(topk, n)
+    own = own_block.view(-1, 1).expand(block_scores.shape[:-1] + (1,)).long()
+    inf = float("inf")
+    scores = block_scores.nan_to_num(-inf, inf, -inf).scatter_(-1, own, inf)
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    # torch.topk leaves the order of equal scores open; the k smallest of these keys are the
+    # blocks above the k-th score, then its equals by id.
+    ids = torch.arange(n, dtype=torch.int32, device=scores.device)
+    key = torch.where(scores > kth, ids, ids + n)
+    key = torch.where((scores >= kth) & (scores > -inf), key, INT32_MAX)
+    first = key.topk(k, dim=-1, largest=False, sorted=False).values
     # Width k, a bound from the shapes: the longest row would be read on the host.
-    chosen, _ = compact(chosen.int(), values > float("-inf"), k)
-    pad = topk - chosen.shape[-1]
+    chosen = sort_kept(torch.where(first < INT32_MAX, first % n, INT32_MAX), k)
+    pad = topk - k
     return torch.nn.functional.pad(chosen, (0, pad), value=-1) if pad else chosen
 
 

@@ -55,9 +55,10 @@ def moba_select_from_parts(
     """MoBA chunk choices ``[B, Lq, Hq, topk]`` of some queries, from some of the keys
     (both with global positions); ``all_reduce_sum`` adds the chunk sums of the other
     key holders (identity on one device). fp64 sums and gate scores make the choice
-    independent of how the keys are split. ``documents``: packed documents (module
-    docstring); the sums of the documents' heads, ``[B, n_documents, Hkv, D]``, are
-    reduced too."""
+    independent of how the keys are split; the choice ranks them rounded to fp32 (a rounding of
+    the same value on every split), ties to the earlier chunk (``select_topk_blocks``), so the
+    top-k runs on 32-bit values and keys. ``documents``: packed documents (module docstring);
+    the sums of the documents' heads, ``[B, n_documents, Hkv, D]``, are reduced too."""
     bsz, _, hq, _ = q.shape
     hkv = k.shape[2]
     cs = config.chunk_size
@@ -80,7 +81,9 @@ def moba_select_from_parts(
         gate = torch.where(at_head, head_gate.flatten(1, 2).unsqueeze(-1), gate)
         earlier &= chunks >= first.view(-1, 1)
     # In place: the gate is [B, Hq, Lq, chunks] fp64, whose copy would be as large.
-    blocks = select_topk_blocks(gate.masked_fill_(~earlier, float("-inf")), own, config.topk)  # [B, Hq, Lq, k]
+    scores = gate.masked_fill_(~earlier, float("-inf")).float()
+    del gate
+    blocks = select_topk_blocks(scores, own, config.topk)  # [B, Hq, Lq, k]
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 
