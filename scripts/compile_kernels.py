@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled ahead of time for A100 (sm80) and H100/H200 (sm90),
 with no GPU: shared memory, registers and spills of every launch, and whether each fits.
 
-    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer]
+    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer window]
                                       [--arch 80 90]
                                       [--launch NAME ...] [--index NAME ...] [--documents]
                                       [--kv-configs "bwd:64,128,8,1,8"] [--dtype bf16|fp16|fp32]
@@ -22,7 +22,11 @@ as Triton's launcher specialises it:
   a vertical-slash and a top-k index (what ``block_bar`` launches);
 * ``kv-outer``: the KV-outer attention's forward and backward on a top-k index;
 * ``msa-kv-outer``: MSA's attention and KL in one function (``msa_kl.kv_attention``), whose
-  backward's kernels take the teacher variants (``HAS_TEACHER``).
+  backward's kernels take the teacher variants (``HAS_TEACHER``);
+* ``window``: the window-statistics passes (``index_build.window_stats``) of the
+  vertical-slash build and of the recalls: row maxima and normalisers, the index recall's
+  kept sums, MSA's block sums, the mass pass and its pooling (only when named: see
+  ``DEFAULT_FAMILIES``).
 
 ``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
 the KV-outer orders take none). Printed per launch and target: shared memory, registers,
@@ -65,15 +69,21 @@ from megatron_mtraining.sparse import (
 )
 from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
+from megatron_mtraining.sparse.kernels.index_build import window_stats
 from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
 from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
+from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 
 # Largest dynamic shared memory a block may opt in to (CUDA programming guide, compute
 # capabilities 8.0 and 9.0).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer")
+FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window")
+# ``window`` runs only when named: its kept-sums pass (the index recall's) spills 6.6 KiB a
+# thread on sm80 at bf16, head dim 128 (the row passes' 128 x 128 tiles with the marks
+# tile), so a default run would fail until that pass gets an sm80 setting measured on an A100.
+DEFAULT_FAMILIES = FAMILIES[:-1]
 KV_OUTER_FAMILIES = ("kl-kv-outer", "kv-outer", "msa-kv-outer")  # no documents
 
 
@@ -221,6 +231,27 @@ def _msa_kv_outer(c: _Case, index) -> list:
     return [("fwd", fwd), ("bwd", bwd)]
 
 
+def _window(c: _Case, index) -> list:
+    """The window-statistics passes on the last 64 rows (of each of ``index``'s documents
+    they cross) against every key, in the case's 128-token blocks; what a pass reads needs
+    only the right shapes, the launches being captured."""
+    seq, hq, rows = c.q.shape[1], c.q.shape[2], 64
+    bounds = (0, seq) if index.documents is None else index.documents.bounds
+    windows = ObservationWindows.of_rows(range(seq - rows, seq), bounds, seq)
+    parts = window_stats.WindowKernels(c.q[:, seq - rows :], c.k, None, windows, c.scale, 128)
+    row_max = torch.zeros(len(windows.rows), 1, hq, max(windows.rows))
+    attended = torch.zeros(1, hq, rows, seq, dtype=torch.bool)
+    runs = torch.zeros(1, hq, parts.n_tiles * 2, parts.run_len, dtype=torch.float64)
+    return [
+        ("row_max", parts.row_max),
+        ("row_sum", lambda: parts.row_sum(row_max)),
+        ("kept_sums", lambda: parts.kept_sums(row_max, attended)),
+        ("block_sums", lambda: parts.block_sums(row_max)),
+        ("mass", lambda: parts.mass(row_max, row_max.double())),
+        ("pool", lambda: parts.totals(torch.zeros(1, hq, seq), runs, parts.tables)),
+    ]
+
+
 # Per family: its entry points on an index, the indexes it serves, and the kernels it may
 # launch (module, names: a kernel, or a module of kernels).
 _FAMILIES = {
@@ -241,6 +272,7 @@ _FAMILIES = {
         ("top-k",),
         [(kv_outer, ("kernels",)), (kv_loss, ("_kl_lse_kernel", "_kl_bwd_kernel", "_kl_dq_kernel", "kv_kernels"))],
     ),
+    "window": (_window, ("dense",), [(window_stats, ("_row_stats_kernel", "_mass_kernel", "_pool_kernel"))]),
 }
 
 
@@ -331,7 +363,7 @@ def resources(fn, args: tuple, kwargs: dict, arch: int, max_spill: int = 4096) -
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--family", nargs="+", default=list(DEFAULT_FAMILIES), choices=FAMILIES)
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
     p.add_argument("--launch", nargs="+", default=None, help="entry points to keep (lse, dq, dk, fused, bwd, fwd)")
     p.add_argument("--index", nargs="+", default=None, help="indexes to keep (dense, v-s, top-k)")

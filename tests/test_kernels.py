@@ -5,6 +5,7 @@ broken), so CI checks the kernel logic; on a GPU the same tests run natively wit
 bf16 too, plus larger shapes. Kernel outputs are poisoned with NaN before each run.
 """
 
+import functools
 import os
 
 import pytest
@@ -380,6 +381,115 @@ def test_pool_kernel_equals_the_torch_pooling(seq, w, block_size, documents, rng
     got_vertical, got = parts.totals(vertical, runs, parts.tables)
     assert got_vertical is vertical
     torch.testing.assert_close(got, torch.cat(want, -1), rtol=1e-13, atol=0)
+
+
+def dense_block_masses(q_rows, k, seq, block_size, bounds, scale):
+    """fp64 brute force: each of the last ``R`` rows' softmax over its document's keys (up to
+    itself) under a boolean mask, summed per ``block_size`` block of keys, ``[B, Hq, R,
+    n_blocks]``."""
+    n_rows, hq, hkv = q_rows.shape[1], q_rows.shape[2], k.shape[2]
+    logits = torch.einsum(
+        "brhd,bshd->bhrs", q_rows.double().cpu(), k.double().cpu().repeat_interleave(hq // hkv, dim=2)
+    )
+    rows, keys = torch.arange(seq - n_rows, seq), torch.arange(seq)
+    starts = torch.tensor([max(a for a in bounds[:-1] if a <= i) for i in rows.tolist()])
+    allowed = (keys.view(1, -1) <= rows.view(-1, 1)) & (keys.view(1, -1) >= starts.view(-1, 1))
+    probs = torch.softmax((logits * scale).masked_fill(~allowed, float("-inf")), dim=-1)
+    n_blocks = -(-seq // block_size)
+    probs = torch.nn.functional.pad(probs, (0, n_blocks * block_size - seq))
+    return probs.unflatten(-1, (n_blocks, block_size)).sum(-1)
+
+
+def split_block_masses(q_rows, k, seq, block_size, bounds, scale, holders):
+    """The block masses from the window passes (``window_parts``: the kernels or the
+    reference, as the backend setting says) of each holder of some keys (``holders``: their
+    global positions, ascending), combined as ``msa_recall_from_parts`` combines them under
+    context parallelism: the row maxima by max, then the block sums by sum."""
+    from megatron_mtraining.sparse.vertical_slash import ObservationWindows, window_parts
+
+    n_rows = q_rows.shape[1]
+    parts = []
+    for positions in holders:
+        windows = ObservationWindows.of_rows(range(seq - n_rows, seq), bounds, seq, positions)
+        on = positions.to(k.device)
+        parts.append(window_parts(q_rows, k[:, on], on, windows, scale, block_size))
+    row_max = functools.reduce(torch.maximum, [part.row_max() for part in parts])
+    sums = sum(part.block_sums(row_max) for part in parts)
+    assert sums.dtype == torch.float64 and not sums.isnan().any()
+    return (sums / sums.sum(-1, keepdim=True)).cpu()
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,keys,documents",
+    [(3, 3, "all", True), (6, 2, "all", False), (3, 3, "striped-shards", False), (6, 2, "striped-shards", True)],
+    ids=["group1-documents", "group3", "group1-striped", "group3-striped-documents"],
+)
+def test_block_sums_equal_the_dense_softmax_per_block(hq, hkv, keys, documents, rng, stats_kernels, monkeypatch):
+    """MSA's block masses (``block_sums`` after ``row_max``: each row's softmax mass per key
+    block, no ``[.., R, keys]`` tensor) on the kernels and on the fp64 reference, against a
+    brute-force dense softmax under the boolean mask: 100 tokens (not a multiple of the
+    16-token blocks), 20 window rows from a block's start, a head dim that is no power of
+    two. Keys all on one holder, or split between two holders in stripes of 12 (blocks held
+    in part by each, a stripe boundary inside a block), combined as under context
+    parallelism. With documents: a random one ending inside the window, in the block where
+    the last (of one or two blocks) starts, with more window rows than the last; so the
+    last's padding rows, were they stored, would land on the next head's first rows in that
+    shared block, after those rows' own values (the interpreter runs items in order)."""
+    seq, n_rows, bs, d = 100, 20, 16, 24
+    q = (torch.randn(2, n_rows, hq, d, generator=rng) * 1.5).half()
+    k = (torch.randn(2, seq, hkv, d, generator=rng) * 1.5).half()
+    bounds = [0, seq]
+    if documents:
+        bounds = [0, *(int(torch.randint(lo, hi, (1,), generator=rng)) for lo, hi in ((10, 60), (91, 96))), seq]
+    holders = [torch.arange(seq)]
+    if keys == "striped-shards":
+        holders = [torch.arange(seq)[torch.arange(seq) // 12 % 2 == r] for r in (0, 1)]
+    scale = d**-0.5
+    want = dense_block_masses(q, k, seq, bs, bounds, scale)
+    got = split_block_masses(q.to(stats_kernels), k.to(stats_kernels), seq, bs, bounds, scale, holders)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-9)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "reference")
+    reference = split_block_masses(q, k, seq, bs, bounds, scale, holders)
+    torch.testing.assert_close(reference, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", ["all", "striped-shards"])
+def test_block_sums_at_the_default_tiles(keys, rng, kdevice, monkeypatch):
+    """``block_sums`` on the default launch (128-row tiles, several key tiles per block,
+    items past the row tiles), head dim 64, 64 window rows of 8 heads a group over 700
+    tokens in 64-token blocks, five documents, keys on one holder or three (stripes of 40)."""
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    seq, n_rows, bs, d = 700, 64, 64, 64
+    q = torch.randn(1, n_rows, 16, d, generator=rng).half()
+    k = torch.randn(1, seq, 2, d, generator=rng).half()
+    bounds = [0, 200, 610, 650, 690, seq]
+    holders = [torch.arange(seq)]
+    if keys == "striped-shards":
+        holders = [torch.arange(seq)[torch.arange(seq) // 40 % 3 == r] for r in range(3)]
+    want = dense_block_masses(q, k, seq, bs, bounds, d**-0.5)
+    got = split_block_masses(q.to(kdevice), k.to(kdevice), seq, bs, bounds, d**-0.5, holders)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 2), (8, 8)], ids=["gqa8", "mha"])
+def test_block_sums_on_gpu_shapes(heads, rng, device, monkeypatch):
+    """Default tiles, bf16, head dim 128, 128-token blocks, a 64-row window over 5000 tokens
+    in three documents: the block masses close to the fp64 brute force and bitwise
+    repeatable."""
+    if device.type != "cuda":
+        pytest.skip("GPU shapes")
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    seq, n_rows, bs = 5000, 64, 128
+    q = torch.randn(1, n_rows, heads[0], 128, generator=rng).to(device, torch.bfloat16)
+    k = torch.randn(1, seq, heads[1], 128, generator=rng).to(device, torch.bfloat16)
+    bounds = [0, 3000, 4950, seq]
+    holders = [torch.arange(seq), torch.arange(seq)]  # the same keys twice: every sum doubles
+    runs = [split_block_masses(q, k, seq, bs, bounds, 128**-0.5, holders[:1]) for _ in range(3)]
+    assert all(torch.equal(runs[0], again) for again in runs[1:])
+    torch.testing.assert_close(runs[0], dense_block_masses(q, k, seq, bs, bounds, 128**-0.5), rtol=2e-5, atol=1e-10)
+    torch.testing.assert_close(split_block_masses(q, k, seq, bs, bounds, 128**-0.5, holders), runs[0])
 
 
 def test_window_statistics_kernels_give_the_reference_index(rng, stats_kernels, monkeypatch):

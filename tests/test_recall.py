@@ -321,6 +321,38 @@ def test_msa_recall_within_packed_documents(phase, rng):
     assert not torch.allclose(unpacked[1], score), (unpacked[1], score)
 
 
+@pytest.mark.parametrize("phase,packed", [("warmup", False), ("sparse", True)], ids=["warmup", "sparse-documents"])
+def test_msa_recall_on_the_window_kernels(phase, packed, rng, kdevice, monkeypatch):
+    """MSA's block masses on the window-statistics kernels (fp32 inputs, as on a GPU; the
+    row maxima, then each row's sums per key block) against the fp64 brute force, with
+    packed documents: one ending inside the window, whose rows see more blocks than top-k,
+    and a short last one, whose rows see fewer."""
+    seq = 200
+    for _ in range(20):  # redraw an input within rounding of a tie
+        q, k, q_idx, k_idx = _msa_inputs(rng, seq)
+        bounds = _documents_around_the_window(rng, seq) if packed else None
+        block, score, margin = _brute_msa_recall(q, k, q_idx, k_idx, MSA_CFG, ROWS, bounds=bounds)
+        if margin > MIN_MARGIN:
+            break
+    else:
+        pytest.fail(f"20 draws within {MIN_MARGIN} of a tie")
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    if phase == "sparse":
+        index = msa_select_blocks(q_idx.float(), k_idx.float(), MSA_CFG, HQ, cu_seqlens=cu).to(kdevice)
+    else:
+        index = None
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
+
+    calls, block_sums = [], WindowKernels.block_sums
+    monkeypatch.setattr(WindowKernels, "block_sums", lambda *a: calls.append(1) or block_sums(*a))
+    inputs = (t.float().to(kdevice) for t in (q, k, q_idx, k_idx))
+    got = msa_recall(*inputs, MSA_CFG, index, num_rows=ROWS, softmax_scale=D**-0.5)
+    assert calls == [1]
+    torch.testing.assert_close(tuple(g.cpu() for g in got), (block.float(), score.float()), rtol=1e-5, atol=1e-5)
+    assert (got[0] < 1).any()
+
+
 def test_msa_recall_is_one_when_every_visible_block_fits(rng):
     seq = 64  # 4 blocks of 16, topk 4
     q, k, q_idx, k_idx = _msa_inputs(rng, seq)
@@ -363,9 +395,9 @@ def test_msa_recall_is_one_for_the_main_branch_top_k(rng):
     assert (score < 1).all() and (score > block).any(), score
 
 
-def _check_distributed_msa_recall(rank, world, seed, seq):
+def _check_distributed_msa_recall(rank, world, seed, seq, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
-    q, k, q_idx, k_idx = _msa_inputs(gen, seq)
+    q, k, q_idx, k_idx = (t.to(dtype) for t in _msa_inputs(gen, seq))
     pattern = MSAPattern(MSA_CFG, q_idx, k_idx)
     packed = torch.tensor(_documents_around_the_window(gen, seq), dtype=torch.int32)
     for phase, cu in (("warmup", None), ("sparse", None), ("warmup", packed), ("sparse", packed)):
@@ -400,3 +432,12 @@ def test_distributed_recall_and_msa_recall_equal_single_device(world, rng):
     (warmup and sparse selections) from CP shards in every layout equal the single-device
     figures (the held-out recall: fp64 dense attention's)."""
     run(world, _check_distributed_recalls, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256)
+
+
+@pytest.mark.slow
+def test_distributed_msa_recall_on_the_window_kernels(rng, monkeypatch):
+    """MSA's block / score recall from CP shards on the window kernels (fp32 inputs; Triton's
+    interpreter on a CPU): each rank's block sums use the reduced row maxima, so they add up
+    to the single-device figures in every layout, with and without documents."""
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    run(2, _check_distributed_msa_recall, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256, torch.float32)

@@ -131,7 +131,8 @@ def distributed_msa_recall(
     check_recall_rows(num_rows, seq)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     first = seq - num_rows
-    positions = layout.token_positions(dist.get_rank(group), q.device).values
+    tokens = layout.token_positions(dist.get_rank(group), q.device)  # cached: no copy per call
+    positions = tokens.values
     reduce_max = all_reduce_fn(dist.ReduceOp.MAX, group)
     starts = document_starts(index)  # global positions: the same on every rank
     if isinstance(index, BlockTopKIndex):
@@ -153,5 +154,6 @@ def distributed_msa_recall(
         scale,
         all_reduce_max=reduce_max,
         all_reduce_sum=all_reduce_fn(dist.ReduceOp.SUM, group),
-        doc_starts=starts,
+        documents=None if index is None else index.documents,
+        host_positions=tokens.host,
     )

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .documents import Documents
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, single_device
 from .msa import MSAConfig, block_max_scores
-from .reference import compute_dtype
 from .validation import check_index_qk, check_int, check_qk, check_softmax_scale, fail
 from .vertical_slash import ObservationWindows, window_parts
 
@@ -191,9 +191,9 @@ def msa_recall(
       ``= sum_{b in I* & I_hat} P_b / sum_{b in I*} P_b``.
 
     Both are 1 when every visible block fits in ``topk``. q ``[B, S, Hq, D]``, k
-    ``[B, S, Hkv, D]``, q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``. Computed
-    in fp32 (fp64 for fp64 inputs; the index scores in fp32 as the selection does), with no
-    host synchronisation.
+    ``[B, S, Hkv, D]``, q_idx ``[B, S, Hkv, d_idx]``, k_idx ``[B, S, 1, d_idx]``. The block
+    masses are fp64 sums (of fp32 terms on the Triton kernels, which CUDA inputs take; fp64
+    throughout elsewhere), the index scores fp32 as the selection's; no host synchronisation.
     """
     check_qk(q, k)
     check_index_qk(q_idx, k_idx, config.index_head_dim)
@@ -211,7 +211,8 @@ def msa_recall(
         selected = msa_window_selection(q_idx[:, seq - num_rows :], k_idx, positions, seq, config, doc_starts=starts)
     else:
         fail("index", type(index).__name__, "the BlockTopKIndex the layer ran, or None / a DenseIndex (warmup)")
-    return msa_recall_from_parts(q[:, seq - num_rows :], k, positions, selected, seq, config, scale, doc_starts=starts)
+    documents = None if index is None else index.documents
+    return msa_recall_from_parts(q[:, seq - num_rows :], k, None, selected, seq, config, scale, documents=documents)
 
 
 def document_starts(index: SparseIndex | None) -> torch.Tensor | None:
@@ -258,45 +259,47 @@ def index_window_selection(index: BlockTopKIndex, num_rows: int, all_reduce_max=
 def msa_recall_from_parts(
     q_window: torch.Tensor,
     k: torch.Tensor,
-    key_positions: torch.Tensor,
+    key_positions: torch.Tensor | None,
     selected: torch.Tensor,
     seq: int,
     config: MSAConfig,
     scale: float,
     all_reduce_max=single_device,
     all_reduce_sum=single_device,
-    doc_starts: torch.Tensor | None = None,
+    documents: Documents | None = None,
+    host_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``msa_recall`` from the window queries (the last ``R`` of ``seq``), *some* of the
-    keys at their global positions, and the index's selection ``selected`` (bool ``[B, Hs,
-    R, n_blocks]``, ``Hs`` dividing Hq). ``all_reduce_max`` combines the rows' logit maxima
-    and ``all_reduce_sum`` the block sums ``[B, Hq, R, n_blocks]`` across the holders of the
-    other keys (identity on one device). ``doc_starts``: packed documents' starts by global
-    position; a row's softmax and its visible blocks stay inside its document."""
-    bsz, rows, hq, _ = q_window.shape
-    hkv = k.shape[2]
+    keys, given with their global positions (None: every position, in order), on the device
+    and on the host (``host_positions``, required with ``key_positions``), and the index's
+    selection ``selected`` (bool ``[B, Hs, R, n_blocks]``, ``Hs`` dividing Hq).
+    ``all_reduce_max`` combines the rows' logit maxima and ``all_reduce_sum`` the block sums
+    ``[B, Hq, R, n_blocks]`` across the holders of the other keys (identity on one device).
+    ``documents``: the packed documents (a row's softmax and its visible blocks stay inside
+    its document).
+
+    The block sums are the window passes' (``window_parts``: one window per run of the rows
+    inside a document, on the Triton kernels on CUDA): the row maxima, then per (row, key
+    block) the sum of ``exp(logit - reduced max)``, so no ``[B, Hq, R, keys]`` tensor is made.
+    They are fp64 (fp32 terms on the kernels), and so is the ranking of the blocks."""
+    if key_positions is not None and host_positions is None:
+        fail("host_positions", None, "the keys' global positions on the host, given key_positions")
+    rows = q_window.shape[1]
     bs, n_blocks = config.block_size, -(-seq // config.block_size)
-    dt = compute_dtype(q_window.dtype)
-    window = torch.arange(seq - rows, seq, device=k.device)
-    qr = q_window.to(dt).unflatten(2, (hkv, hq // hkv))
-    logits = torch.einsum("brkgd,bskd->bkgrs", qr, k.to(dt)).flatten(1, 2) * scale
-    hidden = key_positions.view(1, -1) > window.view(-1, 1)
-    first = torch.zeros_like(window) if doc_starts is None else doc_starts[window].long()
-    if doc_starts is not None:
-        hidden |= key_positions.view(1, -1) < first.view(-1, 1)
-    logits.masked_fill_(hidden, float("-inf"))
-    # Every row sees itself on one of the holders: the reduced maximum is finite.
-    row_max = all_reduce_max(logits.amax(-1, keepdim=True))
-    weights = torch.exp(logits - row_max)  # [B, Hq, R, keys here]
-    sums = weights.new_zeros(bsz, hq, rows, n_blocks).index_add_(3, key_positions // bs, weights)
-    mass = all_reduce_sum(sums)
+    doc_bounds = (0, seq) if documents is None else documents.bounds
+    windows = ObservationWindows.of_rows(range(seq - rows, seq), doc_bounds, seq, host_positions)
+    parts = window_parts(q_window, k, key_positions, windows, scale, bs)
+    row_max = all_reduce_max(parts.row_max())  # every row sees itself on one of the holders: finite
+    mass = all_reduce_sum(parts.block_sums(row_max))
     mass = mass / mass.sum(-1, keepdim=True)  # P_b
     # Invisible blocks rank last; a visible block of mass 0 (underflow) still counts.
+    window = torch.arange(seq - rows, seq, device=k.device)
+    first = torch.zeros_like(window) if documents is None else documents.starts[window].long()
     block_ids = torch.arange(n_blocks, device=k.device).view(1, -1)
     visible = (block_ids <= (window // bs).view(-1, 1)) & (block_ids >= (first // bs).view(-1, 1))
     best = _top_blocks(torch.where(visible, mass, float("-inf")), config.topk)
-    hit = best & selected.repeat_interleave(hq // selected.shape[1], dim=1)
-    block = hit.sum(-1).to(dt) / best.sum(-1)
+    hit = best & selected.repeat_interleave(mass.shape[1] // selected.shape[1], dim=1)
+    block = hit.sum(-1).to(mass.dtype) / best.sum(-1)
     score = (mass * hit).sum(-1) / (mass * best).sum(-1)
     return block.mean(-1).float(), score.mean(-1).float()
 

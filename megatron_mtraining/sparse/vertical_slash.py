@@ -266,7 +266,8 @@ def window_parts(
     ``backend_choice`` picks them (``WindowKernels``), else in fp64 torch
     (``_ReferenceParts``): ``row_max()``, ``row_sum(row_max)``, ``kept_sums(row_max,
     attended)`` (each ``[M, B, Hq, longest window]``, the maxima in each one's own units),
-    and the vertical-slash mass passes."""
+    ``block_sums(row_max)`` (per row and key block: MSA's block recall), and the
+    vertical-slash mass passes."""
     if backend_choice(q_windows) == "triton":
         from .kernels.index_build.window_stats import WindowKernels  # imports Triton
 
@@ -356,6 +357,20 @@ class _ReferenceParts:
             if attended is not None:
                 kept[m, ..., :w] += (probs * attended[:, :, first : first + w, c0:c1]).sum(-1)
         return row_sum, kept
+
+    def block_sums(self, row_max: torch.Tensor) -> torch.Tensor:
+        """Per window row, the sum of ``exp(logit - row_max)`` over each ``block_size`` block
+        of key positions, ``[B, Hq, R, ceil(seq_len / block_size)]`` (window row slot, global
+        block)."""
+        bsz, rows, hkv, g, _ = self.qw.shape
+        n_blocks = -(-self.windows.seq_len // self.block_size)
+        out = torch.zeros(bsz, hkv * g, rows, n_blocks, dtype=torch.float64, device=self.k.device)
+        for m, c0, c1 in self.pieces:
+            w, first = self.windows.rows[m], self.row_offsets[m]
+            chunk, pos, _ = self.logits(m, c0, c1)
+            probs = torch.exp(chunk - row_max[m, ..., :w, None])
+            out[:, :, first : first + w].index_add_(-1, (pos // self.block_size).long(), probs)
+        return out
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The window mass summed over each document's rows: per key ``[B, Hq, seq_len]``,

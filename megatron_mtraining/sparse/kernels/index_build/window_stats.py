@@ -10,7 +10,11 @@ are exact in fp32; fp32 inputs get exact fp32 products), in log2 units
 
 1. row maxima: per (row tile, chunk of a document's keys, batch x KV head), the chunk's
    maximum for the document's rows, the chunks' partials reduced per document in order;
-2. row normalisers: the same programs sum ``2^(logit - global row max)``;
+2. row normalisers: the same programs sum ``2^(logit - global row max)``; the recalls
+   reuse them, the index recall's adding the mass on the keys the index attends
+   (``kept_sums``) and MSA's block recall summing per key block instead of per chunk
+   (``block_sums``: a work item is a document's key block by global position, which one
+   program writes, so no ``[rows, keys]`` tensor and no atomics);
 3. mass: per (block of a document's key *positions*, batch x KV head), found through a
    position -> local key map (-1 where another device holds the key), each head's window
    probabilities summed per key (vertical) and along the token diagonals of each
@@ -81,8 +85,11 @@ LAUNCH = StatsLaunch()
 
 # The rows of the documents table (``WindowKernels.tables``), one entry per document: its
 # first position, length, window rows, first window row, first and end local key, and its
-# first key chunk of the row passes, mass-pass item, run slot, pooling item and output diagonal.
-_START, _LENGTH, _ROWS, _ROW0, _KEY_LO, _KEY_HI, _CHUNK0, _ITEM0, _RUN0, _POOL0, _DIAG0 = map(tl.constexpr, range(11))
+# first key chunk of the row passes, mass-pass item, run slot, pooling item and output diagonal,
+# and its first key-block item of the block sums and the global id of that block.
+_START, _LENGTH, _ROWS, _ROW0, _KEY_LO, _KEY_HI, _CHUNK0, _ITEM0, _RUN0, _POOL0, _DIAG0, _BLOCK0, _FIRST_BLOCK = map(
+    tl.constexpr, range(13)
+)
 
 
 @triton.jit
@@ -134,48 +141,66 @@ def _probabilities(s, row_max, inv_sum, visible):
 
 @triton.jit
 def _row_stats_kernel(
-    Q, K, KPOS, DOCS, ROW_MAX, OUT, ATT, KEPT, n_docs, n_rows, n_keys, W, HQ, HKV, G, sk_b, sk_s, sk_h, qk_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, SUM: tl.constexpr, HAS_KEPT: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K, KPOS, DOCS, ROW_MAX, OUT, ATT, KEPT, BLOCK_FIRST, n_docs, n_rows, n_keys, n_blocks, W, HQ, HKV, G, sk_b,
+    sk_s, sk_h, qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, SUM: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per row of the tile, over one chunk of its document's keys: the maximum logit, or
+    """Per row of the tile, over one run of its document's keys: the maximum logit, or
     (``SUM``) the fp64 sum of ``2^(logit - ROW_MAX)``, and with ``HAS_KEPT`` also the sum
     over the keys that ``ATT`` (``[B, Hq, n_rows, n_keys]``, nonzero: attended) marks for
-    the row, into ``KEPT`` (the index recall's kept mass, ``WindowKernels.kept_sums``). A
-    work item is chunk ``c`` of one document's keys, ``[lo + c CHUNK, lo + (c + 1) CHUNK)``
-    (the document's own split, whatever precedes it; a document with no key here has one
-    empty chunk). A document's rows are (head of the group, window row), ``G x W`` of them
-    (rows past its window, padding, see no key); the row tiles of a chunk are neighbours in
-    the grid, so they share its keys in L2."""
-    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    item = tl.program_id(1)
-    m = _document_of(DOCS, n_docs, _CHUNK0, item)
-    bk = tl.program_id(2)
+    the row, into ``KEPT`` (the index recall's kept mass, ``WindowKernels.kept_sums``).
+
+    A work item is one run of a document's local keys. By default chunk ``c``,
+    ``[lo + c CHUNK, lo + (c + 1) CHUNK)`` (the document's own split, whatever precedes it;
+    a document with no key here has one empty chunk), its partial written per item for the
+    caller's reduction. With ``BLOCKS`` (and ``SUM``) key block ``p`` of the document by
+    global position (``p * block_size`` on): the held keys there are one run of local keys
+    because positions ascend, ``BLOCK_FIRST[p]`` its first (every key block's, by
+    searchsorted on the device), and the sum is final: written at ``[B, Hq, n_rows,
+    n_blocks]`` (MSA's block recall, ``WindowKernels.block_sums``), each (row, block) by the
+    one item of the row's document that holds the block.
+
+    A document's rows are (head of the group, window row), ``G x W`` of them (rows past its
+    window, padding, see no key); axis 0 numbers (item, row tile), the row tiles of an item
+    neighbours, so they share its keys in L2, and items go on axis 0 rather than 1 whose
+    65535 programs a document's key blocks can outnumber."""
+    tiles = tl.cdiv(G * W, BLOCK_M)
+    i = tl.program_id(0) % tiles * BLOCK_M + tl.arange(0, BLOCK_M)
+    item = tl.program_id(0) // tiles
+    bk = tl.program_id(1)
     b = bk // HKV
     kvh = bk % HKV
+    if BLOCKS:
+        m = _document_of(DOCS, n_docs, _BLOCK0, item)
+        block = _field(DOCS, n_docs, _FIRST_BLOCK, m) + item - _field(DOCS, n_docs, _BLOCK0, m)
+        first = tl.maximum(tl.load(BLOCK_FIRST + block), _field(DOCS, n_docs, _KEY_LO, m))
+        last = tl.minimum(tl.load(BLOCK_FIRST + block + 1), _field(DOCS, n_docs, _KEY_HI, m))
+    else:
+        m = _document_of(DOCS, n_docs, _CHUNK0, item)
+        first = _field(DOCS, n_docs, _KEY_LO, m) + (item - _field(DOCS, n_docs, _CHUNK0, m)) * CHUNK
+        last = tl.minimum(first + CHUNK, _field(DOCS, n_docs, _KEY_HI, m))
     end = _field(DOCS, n_docs, _START, m) + _field(DOCS, n_docs, _LENGTH, m)
     rows = _field(DOCS, n_docs, _ROWS, m)
-    key_hi = _field(DOCS, n_docs, _KEY_HI, m)
+    row0 = _field(DOCS, n_docs, _ROW0, m)
     in_document = i < G * W
     r = i % W
     row_ok = in_document & (r < rows)
     heads = kvh * G + i // W
-    q_ptrs, d_ok = _query_ptrs(Q, b, heads, n_rows, _field(DOCS, n_docs, _ROW0, m), HQ, HEAD_DIM, D_PAD)
+    q_ptrs, d_ok = _query_ptrs(Q, b, heads, n_rows, row0, HQ, HEAD_DIM, D_PAD)
     q = tl.load(q_ptrs + (r * HQ * HEAD_DIM)[:, None], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     row_pos = tl.where(row_ok, end - rows + r, -1)
-    n_heads = tl.num_programs(2) * G
+    n_heads = tl.num_programs(1) * G
     if SUM:
         row_max = tl.load(ROW_MAX + ((m * n_heads + b * HQ + heads) * W + r), mask=row_ok, other=0.0)
         acc = tl.zeros([BLOCK_M], tl.float64)
     else:
         acc = tl.full([BLOCK_M], float("-inf"), tl.float32)
     kept = tl.zeros([BLOCK_M], tl.float64)
-    # The row's marks: its slot among all window rows, per head (only read with HAS_KEPT).
-    att_rows = ATT + ((b * HQ + heads) * n_rows + _field(DOCS, n_docs, _ROW0, m) + r).to(tl.int64) * n_keys
-    first = _field(DOCS, n_docs, _KEY_LO, m) + (item - _field(DOCS, n_docs, _CHUNK0, m)) * CHUNK
-    for j0 in range(first, tl.minimum(first + CHUNK, key_hi), BLOCK_N):
+    # The row's slot among all window rows, per head: its marks (HAS_KEPT), its block sums (BLOCKS).
+    slot = ((b * HQ + heads) * n_rows + row0 + r).to(tl.int64)
+    for j0 in range(first, last, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < key_hi
+        col_ok = cols < last
         key_pos = tl.load(KPOS + cols, mask=col_ok, other=0)
         s = _logits2(q, _keys(K, b, kvh, cols, col_ok, sk_b, sk_s, sk_h, HEAD_DIM, D_PAD), qk_scale, PRECISION)
         visible = col_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
@@ -183,14 +208,20 @@ def _row_stats_kernel(
             p = tl.where(visible, tl.exp2(s - row_max[:, None]), 0.0)
             acc += tl.sum(p.to(tl.float64), 1)
             if HAS_KEPT:
-                marks = tl.load(att_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+                marks = tl.load(
+                    ATT + slot[:, None] * n_keys + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0
+                )
                 kept += tl.sum(tl.where(marks != 0, p, 0.0).to(tl.float64), 1)
         else:
             acc = tl.maximum(acc, tl.max(tl.where(visible, s, float("-inf")), 1))
-    out = (item * n_heads + b * HQ + heads) * W + r
-    tl.store(OUT + out, acc, mask=in_document)
-    if HAS_KEPT:
-        tl.store(KEPT + out, kept, mask=in_document)
+    if BLOCKS:
+        # Padding rows would land on the next document's slots.
+        tl.store(OUT + slot * n_blocks + block, acc, mask=row_ok)
+    else:
+        out = (item * n_heads + b * HQ + heads) * W + r
+        tl.store(OUT + out, acc, mask=in_document)
+        if HAS_KEPT:
+            tl.store(KEPT + out, kept, mask=in_document)
 
 
 @triton.jit
@@ -343,12 +374,17 @@ class WindowKernels:
         self.n_diagonals = sum(n_diagonals)
         pool_items = [triton.cdiv(n, self.per_program) for n in n_diagonals]
         self.n_pool_items = sum(pool_items)
-        chunk0, item0, run0, pool0, diag0 = (
+        # Block sums: each document's key blocks by global position, those it shares with a
+        # neighbour included (each sums for its own rows).
+        key_blocks = [(b - 1) // block_size - a // block_size + 1 for a, b in windows.bounds]
+        self.n_block_items = sum(key_blocks)
+        chunk0, item0, run0, pool0, diag0, block0 = (
             list(itertools.accumulate([0, *counts[:-1]]))
-            for counts in (chunks, n_blocks, regions, pool_items, n_diagonals)
+            for counts in (chunks, n_blocks, regions, pool_items, n_diagonals, key_blocks)
         )
         table = [[a for a, _ in windows.bounds], windows.lengths, windows.rows, windows.row_offsets,
-                 *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0]  # fmt: skip
+                 *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0, block0,
+                 [a // block_size for a, _ in windows.bounds]]  # fmt: skip
         # One copy to the device: the table, then the chunks' offsets for the row passes' reduction.
         flat = torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32)
         flat = flat.to(dev, non_blocking=True)
@@ -361,23 +397,32 @@ class WindowKernels:
         """``[M, B, Hq, longest window]``: each document's partials, one per key chunk,
         reduced in order (``segment_reduce``: no atomics, so the sums are deterministic);
         with ``attended``, the kept sums beside the row sums."""
-        launch = LAUNCH
-        rows = self.longest * (self.hq // self.hkv)
-        block_m = min(launch.block_m, _pow2(rows))
         dtype = torch.float32 if row_max is None else torch.float64
         outs = [
             torch.empty(self.n_chunks, self.q.shape[0], self.hq, self.longest, dtype=dtype, device=self.q.device)
             for _ in range(1 if attended is None else 2)
         ]
         marks = outs[0] if attended is None else attended.contiguous().view(torch.uint8)
-        _row_stats_kernel[(triton.cdiv(rows, block_m), self.n_chunks, self.bkv)](
-            self.q, self.k, self.key_positions, self.tables, outs[0] if row_max is None else row_max.contiguous(),
-            outs[0], marks, outs[-1], self.n_docs, self.n_rows, self.n_keys, self.longest, *self.scalars,
-            BLOCK_M=block_m, BLOCK_N=launch.block_n, CHUNK=self.chunk, SUM=row_max is not None,
-            HAS_KEPT=attended is not None, num_warps=launch.rows_warps, num_stages=launch.rows_stages, **self.dims,
+        self._launch_rows(
+            self.n_chunks, outs[0] if row_max is None else row_max, outs[0], marks, outs[-1], self.chunk_offsets,
+            block_n=LAUNCH.block_n, SUM=row_max is not None, HAS_KEPT=attended is not None, BLOCKS=False,
         )  # fmt: skip
         reduce = "max" if row_max is None else "sum"
         return [torch.segment_reduce(out, reduce, offsets=self.chunk_offsets) for out in outs]
+
+    def _launch_rows(self, items: int, row_max, out, marks, kept, block_first, block_n: int, **modes) -> None:
+        """``_row_stats_kernel`` over ``items`` runs of keys, each for every row tile of its
+        document's (head, window row) pairs; tensors a mode does not read stand in for its
+        unused pointers."""
+        rows = self.longest * (self.hq // self.hkv)
+        block_m = min(LAUNCH.block_m, _pow2(rows))
+        n_blocks = triton.cdiv(self.seq_len, self.block_size)
+        _row_stats_kernel[(triton.cdiv(rows, block_m) * items, self.bkv)](
+            self.q, self.k, self.key_positions, self.tables, row_max.contiguous(), out, marks, kept, block_first,
+            self.n_docs, self.n_rows, self.n_keys, n_blocks, self.longest, *self.scalars, BLOCK_M=block_m,
+            BLOCK_N=block_n, CHUNK=self.chunk, num_warps=LAUNCH.rows_warps, num_stages=LAUNCH.rows_stages,
+            **modes, **self.dims,
+        )  # fmt: skip
 
     def row_max(self) -> torch.Tensor:
         return self._row_stats(None)[0]
@@ -389,6 +434,23 @@ class WindowKernels:
         """``row_sum`` and, in the same pass, the sum over the keys ``attended`` marks for each
         row (bool ``[B, Hq, R, n_keys]``: window row slot, local key)."""
         return tuple(self._row_stats(row_max, attended))
+
+    def block_sums(self, row_max: torch.Tensor) -> torch.Tensor:
+        """Per window row, the sum of ``2^(logit - row_max)`` over each ``block_size`` block of
+        key positions, ``[B, Hq, R, ceil(seq_len / block_size)]`` fp64 (window row slot, global
+        block; 0 where the row sees no key held here): one item per (document, key block), no
+        ``[.., R, keys]`` tensor. The terms use the given (reduced) maxima, so the sums of the
+        holders of other keys add up to the whole sequence's."""
+        bsz, dev = self.q.shape[0], self.q.device
+        n_blocks = triton.cdiv(self.seq_len, self.block_size)
+        out = torch.zeros(bsz, self.hq, self.n_rows, n_blocks, dtype=torch.float64, device=dev)
+        starts = torch.arange(0, (n_blocks + 1) * self.block_size, self.block_size, dtype=torch.int32, device=dev)
+        block_first = torch.searchsorted(self.key_positions, starts, out_int32=True)
+        block_n = min(LAUNCH.block_n, _pow2(self.block_size))
+        self._launch_rows(
+            self.n_block_items, row_max, out, out, out, block_first, block_n, SUM=True, HAS_KEPT=False, BLOCKS=True
+        )
+        return out
 
     def mass(self, row_max: torch.Tensor, row_sum: torch.Tensor, out: tuple | None = None) -> tuple:
         """The mass pass's outputs (``totals`` adds them up): the vertical window mass
