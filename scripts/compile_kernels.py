@@ -25,8 +25,8 @@ as Triton's launcher specialises it:
   backward's kernels take the teacher variants (``HAS_TEACHER``);
 * ``window``: the window-statistics passes (``index_build.window_stats``) of the
   vertical-slash build and of the recalls: row maxima and normalisers, the index recall's
-  kept sums, MSA's block sums, the mass pass and its pooling (only when named: see
-  ``DEFAULT_FAMILIES``).
+  kept sums (on 64-key tiles: with the marks tile, 128 keys spill on sm80), MSA's block
+  sums, the mass pass and its pooling.
 
 ``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
 the KV-outer orders take none). Printed per launch and target: shared memory, registers,
@@ -80,10 +80,6 @@ from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window")
-# ``window`` runs only when named: its kept-sums pass (the index recall's) spills 6.6 KiB a
-# thread on sm80 at bf16, head dim 128 (the row passes' 128 x 128 tiles with the marks
-# tile), so a default run would fail until that pass gets an sm80 setting measured on an A100.
-DEFAULT_FAMILIES = FAMILIES[:-1]
 KV_OUTER_FAMILIES = ("kl-kv-outer", "kv-outer", "msa-kv-outer")  # no documents
 
 
@@ -363,7 +359,7 @@ def resources(fn, args: tuple, kwargs: dict, arch: int, max_spill: int = 4096) -
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", nargs="+", default=list(DEFAULT_FAMILIES), choices=FAMILIES)
+    p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
     p.add_argument("--launch", nargs="+", default=None, help="entry points to keep (lse, dq, dk, fused, bwd, fwd)")
     p.add_argument("--index", nargs="+", default=None, help="indexes to keep (dense, v-s, top-k)")

@@ -32,7 +32,7 @@ def test_every_default_launch_fits_an_a100_and_an_h100(tmp_path):
     128): shared memory within the GPU's and no stack beyond 4 KiB a thread, with the launch
     parameters each architecture gets."""
     rc, rows = _run(tmp_path)
-    for family in ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer"):
+    for family in ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window"):
         for arch in (80, 90):
             assert any(r["family"] == family and r["arch"] == arch for r in rows), (family, arch)
     assert {r["index"] for r in rows if r["family"] == "attention"} == {"dense", "v-s", "top-k"}
@@ -71,10 +71,9 @@ def test_the_128_key_kl_backward_spills_wholesale_on_ampere(tmp_path):
 
 @pytest.mark.slow
 def test_the_window_passes_fit_an_a100_and_an_h100(tmp_path):
-    """The window-statistics passes (the vertical-slash build's, and MSA's block sums for its
-    block recall) at the recipes' shape, with packed documents: all fit but the index
-    recall's kept sums on sm80 (``DEFAULT_FAMILIES`` says why), which is left out."""
-    launches = ("row_max", "row_sum", "block_sums", "mass", "pool")
+    """The window-statistics passes (the vertical-slash build's, the index recall's kept sums,
+    and MSA's block sums for its block recall) at the recipes' shape, with packed documents."""
+    launches = ("row_max", "row_sum", "kept_sums", "block_sums", "mass", "pool")
     rc, rows = _run(tmp_path, "--family", "window", "--documents", "--launch", *launches)
     assert {(r["launch"], r["arch"]) for r in rows} == {(launch, arch) for launch in launches for arch in (80, 90)}
     for r in rows:

@@ -71,6 +71,9 @@ class StatsLaunch:
 
     block_m: int = 128  # window rows per tile of the row-statistics passes
     block_n: int = 128  # keys per tile of the row-statistics passes
+    # The kept-sums pass (the index recall's) also loads a rows x keys tile of marks: at 128 keys
+    # it spills kilobytes a thread to the stack on sm80 (scripts/compile_kernels.py --family window).
+    kept_block_n: int = 64
     chunk_blocks: int = 16  # key tiles per row-statistics program (one partial per chunk)
     rows_warps: int = 4
     rows_stages: int = 2
@@ -405,7 +408,8 @@ class WindowKernels:
         marks = outs[0] if attended is None else attended.contiguous().view(torch.uint8)
         self._launch_rows(
             self.n_chunks, outs[0] if row_max is None else row_max, outs[0], marks, outs[-1], self.chunk_offsets,
-            block_n=LAUNCH.block_n, SUM=row_max is not None, HAS_KEPT=attended is not None, BLOCKS=False,
+            block_n=LAUNCH.block_n if attended is None else min(LAUNCH.block_n, LAUNCH.kept_block_n),
+            SUM=row_max is not None, HAS_KEPT=attended is not None, BLOCKS=False,
         )  # fmt: skip
         reduce = "max" if row_max is None else "sum"
         return [torch.segment_reduce(out, reduce, offsets=self.chunk_offsets) for out in outs]
