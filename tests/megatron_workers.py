@@ -852,3 +852,145 @@ def check_layer_host_reads(rank, world, kind, want):
         assert bool(recorded[name].values.any()), (kind, name)
     got = {"forward": reads[0][0], "backward": reads[0][1], "metrics": reads[1][0] - reads[0][0]}
     assert got == want and reads[1][1] == reads[0][1], (kind, reads)
+
+
+def _training_setup(model, clip_grad: float):
+    """Megatron DDP and optimizer around ``model`` with the training loop's hooks on its config
+    (``megatron.training``'s ``setup_model_and_optimizer`` / ``train``): the loss scale reaches
+    MSA's KL through Megatron's schedule, and ``finalize_model_grads`` finishes the gradient
+    sync. Adam as the study trains: betas (0.9, 0.95), decoupled weight decay 0.1."""
+    from megatron.core.distributed import finalize_model_grads
+
+    patches.apply_cpu_patches(training=True)  # gradient clipping on CPU gradients
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=3e-3, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1, clip_grad=clip_grad
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    model.config.grad_scale_func = optimizer.scale_loss
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp, optimizer
+
+
+def _microbatches(step: int, count: int):
+    """Fresh random micro-batches of one sequence for a step (the same for every model)."""
+    gen = torch.Generator().manual_seed(SEED + 1000 + step)
+    for _ in range(count):
+        tokens = torch.randperm(VOCAB, generator=gen)[:SEQ].view(1, SEQ)
+        yield {"tokens": tokens, "labels": torch.randint(0, VOCAB, (1, SEQ), generator=gen)}
+
+
+def _train_step(ddp, optimizer, step: int, microbatches: int) -> dict:
+    """One training iteration as ``megatron.training.train_step`` runs it: Megatron's schedule
+    over the micro-batches with the plugin's per-token loss triple, then the optimizer (grad
+    norm, clipping, Adam). Returns the reported loss, the gradients the optimizer stepped on
+    (``main_grad``), the grad norm, and the index branch's share of it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions = torch.arange(SEQ).view(1, SEQ)
+        output = model(batch["tokens"], positions, None, labels=batch["labels"])
+
+        def loss_func(output_tensor):
+            # training.forward_step.loss_func: (loss sum, token count, report).
+            loss = output_tensor.float().sum()
+            tokens = torch.tensor(output_tensor.numel(), dtype=torch.int)
+            return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
+
+        return output, loss_func
+
+    model = ddp.module
+    set_training_iteration(model.config, step)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(list(_microbatches(step, microbatches))),
+        model=[ddp],
+        num_microbatches=microbatches,
+        seq_length=SEQ,
+        micro_batch_size=1,
+    )
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    index = [g for n, g in grads.items() if "index_branch" in n]
+    index_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in index])).item() if index else 0.0
+    ok, grad_norm, _ = optimizer.step()
+    assert ok, f"step {step}: the optimizer skipped its step"
+    return {"loss": (total[0] / total[1]).item(), "grads": grads, "grad_norm": grad_norm, "index_norm": index_norm}
+
+
+def check_msa_selecting_every_block_trains_as_dense(rank, world):
+    """MSA with ``topk`` = every block (its main branch is dense attention once the warmup
+    ends) trained through Megatron's schedule, DDP and optimizer from the same weights on the
+    same data as dense: after one warmup step (dense main branch, dense KL) and three sparse
+    steps, with two micro-batches a step (the KL's loss scale divides by their count), the
+    reported loss and every main weight's gradient and value equal dense's to fp32 rounding,
+    while the KL trains the index branch. So nothing but the selection (the KL and its loss
+    scale, the index parameters in the optimizer, the sparse forward and backward) changes the
+    main weights' update. Gradient clipping is off: the norm it divides by holds the index
+    branch's gradients too, by Megatron's design (asserted each step), so with clipping active
+    MSA's main weights take a slightly smaller step. The same MSA with ``topk`` 4 must differ,
+    or the comparison could not see the pattern."""
+    init_megatron()
+    blocks = SEQ // PATTERNS["msa"]["msa"]["block_size"]
+    steps, microbatches = 4, 2
+
+    def msa(topk):
+        return MTrainingAttentionConfig.from_dict(
+            {"type": "msa", "msa": {**PATTERNS["msa"]["msa"], "topk": topk, "warmup_steps": 1}}
+        )
+
+    dense = build_model(attention_config("dense"))
+    start = {n: p.detach().clone() for n, p in dense.named_parameters()}
+
+    def from_dense(attention):
+        model = build_model(attention)
+        # Only the fresh index projections are missing from dense's weights, as on a switch on load.
+        missing = model.load_state_dict(dense.state_dict(), strict=False).missing_keys
+        assert missing and all("index_branch" in n for n in missing), missing
+        return model
+
+    every, sparse = from_dense(msa(blocks)), from_dense(msa(4))
+    runs = {name: _training_setup(model, clip_grad=0.0) for name, model in (("dense", dense), ("msa", every))}
+    tracker = get_attention_metrics_tracker()
+    dense_losses = []
+    for step in range(steps):
+        tracker.clear()
+        with recorded_msa_selections() as selections:
+            got = {name: _train_step(ddp, opt, step, microbatches) for name, (ddp, opt) in runs.items()}
+        want, have = got["dense"], got["msa"]
+        dense_losses.append(want["loss"])
+        where = f"step {step} ({'warmup' if step == 0 else 'sparse'})"
+        if step > 0:  # the sparse path ran, and every row chose every block
+            assert len(selections) == microbatches * dense.config.num_layers, len(selections)
+            # A row sees the blocks up to its own (the rest of its topk slots are -1).
+            ids = torch.arange(blocks)
+            visible = torch.where(ids.view(1, -1) <= (torch.arange(SEQ) // (SEQ // blocks)).view(-1, 1), ids, -1)
+            for _, index in selections:
+                chosen = index.blocks.sort(-1).values
+                want_ids = visible.sort(-1).values.view(1, SEQ, 1, blocks).expand_as(chosen)
+                assert torch.equal(chosen, want_ids.to(chosen.dtype)), where
+        kl = tracker.metrics[KL_METRIC].values
+        assert (kl > 1e-3).all(), f"{where}: the KL is too small to train the index branch: {kl}"
+        assert have["index_norm"] > 1e-2 * have["grad_norm"], (where, have["index_norm"], have["grad_norm"])
+        assert abs(have["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (where, have["loss"], want["loss"])
+        for name, grad in want["grads"].items():
+            tol = 1e-5 * grad.abs().max().item() + 1e-9
+            torch.testing.assert_close(
+                have["grads"][name], grad, rtol=1e-5, atol=tol, msg=lambda m, n=f"{where} grad {name}": f"{n}: {m}"
+            )
+        # The norm Megatron clips by holds the main weights' and the index branch's gradients.
+        assert math.isclose(have["grad_norm"] ** 2, want["grad_norm"] ** 2 + have["index_norm"] ** 2, rel_tol=1e-5)
+        for name, param in dense.named_parameters():
+            torch.testing.assert_close(
+                every.get_parameter(name), param, rtol=1e-5, atol=1e-6, msg=lambda m, n=f"{where} {name}": f"{n}: {m}"
+            )
+    assert all(not torch.equal(p, start[n]) for n, p in dense.named_parameters()), "a main weight did not train"
+    # The control: four blocks a row train the same as dense in the warmup step, then differ.
+    ddp, opt = _training_setup(sparse, clip_grad=0.0)
+    control = [_train_step(ddp, opt, step, microbatches)["loss"] for step in range(2)]
+    assert abs(control[0] - dense_losses[0]) <= 1e-6 * dense_losses[0], (control, dense_losses)
+    assert abs(control[1] - dense_losses[1]) > 1e-3, (control, dense_losses)

@@ -438,3 +438,7 @@ def test_msa_cp2_kl_kernels_equal_cp1(references, monkeypatch):
 @pytest.mark.parametrize("layout", ["striped", "balanced"])
 def test_packed_documents_equal_separate_samples(layout):
     run(2, workers.check_packed_documents_equal_separate_samples, layout)
+
+
+def test_msa_selecting_every_block_trains_as_dense():
+    run(1, workers.check_msa_selecting_every_block_trains_as_dense)

@@ -345,6 +345,64 @@ def _write_indexed(prefix: Path, documents) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
+@pytest.mark.slow  # three runs of the entry point; the in-process twin is test_megatron_attention's
+def test_msa_selecting_every_block_continues_a_dense_checkpoint_as_dense(tmp_path, rng):
+    """The study's continued stage (issue 23) in small: a dense checkpoint continued with
+    ``finetune`` (iteration 0, a fresh optimizer, MSA's index projections fresh) as dense and
+    as MSA, on packed documents attended within themselves, two micro-batches a step. Every
+    document spans at most 14 blocks of 16 and MSA selects 15, so after its 2 warmup steps
+    MSA selects every block a row sees: its main branch is dense attention. Whatever else
+    MSA adds (the KL through Megatron's loss-scale hook, the index projections in the
+    optimizer, the attention switch on load, the logged loss) must then leave the training
+    unchanged: each step's logged lm_loss equals dense's to fp32 rounding (measured: equal or
+    a few ulp apart). Weights drawn with std 0.2 make attention peaked, so the KL is of the
+    order of nats and its gradients large; gradient clipping is off, since the norm it
+    divides by holds the index branch's gradients too (Megatron's global norm, by design),
+    which the logged grad norms show."""
+    config = load_config(CONFIG)
+    eod = config.megatron["vocab_size"] - 1  # Megatron's NullTokenizer
+    # At most 201 tokens with the EOD: 15 + 201 <= 14 * 16, so at most 14 blocks at any offset.
+    lengths = torch.randint(40, 201, (200,), generator=rng).tolist()
+    _write_indexed(tmp_path / "docs", [torch.randint(0, eod, (n,), generator=rng).tolist() + [eod] for n in lengths])
+    common = (
+        "megatron.mock_data=false",
+        f"megatron.data_path=[{tmp_path / 'docs'}]",
+        "megatron.split=98,2,0",
+        "megatron.reset_attention_mask=true",
+        "megatron.micro_batch_size=1",
+        "megatron.global_batch_size=2",
+        "megatron.eval_interval=1000",
+        "megatron.init_method_std=0.2",
+    )
+    ckpt = tmp_path / "dense"
+    saving = (f"megatron.save={ckpt}", "megatron.save_interval=3", "megatron.train_iters=3")
+    pretrain(tmp_path, *common, "attention.type=dense", *saving)
+    cont = (
+        *common,
+        f"megatron.load={ckpt}",
+        "megatron.finetune=true",
+        "megatron.train_iters=8",
+        "megatron.clip_grad=0",
+    )
+    dense_output = pretrain(tmp_path, *cont, "attention.type=dense").stdout
+    output = pretrain(tmp_path, *cont, "attention.type=msa", "attention.msa.topk=15").stdout
+    dense, msa = metrics(dense_output), metrics(output)
+    assert re.search(r"attention switch on load .*'dense' -> 'msa'", output), output[-3000:]
+    assert sorted(dense) == sorted(msa) == list(range(1, 9)), (dense, msa)
+    for it in range(1, 9):
+        # Every block each row sees, in warmup (dense) and after it (all 15 selected).
+        assert float(msa[it]["attended_fraction"]) == 1.0, (it, msa[it])
+        assert float(msa[it]["msa_kl_loss"]) > 1.0, (it, msa[it])
+        want, got = float(dense[it]["lm_loss"]), float(msa[it]["lm_loss"])
+        assert abs(got - want) <= 1e-6 * want, (it, got, want)
+    # Megatron's own line: the same learning rate each step, and the grad norm larger by the
+    # index branch's share.
+    rates = [re.findall(r"learning rate: (\S+)", text) for text in (output, dense_output)]
+    assert len(rates[0]) == 8 and rates[0] == rates[1], rates
+    norms = [[float(v) for v in re.findall(r"grad norm: ([0-9.]+)", text)] for text in (output, dense_output)]
+    assert len(norms[0]) == 8 and all(m > d for m, d in zip(*norms, strict=True)), norms
+
+
 def test_indexed_dataset_trains(tmp_path, rng):
     prefix = tmp_path / "docs"
     _write_indexed(prefix, torch.randint(0, 127, (64, 300), generator=rng).tolist())
