@@ -7,7 +7,9 @@ O(S^2) memory traffic and about a thousand large launches per layer at 128K toke
 Here one program takes a tile of ``BLOCK_M`` query rows of one (batch, group) and walks
 the key blocks up to the tile's causal limit. Per key block it multiplies the tile
 against the block's keys (``BLOCK_N`` at a time), masks the keys after each row's
-position and keeps the row maximum: the block's score, which stays in registers.
+position and keeps the row maximum: the block's score, which stays in registers. The
+blocks that end before the tile's first row, most of a long walk, need no mask (without
+packed documents) and skip it.
 
 * ``block_max_scores_triton`` writes every score, ``[B, Hkv, S, n_blocks]`` fp32
   (``msa.block_max_scores`` on positions ``0 .. S-1``): still S x S / block_size.
@@ -76,6 +78,45 @@ LAUNCH = SelectLaunch()
 
 
 @triton.jit
+def _block_max(
+    q, k_base, j, rows, row_first, seq_len, sk_s, d, d_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Each row's largest raw score over key block ``j``; ``MASKED``: keys past the sequence,
+    after the row or (``HAS_DOCS``) before its document's start are hidden, else every key of
+    the block is visible to every row."""
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for t in tl.static_range(BLOCK_SIZE // BLOCK_N):
+        keys = j * BLOCK_SIZE + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + keys.to(tl.int64)[:, None] * sk_s + d[None, :]
+        if MASKED:
+            key_ok = keys < seq_len
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            visible = key_ok[None, :] & (keys[None, :] <= rows[:, None])
+            if HAS_DOCS:
+                visible = visible & (keys[None, :] >= row_first[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        best = tl.maximum(best, tl.max(s, 1))
+    return best
+
+
+@triton.jit
+def _keep(best, j, own, top_s, top_i):
+    """The kept set after block ``j`` (scores ``best``) was offered to it: the block replaces the
+    worst kept one when strictly better; among equally bad slots the highest id goes, so ties
+    keep the lower block ids. The row's own block is slot 0 already."""
+    cand = tl.where(own == j, float("-inf"), best)
+    worst = tl.min(top_s, 1)
+    victim = tl.max(tl.where(top_s == worst[:, None], top_i, -1), 1)
+    hit = (top_i == victim[:, None]) & (cand > worst)[:, None]
+    return tl.where(hit, cand[:, None], top_s), tl.where(hit, j, top_i)
+
+
+@triton.jit
 def _block_select_kernel(
     Q, K, SCORES, BLOCKS, DOC_START, seq_len, n_blocks, HKV, sq_b, sq_s, sq_h, sk_b, sk_s, n_slots, width, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -123,28 +164,24 @@ def _block_select_kernel(
                 float("-inf"),
                 mask=row_ok[:, None] & (unseen < first_block)[None, :],
             )
-    for j in range(first_block, n_visible):
-        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for t in tl.static_range(BLOCK_SIZE // BLOCK_N):
-            keys = j * BLOCK_SIZE + t * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = keys < seq_len
-            k = tl.load(
-                k_base + keys.to(tl.int64)[:, None] * sk_s + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            visible = key_ok[None, :] & (keys[None, :] <= rows[:, None])
-            if HAS_DOCS:
-                visible = visible & (keys[None, :] >= row_first[:, None])
-            best = tl.maximum(best, tl.max(tl.where(visible, s, float("-inf")), 1))
-        best = best * scale
+    # Blocks that end at or before the tile's first row are seen whole by every row (without
+    # documents): their scores skip the masks, which cost more than the product on the bulk
+    # of a long tile's walk. The rest, up to the causal limit, are masked.
+    n_full = first_block
+    if not HAS_DOCS:
+        n_full = tl.minimum(tile * BLOCK_M // BLOCK_SIZE, n_visible)
+    for j in range(first_block, n_full):
+        best = _block_max(q, k_base, j, rows, row_first, seq_len, sk_s, d, d_ok, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                          PRECISION, False, HAS_DOCS) * scale  # fmt: skip
         if SELECT:
-            cand = tl.where(own == j, float("-inf"), best)
-            worst = tl.min(top_s, 1)
-            # Among equally bad slots the highest id goes, so ties keep the lower block ids.
-            victim = tl.max(tl.where(top_s == worst[:, None], top_i, -1), 1)
-            hit = (top_i == victim[:, None]) & (cand > worst)[:, None]
-            top_s = tl.where(hit, cand[:, None], top_s)
-            top_i = tl.where(hit, j, top_i)
+            top_s, top_i = _keep(best, j, own, top_s, top_i)
+        else:
+            tl.store(out_row + j, best, mask=row_ok)
+    for j in range(n_full, n_visible):
+        best = _block_max(q, k_base, j, rows, row_first, seq_len, sk_s, d, d_ok, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                          PRECISION, True, HAS_DOCS) * scale  # fmt: skip
+        if SELECT:
+            top_s, top_i = _keep(best, j, own, top_s, top_i)
         else:
             tl.store(out_row + j, best, mask=row_ok)
     if SELECT:
