@@ -105,15 +105,20 @@ def _block_max(
 
 
 @triton.jit
-def _keep(best, j, own, top_s, top_i):
-    """The kept set after block ``j`` (scores ``best``) was offered to it: the block replaces the
-    worst kept one when strictly better; among equally bad slots the highest id goes, so ties
-    keep the lower block ids. The row's own block is slot 0 already."""
-    cand = tl.where(own == j, float("-inf"), best)
-    worst = tl.min(top_s, 1)
-    victim = tl.max(tl.where(top_s == worst[:, None], top_i, -1), 1)
-    hit = (top_i == victim[:, None]) & (cand > worst)[:, None]
-    return tl.where(hit, cand[:, None], top_s), tl.where(hit, j, top_i)
+def _offer(best, j, own, top_s, top_i, out_row, row_ok, SELECT: tl.constexpr):
+    """Block ``j``'s row maxima ``best``: stored (``out_row``), or offered to the kept set
+    (``SELECT``), which it enters in place of the worst kept block when strictly better; among
+    equally bad slots the highest id goes, so ties keep the lower block ids. The row's own
+    block is slot 0 already. Returns the kept set."""
+    if SELECT:
+        cand = tl.where(own == j, float("-inf"), best)
+        worst = tl.min(top_s, 1)
+        victim = tl.max(tl.where(top_s == worst[:, None], top_i, -1), 1)
+        hit = (top_i == victim[:, None]) & (cand > worst)[:, None]
+        top_s, top_i = tl.where(hit, cand[:, None], top_s), tl.where(hit, j, top_i)
+    else:
+        tl.store(out_row + j, best, mask=row_ok)
+    return top_s, top_i
 
 
 @triton.jit
@@ -146,16 +151,15 @@ def _block_select_kernel(
     if HAS_DOCS:  # each row's document start; blocks before the first row's see nothing
         row_first = tl.load(DOC_START + rows, mask=row_ok, other=0)
         first_block = tl.load(DOC_START + tile * BLOCK_M) // BLOCK_SIZE
+    # The kept set (SELECT; one unused slot otherwise). Slot 0: the row's own block, forced.
+    # Slots past n_slots: +inf, never evicted.
+    col = tl.arange(0, KP)[None, :]
+    top_s = tl.where((col == 0) | (col >= n_slots), float("inf"), float("-inf")) + tl.zeros([BLOCK_M, KP], tl.float32)
+    top_i = tl.where(col == 0, own[:, None], _EMPTY + col)
     if SELECT:
-        col = tl.arange(0, KP)[None, :]
-        # Slot 0: the row's own block, forced. Slots past n_slots: +inf, never evicted.
-        top_s = tl.where((col == 0) | (col >= n_slots), float("inf"), float("-inf")) + tl.zeros(
-            [BLOCK_M, KP], tl.float32
-        )
-        top_i = tl.where(col == 0, own[:, None], _EMPTY + col)
+        out_row = BLOCKS + ((b.to(tl.int64) * seq_len + rows.to(tl.int64)) * HKV + g) * width
     else:
         out_row = SCORES + (bg.to(tl.int64) * seq_len + rows.to(tl.int64)) * n_blocks
-    if not SELECT:
         pad = tl.arange(0, 16)
         for j0 in range(0, first_block, 16):  # blocks before every row's document
             unseen = j0 + pad
@@ -173,17 +177,11 @@ def _block_select_kernel(
     for j in range(first_block, n_full):
         best = _block_max(q, k_base, j, rows, row_first, seq_len, sk_s, d, d_ok, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                           PRECISION, False, HAS_DOCS) * scale  # fmt: skip
-        if SELECT:
-            top_s, top_i = _keep(best, j, own, top_s, top_i)
-        else:
-            tl.store(out_row + j, best, mask=row_ok)
+        top_s, top_i = _offer(best, j, own, top_s, top_i, out_row, row_ok, SELECT)
     for j in range(n_full, n_visible):
         best = _block_max(q, k_base, j, rows, row_first, seq_len, sk_s, d, d_ok, BLOCK_M, BLOCK_N, BLOCK_SIZE,
                           PRECISION, True, HAS_DOCS) * scale  # fmt: skip
-        if SELECT:
-            top_s, top_i = _keep(best, j, own, top_s, top_i)
-        else:
-            tl.store(out_row + j, best, mask=row_ok)
+        top_s, top_i = _offer(best, j, own, top_s, top_i, out_row, row_ok, SELECT)
     if SELECT:
         # Ids are distinct within a row, so each slot's place in ascending order is the
         # count of smaller ids (tl.sort's bitonic network crawls in the interpreter).
@@ -191,7 +189,6 @@ def _block_select_kernel(
         for c in tl.static_range(KP):
             other = tl.sum(tl.where(col == c, top_i, 0), 1)
             rank += (other[:, None] < top_i).to(tl.int32)
-        out_row = BLOCKS + ((b.to(tl.int64) * seq_len + rows.to(tl.int64)) * HKV + g) * width
         ids = tl.where(top_i >= _EMPTY, -1, top_i)
         tl.store(out_row[:, None] + rank, ids, mask=row_ok[:, None] & (rank < width))
         for c0 in range(KP, width, KP):  # topk above the block count: the rest is padding
