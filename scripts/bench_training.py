@@ -332,6 +332,16 @@ def main(argv=None) -> None:
                 f"  {r['row']:<14} {part:<14} "
                 + " / ".join(f"{phases[p]:9.1f}" for p in ("forward", "recompute", "backward"))
             )
+    print("\nthe profiled step's longest device-idle gaps (ms, the kernels on either side, the host meanwhile):")
+    for r in results:
+        idle = (r.get("profile") or {}).get("idle")
+        if not idle:
+            continue
+        print(f"  {r['row']:<14} {idle['gaps']} gaps, {idle['gaps_ms']:.1f} ms")
+        for gap in idle["longest"][:5]:
+            print(
+                f"    {gap['ms']:7.2f} at {gap['at_ms']:9.1f}: {gap['after']} -> {gap['before']} | {' > '.join(gap['host'])}"
+            )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_mtraining.megatron.profiler_ranges import part_range
-from megatron_mtraining.training.step_report import _annotate, breakdown
+from megatron_mtraining.training.step_report import MIN_GAP_MS, _annotate, breakdown, idle_gaps
 
 
 class Block(torch.nn.Module):
@@ -63,3 +63,34 @@ def test_recomputation_is_its_own_phase():
     assert parts["matmuls"]["backward"] > 0
     assert "loss" in parts and parts["loss"]["recompute"] == 0
     assert set(recomputed["layers_ms"]) == set(plain["layers_ms"])
+
+
+def test_idle_gaps_name_the_longest_and_what_the_host_did():
+    ms = 1_000_000
+    # Device: k1 [0, 2], k2 [1, 3] (overlapping: no gap), k3 [7, 8], k4 [8.01, 9], k5 [9.5, 10].
+    device = [(0, 2 * ms, "k1"), (1 * ms, 3 * ms, "k2"), (7 * ms, 8 * ms, "k3"), (8 * ms + 10_000, 9 * ms, "k4")]
+    device.append((int(9.5 * ms), 10 * ms, "k5"))
+    host = [
+        (0, 10 * ms, "mtraining::layer:1"),
+        (int(3.5 * ms), int(6.5 * ms), "cudaStreamSynchronize"),
+        (int(9.1 * ms), int(9.4 * ms), "mtraining::attention"),
+        (11 * ms, 12 * ms, "cudaLaunchKernel"),  # after the last kernel: in no gap
+    ]
+    report = idle_gaps(device, host, top=1)
+    # Gaps of at least MIN_GAP_MS: 3 -> 7 and 9 -> 9.5; 8 -> 8.01 is shorter.
+    assert MIN_GAP_MS * 1e6 > 10_000
+    assert report["gaps"] == 2 and report["gaps_ms"] == pytest.approx(4.5)
+    (longest,) = report["longest"]
+    assert longest == {
+        "ms": 4.0,
+        "at_ms": 3.0,
+        "after": "k2",
+        "before": "k3",
+        "host": ["mtraining::layer:1", "cudaStreamSynchronize"],
+    }
+    second = idle_gaps(device, host, top=2)["longest"][1]
+    assert (second["after"], second["before"], second["host"]) == (
+        "k4",
+        "k5",
+        ["mtraining::layer:1", "mtraining::attention"],
+    )

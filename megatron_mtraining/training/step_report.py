@@ -22,7 +22,8 @@ runs) writes a JSON report when the run ends:
   ``recompute`` (forward work run again inside the backward, activation checkpointing) or
   ``backward``, found by linking each backward node to the forward operation that made it
   (the autograd sequence number). ``idle_ms``: the step's wall time less the union of its
-  kernels' intervals, the time the device waited for the host.
+  kernels' intervals, the time the device waited for the host; ``idle`` lists the longest
+  such gaps with the kernels around them and what the host was doing (``idle_gaps``).
 
 The annotations cost a few microseconds of host time per module call and are only installed
 with ``--step-report``.
@@ -57,6 +58,13 @@ MODULE_PARTS = {
 }
 PHASES = ("forward", "recompute", "backward")
 TOP_KERNELS = 12
+# Idle stretches the report lists, the shortest it counts, and the host events it names per gap.
+IDLE_GAPS = 10
+MIN_GAP_MS = 0.05
+HOST_NAMES = 6
+# Host events a gap is explained by: runtime calls (syncs, copies), host reads, the step's
+# ranges and the backward's nodes.
+GAP_HOST_EVENTS = ("cuda", PREFIX, BACKWARD, "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
 # Iterations left out of the steady state: compilation, autotuning, allocator growth.
 WARMUP_ITERATIONS = 2
 
@@ -181,6 +189,45 @@ def _busy_ms(device_events) -> float:
     return busy / 1e6
 
 
+def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str]], top: int) -> dict:
+    """The longest stretches in which no device event ran, and what the host did meanwhile.
+
+    ``device`` and ``host``: (start ns, end ns, name). A gap names the device events on either
+    side and the host events that overlap it, outermost first: a runtime call such as
+    ``cudaStreamSynchronize`` there is a host read; the step's own ranges alone mean the host
+    was still launching (Python-bound). ``gaps_ms``: the sum over every gap of at least
+    ``MIN_GAP_MS``, so many short gaps show even when no single one stands out."""
+    spans = sorted(device)
+    gaps = []
+    end, last = None, None
+    for start, stop, name in spans:
+        if end is not None and start - end >= MIN_GAP_MS * 1e6:
+            gaps.append((start - end, end, start, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    longest = sorted(gaps, key=lambda g: -g[0])[:top]
+    origin = spans[0][0] if spans else 0
+
+    def during(lo: int, hi: int) -> list[str]:
+        over = sorted((s, -e, n) for s, e, n in host if s < hi and e > lo)
+        return list(dict.fromkeys(n[:80] for _, _, n in over))[:HOST_NAMES]
+
+    return {
+        "gaps_ms": round(sum(g[0] for g in gaps) / 1e6, 3),
+        "gaps": len(gaps),
+        "longest": [
+            {
+                "ms": round(length / 1e6, 3),
+                "at_ms": round((lo - origin) / 1e6, 3),
+                "after": after[:80],
+                "before": before[:80],
+                "host": during(lo, hi),
+            }
+            for length, lo, hi, after, before in longest
+        ],
+    }
+
+
 def breakdown(prof, wall_s: float, on_device: bool) -> dict:
     """The device time of a profiled step by part and phase, per layer, and idle.
 
@@ -231,6 +278,12 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         # kernel under two host events.
         kernels = sum(e.end_ns() - e.start_ns() for e in device) / 1e6
         report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy), kernels_ms=kernels)
+        host = [
+            (e.start_ns(), e.end_ns(), e.name())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(GAP_HOST_EVENTS)
+        ]
+        report["idle"] = idle_gaps([(e.start_ns(), e.end_ns(), e.name()) for e in device], host, IDLE_GAPS)
     return report
 
 
