@@ -4,8 +4,10 @@ mixing, GPTDataset packing of the output, and config errors. CPU only, a tokeniz
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +35,7 @@ from megatron_mtraining.data import (  # noqa: E402
     write_jsonl,
 )
 from megatron_mtraining.data.indexed import mix_order  # noqa: E402
+from megatron_mtraining.data.local_text import find_package, installed_packages, package_documents  # noqa: E402
 from megatron_mtraining.training.documents import check_document_options, document_bounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,3 +444,74 @@ def test_failed_first_run_leaves_nothing(corpus, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="tokenizer failed"):
         prepare(config, False)
     assert _tree(tmp_path) == {"new": b""}
+
+
+# ---- local real text -------------------------------------------------------------------------
+@pytest.fixture
+def fake_site(tmp_path, monkeypatch):
+    """``fakepkg`` 1.2.3 installed with its metadata in a folder on ``sys.path``: a module, a
+    sub-package, tests, byte code, a generated file, a table of numbers and a non-UTF-8 file."""
+    site = tmp_path / "site"
+    files = {
+        "fakepkg/__init__.py": "from . import core\n",
+        "fakepkg/core.py": "def add(a, b):\n    return a + b\n",
+        "fakepkg/sub/__init__.py": '"""A sub-package."""\n',
+        "fakepkg/sub/b.py": "B = 2\n",
+        "fakepkg/sub/a.py": "A = 1\n",
+        "fakepkg/sub/tests/test_a.py": "def test_a():\n    pass\n",
+        "fakepkg/tests/__init__.py": "",
+        "fakepkg/tests/test_core.py": "def test_add():\n    pass\n",
+        "fakepkg/__pycache__/core.py": "stale = True\n",
+        "fakepkg/sub/patterns.py": "# This is an auto-generated file. Please do not modify it by hand.\nP = 0\n",
+        "fakepkg/sub/table.py": "T = [" + ", ".join(str(10**6 + i) for i in range(200)) + "]\n",
+    }
+    for name, text in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    (site / "fakepkg/sub/latin.py").write_bytes("N = 'caf\xe9'\n".encode("latin-1"))
+    info = site / "fakepkg-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.2.3\n")
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in [*files, "fakepkg/sub/latin.py"]))
+    # Sources without metadata: importable, but no distribution gives them a version.
+    (site / "loose").mkdir()
+    (site / "loose/__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    yield site
+    for name in ("fakepkg", "fakepkg.core", "fakepkg.sub", "loose"):
+        sys.modules.pop(name, None)
+
+
+def test_package_documents_name_their_files_and_skip_tests_and_generated(fake_site):
+    package = find_package("fakepkg")
+    assert package.record() == {"name": "fakepkg", "distribution": "fakepkg", "version": "1.2.3"}
+    assert package.path == fake_site / "fakepkg"
+    docs = package_documents(package)
+    assert {d.name: d.text for d in docs} == {
+        "package:fakepkg/fakepkg": "from . import core\n",
+        "package:fakepkg/fakepkg.core": "def add(a, b):\n    return a + b\n",
+        # Path order; the tests, the generated file, the table and the latin-1 file are left out.
+        "package:fakepkg/fakepkg.sub": '# file: fakepkg/sub/__init__.py\n"""A sub-package."""\n\n'
+        "# file: fakepkg/sub/a.py\nA = 1\n\n# file: fakepkg/sub/b.py\nB = 2\n",
+    }
+    assert package_documents(find_package("fakepkg")) == docs
+    # A sub-package by its dotted name: its modules are the documents, paths from the site.
+    sub = find_package("fakepkg.sub")
+    assert (sub.name, sub.version) == ("fakepkg.sub", "1.2.3")
+    assert [(d.name, d.text) for d in package_documents(sub)] == [
+        ("package:fakepkg/fakepkg.sub", '"""A sub-package."""\n'),
+        ("package:fakepkg/fakepkg.sub.a", "A = 1\n"),
+        ("package:fakepkg/fakepkg.sub.b", "B = 2\n"),
+    ]
+    assert find_package("fakepkg_missing") is None and find_package("loose") is None
+    assert "fakepkg" in installed_packages() and "loose" not in installed_packages()
+
+
+def test_installed_package_documents_are_deterministic():
+    package = find_package("jinja2")
+    assert package.version == importlib.metadata.version("jinja2")
+    docs = package_documents(package)
+    assert docs == package_documents(find_package("jinja2"))
+    names = [d.name for d in docs]
+    assert names == sorted(names) and "package:Jinja2/jinja2.compiler" in names
+    assert docs[names.index("package:Jinja2/jinja2.compiler")].text == (package.path / "compiler.py").read_text()

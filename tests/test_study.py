@@ -7,6 +7,7 @@ evaluation, export and import, report."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -30,8 +31,10 @@ from megatron_mtraining.examples.study.cli import main  # noqa: E402
 from megatron_mtraining.examples.study.data import (  # noqa: E402
     BYTES,
     STREAM_BASE,
+    DataStage,
     Source,
     StudyData,
+    find_packages,
     generated_documents,
     split_real_text,
 )
@@ -72,6 +75,7 @@ def tiny_data(**changes) -> dict:
 def test_the_packaged_recipe_loads():
     config = StudyData.from_yaml(ROOT / "configs" / "data" / "study.yaml")
     assert config.vocab_size == 8192 and config.splits["continue"].seq_length == 16384
+    assert config.packages == ("torch", "sympy", "networkx", "numpy", "megatron.core")
     assert [s.kind for s in config.splits["pretrain"].sources] == ["text", "tasks", "synthetic"]
     # Every source draws from its own stream, none of them an evaluation seed.
     streams = [config.stream(split, s.name) for split in ("pretrain", "continue") for s in config.splits[split].sources]
@@ -88,6 +92,16 @@ def test_the_packaged_recipe_loads():
             {"real_text": {"heldout_docs": 0}},
             "real_text.heldout_docs=0 is invalid; accepted: an integer >= 1",
         ),
+        (
+            {"real_text": {"packages": "torch"}},
+            "real_text.packages='torch' is invalid; accepted: a list of import names of installed packages",
+        ),
+        # A sub-package of a listed package would train twice.
+        (
+            {"real_text": {"packages": ["torch", "megatron.core", "torch.nn"]}},
+            "real_text.packages='torch.nn' is invalid; accepted: a list of import names",
+        ),
+        ({"real_text": {"packages": ["jinja2", "jinja2"]}}, "real_text.packages='jinja2' is invalid"),
     ],
 )
 def test_recipe_errors_name_the_field(change, message):
@@ -154,16 +168,90 @@ def test_generated_synthetic_documents_take_the_kinds_in_turn():
 
 def test_real_text_split_is_seeded_disjoint_and_capped():
     config = StudyData.from_dict(tiny_data())
-    train, heldout = split_real_text(config)
-    again = split_real_text(config)
+    train, heldout = split_real_text(config, [])
+    again = split_real_text(config, [])
     assert [d.name for d in train] == [d.name for d in again[0]] and heldout == again[1]
     assert len(heldout) == 2 and all(len(d.text) >= 8000 for d in heldout)
     assert not {d.name for d in train} & {d.name for d in heldout}
     assert 0 < sum(len(d.text) for d in train) <= 60000
-    other = split_real_text(StudyData.from_dict(tiny_data(seed=8)))
+    other = split_real_text(StudyData.from_dict(tiny_data(seed=8)), [])
     assert [d.name for d in other[1]] != [d.name for d in heldout]
     with pytest.raises(ValueError, match=r"real_text.heldout_docs=10000 is invalid; accepted: at most \d+"):
-        split_real_text(StudyData.from_dict(tiny_data(real_text={"heldout_docs": 10000})))
+        split_real_text(StudyData.from_dict(tiny_data(real_text={"heldout_docs": 10000})), [])
+
+
+def with_packages(*packages: str, **real_text) -> StudyData:
+    text = {"heldout_docs": 2, "heldout_min_chars": 8000, "max_chars": None, "packages": list(packages)}
+    return StudyData.from_dict(tiny_data(real_text=text | real_text))
+
+
+def test_packages_train_and_the_held_out_text_stays_the_standard_librarys():
+    config = with_packages("jinja2")
+    packages = find_packages(config)
+    assert [p.record() for p in packages] == [
+        {"name": "jinja2", "distribution": "Jinja2", "version": importlib.metadata.version("jinja2")}
+    ]
+    train, heldout = split_real_text(config, packages)
+    stdlib_train, stdlib_heldout = split_real_text(config, [])
+    # The held-out documents do not depend on the packages, and never train.
+    assert heldout == stdlib_heldout and all(d.name.startswith("stdlib:") for d in heldout)
+    assert not {d.name for d in train} & {d.name for d in heldout}
+    assert not {d.text for d in train} & {d.text for d in heldout}
+    jinja = [d for d in train if d.name.startswith("package:Jinja2/jinja2")]
+    assert len(jinja) == len(train) - len(stdlib_train) > 10
+    assert {d.name for d in stdlib_train} < {d.name for d in train}
+
+
+def test_a_package_not_installed_is_an_error_naming_the_field():
+    with pytest.raises(ValueError) as err:
+        find_packages(with_packages("jinja2", "no_such_package_here"))
+    message = str(err.value)
+    assert message.startswith("real_text.packages='no_such_package_here' is invalid; accepted: packages"), message
+    # What is accepted: the installed top-level packages.
+    assert ", jinja2, " in message and "torch" in message
+    # The standard library has no distribution (and no version to record).
+    with pytest.raises(ValueError, match="real_text.packages='json' is invalid"):
+        find_packages(with_packages("json"))
+
+
+def test_data_json_records_the_packages_and_rebuilds_on_another_version(tmp_path):
+    config = with_packages("jinja2", max_chars=150000)
+    logs = []
+    stage = DataStage(config, tmp_path, log=logs.append)
+    manifest = stage.build(("pretrain", "heldout"))
+    train, heldout = split_real_text(config, find_packages(config))
+    jinja = [d for d in train if d.name.startswith("package:Jinja2/")]
+    version = importlib.metadata.version("jinja2")
+    pretrain = manifest["splits"]["pretrain"]
+    real = pretrain["real_text"]
+    assert real["packages"] == [
+        {
+            "name": "jinja2",
+            "distribution": "Jinja2",
+            "version": version,
+            "documents": len(jinja),
+            "characters": sum(len(d.text) for d in jinja),
+        }
+    ]
+    assert real["packages"][0]["documents"] > 0
+    assert real["training"]["characters"] == sum(len(d.text) for d in train) <= 150000
+    assert real["python"]["characters"] + real["packages"][0]["characters"] == real["training"]["characters"]
+    # Its tokens are those of the split's text source before the mix repeats them.
+    text = pretrain["sources"]["text"]
+    assert real["training"]["tokens"] == text["source_tokens"] > 0
+    assert text["tokens"] == pytest.approx(text["factor"] * text["source_tokens"], rel=0.1)
+    assert manifest["splits"]["heldout"]["real_text"]["names"] == [d.name for d in heldout]
+    assert pretrain["recipe"]["real_text"]["packages"][0]["version"] == version
+    # Another version of a package is another training text: the split is built again.
+    pretrain["recipe"]["real_text"]["packages"][0]["version"] = "0.0"
+    stage.write_manifest()
+    logs.clear()
+    DataStage(config, tmp_path, log=logs.append).build(("pretrain", "heldout"))
+    assert [line.split(":")[0] for line in logs if line.startswith("  split")] == [
+        "  split pretrain",
+        "  split heldout",
+    ]
+    assert "reused" not in logs[-2] and "reused" in logs[-1]
 
 
 # ---- moving stages between machines --------------------------------------------------------

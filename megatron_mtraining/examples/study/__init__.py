@@ -1,10 +1,10 @@
 """The small-scale study of issue 23, "Does sparse training keep quality?":
 ``python -m megatron_mtraining.examples.study <stage>``, one command per stage.
 
-1. ``data``: real text that ships with Python and generated long documents (the
-   evaluation's task formats, passkey / copy / filler), a byte-level BPE, and the indexed
-   datasets of each training stage and of the held-out text (``data.py``,
-   ``configs/data/study.yaml``);
+1. ``data``: real text that ships with the machine (the standard library, installed
+   packages' sources) and generated long documents (the evaluation's task formats,
+   passkey / copy / filler), a byte-level BPE, and the indexed datasets of each training
+   stage and of the held-out text (``data.py``, ``configs/data/study.yaml``);
 2. ``pretrain``: a small Qwen2-shaped model trained dense from scratch at a short length
    (``configs/study/pretrain.yaml``);
 3. ``continue --attention {dense,mtraining,msa} --seed N``: that model continued at a long

@@ -1,12 +1,15 @@
-"""The study's data stage: real text that ships with Python and generated long documents, a
-byte-level BPE, and Megatron indexed datasets for each training stage and the held-out loss.
+"""The study's data stage: real text that ships with the machine and generated long documents,
+a byte-level BPE, and Megatron indexed datasets for each training stage and the held-out loss.
 
 The recipe is a YAML (``configs/data/study.yaml``, fields in :class:`StudyData`). Everything
-is deterministic from its ``seed`` and the interpreter's standard library:
+is deterministic from its ``seed``, the interpreter's standard library and the versions of
+the installed packages it names:
 
 * **real text** (``data.local_text``): the held-out documents are ``real_text.heldout_docs``
-  documents of at least ``heldout_min_chars`` characters, drawn with the seed; the others
-  (up to ``max_chars`` of them, in a seeded order) are the training text;
+  documents of the standard library (and ``pydoc``) of at least ``heldout_min_chars``
+  characters, drawn with the seed; the other standard-library documents and those of the
+  installed ``real_text.packages`` (up to ``max_chars`` of them, in a seeded order) are the
+  training text;
 * **generated sources**, per split: ``tasks`` documents are the evaluation's task samples
   (``evaluation.tasks``: needles, multi-key, multi-value, variable tracking, common words,
   in turn) written with bytes as tokens and decoded, so their length is in characters and
@@ -19,9 +22,10 @@ is deterministic from its ``seed`` and the interpreter's standard library:
 * each **split** is a ``data.prepare`` mix (``MixConfig``: sources weighted by tokens, length
   buckets, shuffled) at ``data/<split>``; ``heldout`` holds the held-out real text, once each.
 
-``data/data.json`` records the recipe, the interpreter, and each split's documents, tokens
-and content hash. A split whose recipe and tokenizer are the recorded ones and whose files
-exist is reused.
+``data/data.json`` records the recipe, the interpreter, the real text (each package's
+distribution and version, documents, characters, tokens), and each split's documents, tokens,
+per-source repeat factors and content hash. A split whose recipe (package versions included)
+and tokenizer are the recorded ones and whose files exist is reused.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from ...data.local_text import Package, find_package, installed_packages, package_documents, python_documents
 from ...data.synthetic_docs import KINDS, make_document
 from ...evaluation.tasks import TASKS, Codec, make_sample
 
@@ -160,11 +165,24 @@ class Split:
         return cls(name, seq_length, sources)
 
 
+def _packages(raw, where: str) -> tuple[str, ...]:
+    """Import names, unique, none inside another (its documents would train twice)."""
+    accepted = "a list of import names of installed packages (torch, megatron.core), none inside another"
+    if not isinstance(raw, list) or not all(
+        isinstance(n, str) and all(map(str.isidentifier, n.split("."))) for n in raw
+    ):
+        raise _fail(where, raw, accepted)
+    for name in raw:
+        if sum(name == other or name.startswith(other + ".") for other in raw) > 1:
+            raise _fail(where, name, accepted)
+    return tuple(raw)
+
+
 @dataclass(frozen=True)
 class StudyData:
     """The data recipe: ``seed``; ``tokenizer`` (``vocab_size``, ``sample_docs``);
-    ``real_text`` (``heldout_docs``, ``heldout_min_chars``, ``max_chars``); ``splits`` (one
-    per training stage, each a ``seq_length`` and its ``sources``)."""
+    ``real_text`` (``packages``, ``heldout_docs``, ``heldout_min_chars``, ``max_chars``);
+    ``splits`` (one per training stage, each a ``seq_length`` and its ``sources``)."""
 
     seed: int
     vocab_size: int
@@ -172,6 +190,7 @@ class StudyData:
     heldout_docs: int
     heldout_min_chars: int
     max_chars: int | None
+    packages: tuple[str, ...] = ()
     splits: dict[str, Split] = field(default_factory=dict)
 
     @classmethod
@@ -188,7 +207,9 @@ class StudyData:
     def from_dict(cls, raw) -> StudyData:
         raw = _keys(raw, ("seed", "tokenizer", "real_text", "splits"), "")
         tokenizer = _keys(raw.get("tokenizer") or {}, ("vocab_size", "sample_docs"), "tokenizer.")
-        text = _keys(raw.get("real_text") or {}, ("heldout_docs", "heldout_min_chars", "max_chars"), "real_text.")
+        text = _keys(
+            raw.get("real_text") or {}, ("packages", "heldout_docs", "heldout_min_chars", "max_chars"), "real_text."
+        )
         splits = raw.get("splits")
         if not isinstance(splits, dict) or sorted(splits) != sorted(TRAIN_SPLITS):
             raise _fail(
@@ -201,6 +222,7 @@ class StudyData:
             heldout_docs=_int(text, "heldout_docs", "real_text.", 8, 1),
             heldout_min_chars=_int(text, "heldout_min_chars", "real_text.", 80000, 1),
             max_chars=_int(text, "max_chars", "real_text.", None, 1),
+            packages=_packages(text.get("packages", []), "real_text.packages"),
             splits={name: Split.from_dict(name, splits[name]) for name in TRAIN_SPLITS},
         )
 
@@ -209,6 +231,8 @@ class StudyData:
         return STREAM_BASE + zlib.crc32(f"{self.seed}:{split}:{source}".encode())
 
     def real_text_recipe(self) -> dict:
+        """What the held-out documents depend on (beside the standard library); the training
+        text also depends on the packages' versions (:meth:`DataStage.recipe`)."""
         return {
             "seed": self.seed,
             "heldout_docs": self.heldout_docs,
@@ -237,10 +261,27 @@ def generated_documents(source: Source, stream: int, count: int | None = None) -
             yield {"text": doc.text, "kind": doc.kind}
 
 
-def split_real_text(config: StudyData) -> tuple[list, list]:
-    """(training, held-out) documents of the real text."""
-    from ...data.local_text import python_documents
+def find_packages(config: StudyData) -> list[Package]:
+    """The installed ``real_text.packages``, in the recipe's order."""
+    packages = []
+    for name in config.packages:
+        package = find_package(name)
+        if package is None:
+            raise _fail(
+                "real_text.packages",
+                name,
+                "packages (or their sub-packages) installed by a distribution, importable by this Python; "
+                f"installed here: {', '.join(installed_packages())}",
+            )
+        packages.append(package)
+    return packages
 
+
+def split_real_text(config: StudyData, packages: list[Package]) -> tuple[list, list]:
+    """(training, held-out) documents of the real text: the held-out ones from the standard
+    library only, so that they are the same whichever packages train and at whichever
+    versions (the held-out perplexity stays comparable between recipes and with runs before
+    the packages); the training text is the rest of it and every document of ``packages``."""
     documents = python_documents()
     rng = random.Random(f"{config.seed}:real_text")
     candidates = [d for d in documents if len(d.text) >= config.heldout_min_chars]
@@ -254,6 +295,7 @@ def split_real_text(config: StudyData) -> tuple[list, list]:
     heldout = sorted(rng.sample(candidates, config.heldout_docs), key=lambda d: d.name)
     names = {d.name for d in heldout}
     rest = [d for d in documents if d.name not in names]
+    rest += [doc for package in packages for doc in package_documents(package)]
     rng.shuffle(rest)
     training, used = [], 0
     for doc in rest:
@@ -297,23 +339,62 @@ class DataStage:
         self.config, self.workdir, self.log = config, Path(workdir), log
         path = self.workdir / MANIFEST
         self.manifest = json.loads(path.read_text()) if path.is_file() else {}
+        self._packages: list[Package] | None = None
         self._real: tuple[list, list] | None = None
         self._train_text: Path | None = None
 
     def path(self, relative: Path | str) -> Path:
         return self.workdir / relative
 
+    def packages(self) -> list[Package]:
+        if self._packages is None:
+            self._packages = find_packages(self.config)
+        return self._packages
+
     def real_text(self) -> tuple[list, list]:
         if self._real is None:
             start = time.monotonic()
-            self._real = split_real_text(self.config)
+            self._real = split_real_text(self.config, self.packages())
             train, heldout = self._real
             self.log(
                 f"  real text: {len(train)} training documents ({sum(len(d.text) for d in train) / 1e6:.1f} M "
-                f"characters), {len(heldout)} held out ({', '.join(d.name for d in heldout)}) "
-                f"in {time.monotonic() - start:.1f} s"
+                f"characters; packages {', '.join(f'{p.distribution} {p.version}' for p in self.packages()) or 'none'}),"
+                f" {len(heldout)} held out ({', '.join(d.name for d in heldout)}) in {time.monotonic() - start:.1f} s"
             )
         return self._real
+
+    def real_text_record(self, split: str, summary) -> dict:
+        """The real text of a split as data.json records it. Held out: the documents. Training:
+        the interpreter's documents (standard library, pydoc topics, license) and each
+        package's (its distribution and version), and their total; its tokens (EOD included)
+        where a ``text`` source without length bounds holds all of it."""
+        train, heldout = self.real_text()
+
+        def totals(docs: list) -> dict:
+            return {"documents": len(docs), "characters": sum(len(d.text) for d in docs)}
+
+        if split == HELDOUT:
+            return totals(heldout) | {"names": [d.name for d in heldout], "tokens": summary.tokens}
+
+        def of(package: Package) -> list:
+            name = f"package:{package.distribution}/{package.name}"
+            return [d for d in train if d.name == name or d.name.startswith(name + ".")]
+
+        record = {
+            "python": {"version": sys.version.split()[0]}
+            | totals([d for d in train if not d.name.startswith("package:")]),
+            "packages": [p.record() | totals(of(p)) for p in self.packages()],
+            "training": totals(train),
+        }
+        whole = {
+            s.name
+            for s in self.config.splits[split].sources
+            if s.kind == "text" and not s.min_tokens and s.max_tokens is None
+        }
+        for source in summary.sources:
+            if source.name in whole:
+                record["training"]["tokens"] = source.tokens
+        return record
 
     def build(self, splits: tuple[str, ...]) -> dict:
         """The tokenizer (unless one is there) and ``splits`` (of ``pretrain``, ``continue``,
@@ -339,10 +420,19 @@ class DataStage:
                 "prefix": str(DATA / split),
                 "documents": summary.documents,
                 "tokens": summary.tokens,
+                # A source's own documents and tokens (EOD included), then the mix's: factor
+                # times the source's.
                 "sources": {
-                    s.name: {"documents": s.mix_docs, "tokens": s.mix_tokens, "factor": round(s.factor, 3)}
+                    s.name: {
+                        "source_documents": s.kept,
+                        "source_tokens": s.tokens,
+                        "documents": s.mix_docs,
+                        "tokens": s.mix_tokens,
+                        "factor": round(s.factor, 3),
+                    }
                     for s in summary.sources
                 },
+                "real_text": self.real_text_record(split, summary),
                 "sha256": _digest(*files),
                 "seconds": round(time.monotonic() - start, 1),
             }
@@ -359,10 +449,11 @@ class DataStage:
         path.write_text(json.dumps(self.manifest, indent=1) + "\n")
 
     def recipe(self, split: str) -> dict:
-        """What a split's content depends on: the seed, the real-text split, the tokenizer and
-        the split's own sources."""
+        """What a split's content depends on: the seed, the real-text split (for a training
+        split, the packages' versions too), the tokenizer and the split's own sources."""
         recipe = {"real_text": self.config.real_text_recipe(), "tokenizer": tokenizer_digest(self.workdir)}
         if split != HELDOUT:
+            recipe["real_text"]["packages"] = [p.record() for p in self.packages()]
             split_config = self.config.splits[split]
             recipe["split"] = {
                 "seq_length": split_config.seq_length,
