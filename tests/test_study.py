@@ -255,11 +255,12 @@ def test_data_json_records_the_packages_and_rebuilds_on_another_version(tmp_path
 
 
 # ---- moving stages between machines --------------------------------------------------------
-def test_jobs_share_the_devices_and_a_seed_only_once_its_cache_exists(tmp_path, capsys):
-    """``study all``'s scheduler on real processes: one job per device at a time; a job of a
-    seed starts beside another of that seed only after that one logged a training iteration
-    (its dataset cache is built); jobs side by side where they may, every job run once, a
-    failure reported without stopping the rest."""
+@pytest.mark.parametrize("devices", [["0", "1", "2", "3"], ["0", "1", "0", "1"]], ids=["one-a-gpu", "two-a-gpu"])
+def test_jobs_share_the_devices_and_a_seed_only_once_its_cache_exists(devices, tmp_path, capsys):
+    """``study all``'s scheduler on real processes: one job per slot at a time (a device listed
+    twice holds two); a job of a seed starts beside another of that seed only after that one
+    logged a training iteration (its dataset cache is built); jobs side by side where they may,
+    every job run once, a failure reported without stopping the rest."""
     record = tmp_path / "spans.txt"
     code = (
         "import sys, time; a = time.time(); time.sleep(0.1); name = sys.argv[1]; m = 'none'\n"
@@ -278,7 +279,7 @@ def test_jobs_share_the_devices_and_a_seed_only_once_its_cache_exists(tmp_path, 
 
     # "train" jobs log an iteration (their seed's cache then exists), "eval" and "bad" ones never do.
     jobs = [schedule.Job(f"{kind}-{seed}", (), seed) for kind in ("train", "eval", "bad") for seed in (1, 2, 3)]
-    failed = schedule.run_jobs(jobs, ["0", "1", "2", "3"], tmp_path, start=start, poll_seconds=0.02)
+    failed = schedule.run_jobs(jobs, devices, tmp_path, start=start, poll_seconds=0.02)
     assert failed == ["bad-1", "bad-2", "bad-3"]
     spans = sorted((line.split() for line in record.read_text().splitlines()), key=lambda s: float(s[3]))
     assert sorted(name for name, *_ in spans) == sorted(j.name for j in jobs)
@@ -287,16 +288,20 @@ def test_jobs_share_the_devices_and_a_seed_only_once_its_cache_exists(tmp_path, 
     for name, seed, _, _, marked, end in spans:
         done = float(marked) if marked != "none" else float(end) if not name.startswith("bad") else float("inf")
         ready[seed] = min(ready.get(seed, float("inf")), done)
-    together = same_seed = 0
+    for _, _, device, b0, _, _ in spans:  # never more runs on a device than its slots
+        at_once = sum(d == device and float(a0) <= float(b0) < float(a1) for _, _, d, a0, _, a1 in spans)
+        assert at_once <= devices.count(device), spans
+    together = same_seed = same_device = 0
     for i, (_, seed_a, dev_a, _, _, a1) in enumerate(spans):
         for _, seed_b, dev_b, b0, _, _ in spans[i + 1 :]:
             if float(b0) < float(a1):  # b started while a ran
                 together += 1
-                assert dev_a != dev_b, spans
+                same_device += dev_a == dev_b
                 if seed_a == seed_b:
                     same_seed += 1
                     assert float(b0) >= ready[seed_a], spans
     assert together >= 6 and same_seed >= 1, spans  # the devices were used at once, seeds shared
+    assert (same_device > 0) == (len(set(devices)) < len(devices)), spans
     assert "bad-2: FAILED (exit 3)" in capsys.readouterr().out
 
 
@@ -330,6 +335,20 @@ def test_all_runs_every_stage_it_has_not_run(tmp_path, monkeypatch, capsys):
     assert "--no-cross" in args and "--eval" in args and args[-1] == "megatron.lr=1e-4" and jobs[0].seed == 1
     assert "[study] report: " in capsys.readouterr().out  # of the one finished run
     assert (tmp_path / "report" / "study.md").is_file()
+
+
+def test_all_puts_runs_per_gpu_runs_on_each_gpu(tmp_path, monkeypatch):
+    """``--runs-per-gpu 2``: every GPU once, then every GPU again, as the continued runs' slots;
+    0 is refused naming the flag."""
+    from megatron_mtraining.examples.study import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_data", lambda cli_, workdir, splits: None)
+    monkeypatch.setattr(schedule, "run_jobs", lambda jobs, devices, logs: ran.append(devices) or [])
+    main(["all", "--workdir", str(tmp_path), "--gpus", "0", "1", "--runs-per-gpu", "2", "--seeds", "1"])
+    assert ran == [["0"], ["0", "1", "0", "1"]]
+    with pytest.raises(SystemExit, match="--runs-per-gpu=0 is invalid; accepted: an integer >= 1"):
+        main(["all", "--workdir", str(tmp_path), "--runs-per-gpu", "0"])
 
 
 def test_archives_in_parts_round_trip(tmp_path, monkeypatch):

@@ -2,7 +2,9 @@
 side by side on the machine's GPUs.
 
 The continued runs only read the pretrained model, so they are independent; each gets one
-GPU (``CUDA_VISIBLE_DEVICES``) and its own share of the CPU threads. Runs of one seed read
+GPU (``CUDA_VISIBLE_DEVICES``) and its own share of the CPU threads. A device may be listed
+more than once (``study all --runs-per-gpu``): each listing is a slot that holds one run, so
+several small runs can share a GPU that one alone leaves mostly idle. Runs of one seed read
 the same samples, and the first of them builds Megatron's dataset index cache for that
 seed, which the others read: a run of a seed starts beside another of that seed only once
 the cache exists, when the first has logged a training iteration (or finished). A failed run
@@ -58,20 +60,21 @@ def run_jobs(
     start: Callable[[Job, str | None, int, Path], subprocess.Popen] = launch,
     poll_seconds: float = 2.0,
 ) -> list[str]:
-    """Runs ``jobs`` in order, at most one per device at a time and no two of one seed together
-    until that seed's dataset cache exists (see the module; a job whose seed is building it
-    waits, a later job of another seed may pass it); returns the names of those that failed.
-    Each job's output goes to ``logs/<name>.log``."""
+    """Runs ``jobs`` in order, at most one per slot of ``devices`` at a time (a device listed
+    twice takes two) and no two of one seed together until that seed's dataset cache exists
+    (see the module; a job whose seed is building it waits, a later job of another seed may
+    pass it); returns the names of those that failed. Each job's output goes to
+    ``logs/<name>.log``."""
     threads = max(1, (os.cpu_count() or 1) // len(devices))
-    waiting, running, failed = list(jobs), {}, []  # running: device -> (job, process, start)
+    waiting, running, failed = list(jobs), {}, []  # running: slot -> (job, process, start)
     cached = set()  # seeds whose dataset cache a run has finished building
     while waiting or running:
-        for device, (job, proc, began) in list(running.items()):
+        for slot, (job, proc, began) in list(running.items()):
             if proc.poll() is None:
                 if job.seed is not None and job.seed not in cached and _training(logs / f"{job.name}.log"):
                     cached.add(job.seed)
                 continue
-            del running[device]
+            del running[slot]
             if proc.returncode == 0 and job.seed is not None:
                 cached.add(job.seed)
             minutes = (time.monotonic() - began) / 60
@@ -80,14 +83,15 @@ def run_jobs(
             if proc.returncode != 0:
                 failed.append(job.name)
         busy = {job.seed for job, _, _ in running.values() if job.seed is not None and job.seed not in cached}
-        for device in [d for d in devices if d not in running]:
+        for slot in [i for i in range(len(devices)) if i not in running]:
             job = next((j for j in waiting if j.seed is None or j.seed not in busy), None)
             if job is None:
                 break
             waiting.remove(job)
+            device = devices[slot]
             where = "this process's devices" if device is None else f"GPU {device}"
             print(f"[study] {job.name}: started on {where}")
-            running[device] = (job, start(job, device, threads, logs / f"{job.name}.log"), time.monotonic())
+            running[slot] = (job, start(job, device, threads, logs / f"{job.name}.log"), time.monotonic())
             if job.seed is not None and job.seed not in cached:
                 busy.add(job.seed)
         if running:
