@@ -337,7 +337,7 @@ def main(argv=None) -> None:
         idle = (r.get("profile") or {}).get("idle")
         if not idle:
             continue
-        print(f"  {r['row']:<14} {idle['gaps']} gaps, {idle['gaps_ms']:.1f} ms")
+        print(f"  {r['row']:<14} {idle['events']} device events, {idle['gaps']} gaps, {idle['gaps_ms']:.1f} ms")
         for gap in idle["longest"][:5]:
             print(
                 f"    {gap['ms']:7.2f} at {gap['at_ms']:9.1f}: {gap['after']} -> {gap['before']} | {' > '.join(gap['host'])}"

@@ -79,7 +79,7 @@ def test_idle_gaps_name_the_longest_and_what_the_host_did():
     report = idle_gaps(device, host, top=1)
     # Gaps of at least MIN_GAP_MS: 3 -> 7 and 9 -> 9.5; 8 -> 8.01 is shorter.
     assert MIN_GAP_MS * 1e6 > 10_000
-    assert report["gaps"] == 2 and report["gaps_ms"] == pytest.approx(4.5)
+    assert report["gaps"] == 2 and report["gaps_ms"] == pytest.approx(4.5) and report["events"] == 5
     (longest,) = report["longest"]
     assert longest == {
         "ms": 4.0,

@@ -196,7 +196,8 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
     side and the host events that overlap it, outermost first: a runtime call such as
     ``cudaStreamSynchronize`` there is a host read; the step's own ranges alone mean the host
     was still launching (Python-bound). ``gaps_ms``: the sum over every gap of at least
-    ``MIN_GAP_MS``, so many short gaps show even when no single one stands out."""
+    ``MIN_GAP_MS``, so many short gaps show even when no single one stands out; ``events``:
+    how many device events ran (kernels, copies, fills), a launch-bound step's other sign."""
     spans = sorted(device)
     gaps = []
     end, last = None, None
@@ -213,6 +214,7 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
         return list(dict.fromkeys(n[:80] for _, _, n in over))[:HOST_NAMES]
 
     return {
+        "events": len(spans),
         "gaps_ms": round(sum(g[0] for g in gaps) / 1e6, 3),
         "gaps": len(gaps),
         "longest": [
