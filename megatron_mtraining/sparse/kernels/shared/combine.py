@@ -9,6 +9,9 @@ from its two LSEs (``merge_weights``, which the forward kernel's accumulate mode
 ring now merges inside the attention kernel) and the row is read and written once. The backward
 needs only the inputs: ``d out_i = w_i dout`` and ``d lse_i = w_i (dlse + dout . (out_i - out))``,
 with ``dout . out = w_a dout . out_a + w_b dout . out_b``.
+
+``merge_rows`` merges a partial result into named rows of a running one, in place, in one launch
+(``varlen_blocks``' forward: a slot's rows, in the order its sort left them, into row order).
 """
 
 from __future__ import annotations
