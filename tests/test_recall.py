@@ -441,3 +441,33 @@ def test_distributed_msa_recall_on_the_window_kernels(rng, monkeypatch):
     to the single-device figures in every layout, with and without documents."""
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     run(2, _check_distributed_msa_recall, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256, torch.float32)
+
+
+@pytest.mark.parametrize("positions", ["all", "some"])
+def test_block_attended_equals_the_key_lists_in_a_fixed_number_of_operations(positions, rng):
+    """A top-k index's attended keys for the recall are built for every row at once (issue 21:
+    the key lists cost a round of operations per row for wide blocks), equal to the lists'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_mtraining.sparse.index import position_lookup
+    from megatron_mtraining.sparse.metrics import _block_attended, _listed_attended
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    b, s, hs, hq, bs, topk = 2, 200, 2, 4, 16, 3
+    blocks = torch.randint(-1, -(-s // bs), (b, s, hs, topk), generator=rng).int()
+    index = BlockTopKIndex(blocks=blocks, block_size=bs, num_heads=hq)
+    rows = torch.tensor([3, 4, 5, 90, 150, 151, 199])
+    keys = None if positions == "all" else torch.cat([torch.randperm(s, generator=rng)[:120], torch.full((5,), -1)])
+    n_keys = s if keys is None else len(keys)
+    column = torch.arange(s + 1) if keys is None else position_lookup(keys, s, missing=n_keys)
+    want = _listed_attended(index, rows.tolist(), column, b, hq, len(rows), n_keys)[..., :n_keys]
+    with Ops() as ops:
+        got = _block_attended(index, rows, len(rows), keys, n_keys, hq)
+    assert torch.equal(got, want)
+    assert ops.count <= 20  # whatever the number of rows

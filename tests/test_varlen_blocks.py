@@ -9,12 +9,16 @@ same fp64 reference and against the stand-in, segment by segment.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dense_reference import TOLERANCE, assert_close_rel, check_index_attention, make_inputs
 from host_reads import HostReads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_mtraining.sparse import BlockTopKIndex, MoBAConfig, build_moba_index, sparse_attention
+from megatron_mtraining.sparse.kernels import triton_available
 from megatron_mtraining.sparse.kernels.varlen_blocks import attention as varlen_attention
 from megatron_mtraining.sparse.kernels.varlen_blocks import library
 
@@ -227,3 +231,85 @@ def test_moba_on_cuda_matches_fp64_dense(dtype, rng, library_calls, monkeypatch)
     assert library_calls == {"forward": 2, "backward": 2}
     check_index_attention(q, k, v, index, rng, TOLERANCE[dtype], grads=("out", "lse"))
     assert library_calls == {"forward": 4, "backward": 2}
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ATen operations that would launch a kernel on CUDA (views and empty
+    allocations do not), outside the library calls and the merges, which count one each (a
+    FlashAttention-2 call, one Triton launch)."""
+
+    FREE = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze",
+            "alias", "detach", "permute", "empty", "empty_like", "empty_strided", "lift_fresh", "promote_types"}  # fmt: skip
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count, self.paused = 0, False
+        for owner, name in (
+            (library.ReferenceVarlen, "forward"), (library.ReferenceVarlen, "backward"), (varlen_attention, "_merge_into")
+        ):  # fmt: skip
+            real = getattr(owner, name)
+
+            def one(*args, real=real):
+                self.paused = True
+                try:
+                    return real(*args)
+                finally:
+                    self.paused = False
+                    self.count += 1
+
+            monkeypatch.setattr(owner, name, staticmethod(one) if owner is library.ReferenceVarlen else one)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__ not in self.FREE:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Launches of a forward + backward: a fixed number, then per slot with rows the forward's gather,
+# call and merge, the backward's four gathers, call, dQ's cast and add, dK's and dV's adds.
+FIXED_LAUNCHES, SLOT_LAUNCHES = 52, 11  # measured: 52 + 11 per slot (the layout 38 of the 52)
+
+
+@pytest.mark.parametrize("topk", [2, 7, 16])
+def test_launches_grow_by_a_constant_per_slot(topk, rng, monkeypatch):
+    """The layout is a fixed number of operations whatever ``topk`` (one sort for every slot,
+    not one per slot), and each slot adds a stated number to the forward and the backward:
+    issue 21, where a 128K-token MoBA layer's GPU waited on the host between hundreds of small
+    launches."""
+    q, k, v = make_inputs(rng, (1, 512, 4, 2, 16), torch.float32, "cpu")
+    index = moba_index(q, k, 16, topk)  # 32 chunks: every slot sends rows to earlier ones
+    with _Launches(monkeypatch) as layout_ops:
+        plan = varlen_attention.layout(index, 4, 2)
+    assert len(plan.slots) == topk - 1
+    assert layout_ops.count <= 38
+    with _Launches(monkeypatch) as launches:
+        out, _ = sparse_attention(q, k, v, index, backend="varlen_blocks")
+        out.backward(torch.ones_like(out))
+    assert launches.count <= FIXED_LAUNCHES + SLOT_LAUNCHES * (topk - 1)
+
+
+@pytest.mark.skipif(
+    not triton_available() or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs Triton on CUDA or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("d", [16, 24])
+def test_the_fused_row_merge_equals_the_reference(d, rng):
+    """``merge_rows`` (the forward's merge on CUDA, one launch) against ``_merge_into``'s
+    PyTorch, rows empty on one or both sides included."""
+    from megatron_mtraining.sparse.kernels.shared.combine import merge_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, n = 50, 30
+    out = torch.randn(rows, d, generator=rng)
+    lse = torch.randn(rows, generator=rng) * 3
+    part = torch.randn(n, d, generator=rng).bfloat16()
+    part_lse = torch.randn(n, generator=rng) * 3
+    order = torch.randperm(rows, generator=rng)[:n].int()
+    lse[:5], part_lse[:3] = float("-inf"), float("-inf")
+    lse[order[:2].long()] = float("-inf")  # both sides empty
+    want_out, want_lse = out.clone(), lse.clone()
+    varlen_attention._merge_into(want_out, want_lse, part, part_lse, order)
+    got_out, got_lse = out.to(device), lse.to(device)
+    merge_rows(got_out, got_lse, part.to(device), part_lse.to(device), order.to(device))
+    torch.testing.assert_close(got_out.cpu(), want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)

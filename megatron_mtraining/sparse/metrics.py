@@ -117,10 +117,13 @@ def recall_from_parts(
     The softmax statistics are the vertical-slash window passes' (``window_parts``: one
     window per run of rows inside a document, on the Triton kernels on CUDA), whose sum
     pass also adds up the mass on the keys the index attends: no ``[B, Hq, R, keys]``
-    tensor of probabilities is made."""
+    tensor of probabilities is made. The keys a top-k index attends are marked for every row at
+    once from its chosen blocks (``_block_attended``); the other types' from their key lists, a
+    run of rows inside an index chunk at a time."""
     bsz, n_rows, hq, _ = q_rows.shape
     seq = index.seq_len
     n_keys = k.shape[1]
+    row_positions = rows
     rows = range(seq - n_rows, seq) if rows is None else rows.tolist()
     if key_positions is None:
         column = torch.arange(seq + 1, device=k.device)  # position -> column; seq (padding) -> n_keys
@@ -130,8 +133,43 @@ def recall_from_parts(
     windows = ObservationWindows.of_rows(rows, doc_bounds, seq, host_positions)
     parts = window_parts(q_rows, k, key_positions, windows, scale, block_size=1)  # (the mass passes' only)
     row_max = all_reduce_max(parts.row_max())  # every row sees its document's start on one holder: finite
-    # Which keys the index attends, per row slot and local key.
-    attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=k.device)
+    if isinstance(index, BlockTopKIndex):
+        attended = _block_attended(index, row_positions, n_rows, key_positions, n_keys, hq)
+    else:
+        attended = _listed_attended(index, rows, column, bsz, hq, n_rows, n_keys)[..., :n_keys]
+    total, kept = all_reduce_sum(torch.stack(parts.kept_sums(row_max, attended)))
+    share = kept / total  # [M, B, Hq, longest window]: each window's rows, in the rows' order
+    return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).mean(-1).float()
+
+
+def _block_attended(
+    index: BlockTopKIndex, rows: torch.Tensor | None, n_rows: int, key_positions, n_keys: int, hq: int
+) -> torch.Tensor:
+    """Which local keys a top-k index attends, bool ``[B, Hq, R, n_keys]`` (row slot, local
+    key), for every row at once: the rows' chosen blocks as a block mask, read at each key's
+    block. A fixed number of operations, where the key lists cost a round per index chunk of
+    rows (one row a round for wide blocks: issue 21). ``rows``: host positions (pinned in
+    training, copied without a wait), None: the last ``n_rows``."""
+    seq, bs, dev = index.seq_len, index.block_size, index.blocks.device
+    n_blocks = -(-seq // bs)
+    if rows is None:
+        chosen = index.blocks[:, seq - n_rows :]
+    else:
+        chosen = index.blocks.index_select(1, rows.to(dev, non_blocking=True))
+    chosen = chosen.permute(0, 2, 1, 3).long()  # [B, Hs, R, k]
+    # Two spare columns: -1 (no block) marks the first, padding keys (position -1) read the second.
+    mask = torch.zeros(*chosen.shape[:3], n_blocks + 2, dtype=torch.bool, device=dev)
+    mask.scatter_(-1, torch.where(chosen >= 0, chosen, n_blocks), True)
+    positions = torch.arange(n_keys, device=dev) if key_positions is None else key_positions.long()
+    key_block = torch.where(positions >= 0, positions // bs, n_blocks + 1)
+    return mask.repeat_interleave(hq // mask.shape[1], dim=1).index_select(-1, key_block)
+
+
+def _listed_attended(index: SparseIndex, rows, column, bsz: int, hq: int, n_rows: int, n_keys: int) -> torch.Tensor:
+    """Which local keys ``index`` attends, bool ``[B, Hq, R, n_keys + 1]`` (the last column
+    takes keys absent here), from its key lists, a run of rows inside an index chunk at a time."""
+    seq = index.seq_len
+    attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=column.device)
     chunk, lists = index.query_chunk, {}
     for slot, first, end in _runs(rows, chunk):
         q0 = first // chunk * chunk
@@ -142,9 +180,7 @@ def recall_from_parts(
         keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)
         keys = column[torch.where(keys >= 0, keys, seq).long()]
         attended[:, :, slot : slot + end - first].scatter_(-1, keys, True)
-    total, kept = all_reduce_sum(torch.stack(parts.kept_sums(row_max, attended[..., :n_keys])))
-    share = kept / total  # [M, B, Hq, longest window]: each window's rows, in the rows' order
-    return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).mean(-1).float()
+    return attended
 
 
 def _runs(rows, chunk: int) -> list[list[int]]:

@@ -9,6 +9,9 @@ from its two LSEs (``merge_weights``, which the forward kernel's accumulate mode
 ring now merges inside the attention kernel) and the row is read and written once. The backward
 needs only the inputs: ``d out_i = w_i dout`` and ``d lse_i = w_i (dlse + dout . (out_i - out))``,
 with ``dout . out = w_a dout . out_a + w_b dout . out_b``.
+
+``merge_rows`` merges a partial result into named rows of a running one, in place, in one launch
+(``varlen_blocks``' forward: a slot's rows, in the order its sort left them, into row order).
 """
 
 from __future__ import annotations
@@ -114,3 +117,33 @@ class FusedCombine(torch.autograd.Function):
         grads = (torch.empty_like(out_a), torch.empty_like(lse_a), torch.empty_like(out_b), torch.empty_like(lse_b))
         _launch(_combine_bwd, out_a, out_a, lse_a, out_b, lse_b, dout, dlse, *grads)
         return grads[0], grads[1], grads[2], grads[3]
+
+
+@triton.jit
+def _merge_rows(OUT, LSE, PART, PART_LSE, ORDER, N, D, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = i < N
+    r = tl.load(ORDER + i, mask=ok, other=0).to(tl.int64)
+    la = tl.load(LSE + r, mask=ok, other=float("-inf")).to(tl.float32)
+    lb = tl.load(PART_LSE + i, mask=ok, other=float("-inf")).to(tl.float32)
+    wa, wb, lse = merge_weights(la, lb)
+    d = tl.arange(0, D_PAD)
+    ok2 = ok[:, None] & (d < D)[None, :]
+    to = r[:, None] * D + d[None, :]
+    oa = tl.load(OUT + to, mask=ok2, other=0.0).to(tl.float32)
+    ob = tl.load(PART + i.to(tl.int64)[:, None] * D + d[None, :], mask=ok2, other=0.0).to(tl.float32)
+    tl.store(OUT + to, (wa[:, None] * oa + wb[:, None] * ob).to(OUT.dtype.element_ty), mask=ok2)
+    tl.store(LSE + r, lse.to(LSE.dtype.element_ty), mask=ok)
+
+
+def merge_rows(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor, order: torch.Tensor):
+    """Merges, in place and in one launch, a partial result over other keys into some rows of a
+    running one: row ``order[i]`` of ``out [rows, D]`` / ``lse [rows]`` (fp32 LSE) takes
+    ``part [n, D]`` / ``part_lse [n]`` row ``i``. ``order`` (int32 or int64, ``[n]``) names
+    each row at most once, so no two programs write one row. No autograd: the caller's own
+    backward takes the merged result."""
+    n, d = part.shape
+    if n:
+        _merge_rows[(triton.cdiv(n, ROWS),)](
+            out, lse, part, part_lse, order, n, d, ROWS=ROWS, D_PAD=triton.next_power_of_2(d)
+        )

@@ -12,20 +12,28 @@ chose. So the work is, with no row computed against a block it did not choose:
   share their KV head's segments, so K and V are laid out KV-head-major (a block's keys one
   contiguous run, one head) and nothing is repeated per query head.
 
-A row appears at most once per slot, so one call's partial results go back to row order by a
-gather (the inverse of the sort) and merge into the running result by their LSEs; nothing is
-scattered and nothing is added by atomics. A call per slot, rather than one for all, gathers at
-most one copy of q at a time, where all slots at once would gather ``topk - 1`` copies.
+A row appears at most once per slot, so one call's partial results merge by their LSEs straight
+into the rows the sort names (``order``), in place in the running result (kept in row order,
+``[B*S*Hq, D]`` and ``[B*S*Hq]``): on CUDA one Triton launch per slot reads the partial rows,
+the running rows they name, and writes the merge back; no row is written twice, so nothing is
+added by atomics and no inverse permutation is built. A call per slot, rather than one for all,
+gathers at most one copy of q at a time, where all slots at once would gather ``topk - 1``
+copies.
 
 The backward runs each piece's library backward with its rows' *merged* output and LSE: then
 ``P = exp(s - lse)`` and ``rowsum(dO * O)`` make each piece's gradients exactly its share of
-the whole attention's, with no gradient through the pieces' own LSEs. dQ sums the pieces by
-gathers in row order, dK / dV the slots' per-block results, both in fp32. A gradient through the
-returned LSE has no input in the library's backward (it computes ``rowsum(dO * O)`` itself), so
-such a backward runs where the softmax gradient takes it: the block-bar Triton kernels on CUDA,
-the PyTorch reference elsewhere.
+the whole attention's, with no gradient through the pieces' own LSEs. dQ adds each slot's rows
+into row order (``index_add_``, each row once a slot), dK / dV the slots' per-block results,
+both in fp32 sums begun with the diagonal's. A gradient through the returned LSE has no input in
+the library's backward (it computes ``rowsum(dO * O)`` itself), so such a backward runs where
+the softmax gradient takes it: the block-bar Triton kernels on CUDA, the PyTorch reference
+elsewhere.
 
-The sort's layout is built on the device; the per-slot row counts and largest segments (the
+Every launch of the layer is a cost of its own: at 128K tokens the GPU waited on the host between
+the small ones (issue 21). So the layout (``layout``) is built for all slots at once on the
+device, in a fixed number of operations whatever ``topk`` (one sort per ``SORT_ENTRIES`` keys),
+and a slot costs the forward one gather, the library call and one merge, the backward four
+gathers, the library call and four adds. The per-slot row counts and largest segments (the
 library's ``max_q``) are read on the host once per forward.
 """
 
@@ -45,6 +53,10 @@ REQUIREMENTS = (
     "a BlockTopKIndex without packed documents; on CUDA, fp16/bf16 inputs whose head dim is a multiple of 8 up "
     "to 256 on sm80 or later, with PyTorch's FlashAttention-2 ops (on a CPU a PyTorch stand-in runs the calls)"
 )
+# Sort keys per ``torch.sort`` in ``layout``: every slot of a 128K-token, 16-head layer's (2M rows
+# a slot) in two sorts, with the sort's temporaries (int32 keys, int64 indices, their copies)
+# bounded near 400 MiB whatever the length.
+SORT_ENTRIES = 1 << 24
 
 
 def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
@@ -62,8 +74,6 @@ class _Slot:
     """The rows one selection slot sends to earlier blocks, as one varlen call takes them."""
 
     order: torch.Tensor  # [rows] int32: the row (in q's [B, S, Hq] order) of each gathered row
-    back: torch.Tensor  # [B*S*Hq] int32: each row's gathered row (clamped where it has none)
-    present: torch.Tensor  # [B*S*Hq] bool: whether the row is in this slot's call
     cu_q: torch.Tensor  # [segments + 1] int32
     max_q: int
 
@@ -77,65 +87,92 @@ class Layout:
     key_cu: torch.Tensor
     block_len: int  # the longest segment of keys (and of diagonal rows)
     slots: list[_Slot]
-    own: torch.Tensor | None  # [B, S, Hq] bool whether each row chose its own block; None: all did
+    own: torch.Tensor | None  # [B*S*Hq] bool whether each row chose its own block; None: all did
 
 
 def layout(index: BlockTopKIndex, hq: int, hkv: int) -> Layout:
     """The calls of ``index`` for ``hq`` query heads reading ``hkv`` KV heads. A chosen block
-    after the row's own (which no builder chooses) is invisible and skipped, as are -1."""
+    after the row's own (which no builder chooses) is invisible and skipped, as are -1.
+
+    Every slot is laid out by the same few operations, not a round of them per slot: each row's
+    sort key is its segment offset by ``slot * (segments + 1)`` (rows of no earlier block take
+    the slot's last key, past its segments), so one stable sort of up to ``SORT_ENTRIES`` keys
+    orders several slots at once, each slot's rows one contiguous run in its own order, and one
+    ``searchsorted`` cuts every slot's segments."""
     blocks = index.blocks
     b, s, hs, topk = blocks.shape
     bs, dev = index.block_size, blocks.device
     n = -(-s // bs)
-    starts = torch.arange(n, device=dev) * bs
-    diagonal_cu = _bounds(torch.arange(b, device=dev).view(-1, 1) * s + starts, b * s)
-    key_cu = _bounds(torch.arange(b * hkv, device=dev).view(-1, 1) * s + starts, b * hkv * s)
-    own_block = (torch.arange(s, device=dev) // bs).view(1, s, 1)
-    kv_head = torch.arange(hq, device=dev) // (hq // hkv)
-    segment_base = (torch.arange(b, device=dev).view(b, 1, 1) * hkv + kv_head.view(1, 1, hq)) * n
     segments = b * hkv * n
-    bounds = torch.arange(segments + 1, device=dev)
-    rows = torch.arange(b * s * hq, device=dev)
-    sorts, stats = [], []
-    for j in range(topk):
-        chosen = blocks[..., j].repeat_interleave(hq // hs, dim=2).long()
-        earlier = (chosen >= 0) & (chosen < own_block)
-        # Rows of no earlier block sort last, past every segment.
-        key = torch.where(earlier, segment_base + chosen, segments).flatten()
-        sorted_key, order = torch.sort(key, stable=True)
-        cu = torch.searchsorted(sorted_key, bounds, out_int32=True)
-        sorts.append((order, cu))
-        stats += [(cu[1:] - cu[:-1]).max().long(), cu[-1].long()]
-    own = (blocks == own_block.unsqueeze(-1)).any(-1).repeat_interleave(hq // hs, dim=2)
-    host = torch.stack([*stats, own.all().long()]).tolist()  # the one read on the host
-    slots = []
-    for (order, cu), max_q, count in zip(sorts, host[0:-1:2], host[1:-1:2], strict=True):
-        if count == 0:
-            continue
-        inverse = torch.empty_like(order)
-        inverse[order] = rows  # a permutation: each element written once
-        slots.append(_Slot(order[:count].int(), inverse.clamp(max=count - 1).int(), inverse < count, cu, max_q))
-    return Layout(diagonal_cu, key_cu, min(bs, s), slots, None if host[-1] else own)
+    rows = b * s * hq
+    # Key segment i (a KV head's block, KV-head-major) starts at (i // n) * s + (i % n) * bs; the
+    # first b * n + 1 bounds are also the diagonal's over the token rows.
+    bound = torch.arange(segments + 1, device=dev)
+    key_cu = ((bound // n) * s + (bound % n) * bs).int()
+    # [topk, B, S, Hs, Hq / Hs]: slot-major, so that each slot's keys are one contiguous run.
+    chosen = blocks.permute(3, 0, 1, 2).unsqueeze(-1)
+    own_block = torch.arange(s, device=dev, dtype=blocks.dtype).view(1, 1, s, 1, 1) // bs
+    kv_head = torch.arange(hq, device=dev, dtype=blocks.dtype) // (hq // hkv)
+    base = (torch.arange(b, device=dev, dtype=blocks.dtype).view(b, 1) * hkv + kv_head) * n
+    slot_base = torch.arange(topk, device=dev, dtype=blocks.dtype).view(-1, 1, 1, 1, 1) * (segments + 1)
+    earlier = (chosen >= 0) & (chosen < own_block)
+    key = torch.empty(topk, rows, device=dev, dtype=blocks.dtype)  # slot-major: written so, not copied
+    torch.where(
+        earlier,
+        chosen + (base.view(1, b, 1, hs, -1) + slot_base),
+        slot_base + segments,
+        out=key.view(topk, b, s, hs, -1),
+    )
+    per_sort = max(1, SORT_ENTRIES // rows)
+    offsets = torch.arange(min(per_sort, topk), device=dev, dtype=torch.int32).view(-1, 1) * rows
+    orders, cus = [], []
+    for j0 in range(0, topk, per_sort):
+        j1 = min(j0 + per_sort, topk)
+        sorted_key, order = torch.sort(key[j0:j1].flatten(), stable=True)
+        bounds = torch.arange(j0 * (segments + 1), j1 * (segments + 1), device=dev, dtype=key.dtype)
+        # Positions in the sorted run of slots j0..j1-1 less each slot's start: its own.
+        cu = torch.searchsorted(sorted_key, bounds, out_int32=True).view(j1 - j0, -1) - offsets[: j1 - j0]
+        orders.append(order.int().view(j1 - j0, rows) - offsets[: j1 - j0])
+        cus.append(cu)
+    order = orders[0] if len(orders) == 1 else torch.cat(orders)
+    cu = cus[0] if len(cus) == 1 else torch.cat(cus)  # [topk, segments + 1]
+    own = (blocks == own_block.view(1, s, 1, 1)).any(-1)  # [B, S, Hs]
+    longest = (cu[:, 1:] - cu[:, :-1]).amax(1)
+    host = torch.cat([longest, cu[:, -1], own.all().view(1)]).tolist()  # the one read on the host
+    slots = [
+        _Slot(order[j, :count], cu[j], max_q)
+        for j, (max_q, count) in enumerate(zip(host[:topk], host[topk:-1], strict=True))
+        if count
+    ]
+    own = None if host[-1] else own.repeat_interleave(hq // hs, dim=2).flatten()
+    return Layout(key_cu[: b * n + 1], key_cu, min(bs, s), slots, own)
 
 
-def _bounds(starts: torch.Tensor, total: int) -> torch.Tensor:
-    """int32 ``[starts..., total]``."""
-    return torch.cat([starts.flatten(), starts.new_tensor([total])]).int()
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor, order):
+    """Merges the partial result ``part [n, D]`` / ``part_lse [n]`` over disjoint keys into rows
+    ``order`` of the running ``out [rows, D]`` / ``lse [rows]``, in place, by their LSEs."""
+    if out.is_cuda and triton_available():
+        from ..shared.combine import merge_rows  # imports Triton
 
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Two partial results over disjoint keys merged by their LSEs (``[B, S, H, D]``,
-    ``[B, H, S]``), in ``out_a``'s dtype."""
-    if out_a.is_cuda and triton_available():
-        from ..shared.combine import FusedCombine  # imports Triton
-
-        return FusedCombine.apply(out_a, lse_a.float(), out_b, lse_b.float())
-    return combine(out_a, lse_a, out_b, lse_b)
+        merge_rows(out, lse, part, part_lse, order)
+        return
+    rows, d = order.long(), out.shape[-1]
+    merged, merged_lse = combine(
+        out[rows].view(1, -1, 1, d), lse[rows].view(1, 1, -1), part.view(1, -1, 1, d), part_lse.view(1, 1, -1)
+    )
+    out[rows] = merged.view(-1, d).to(out.dtype)
+    lse[rows] = merged_lse.view(-1).to(lse.dtype)
 
 
 def _kv_major(x: torch.Tensor) -> torch.Tensor:
     """``[B, S, Hkv, D]`` -> ``[B*Hkv*S, 1, D]``: each KV head's keys one run, as ``key_cu`` cuts them."""
     return x.transpose(1, 2).reshape(-1, 1, x.shape[-1])
+
+
+def _transposed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [B, S1, S2, D]`` as a contiguous ``[B, S2, S1, D]`` of ``dtype``, in one copy."""
+    b, s1, s2, d = x.shape
+    return torch.empty(b, s2, s1, d, dtype=dtype, device=x.device).copy_(x.transpose(1, 2))
 
 
 class VarlenBlockAttention(torch.autograd.Function):
@@ -153,63 +190,62 @@ class VarlenBlockAttention(torch.autograd.Function):
         diagonal, lse = calls.forward(
             q.view(b * s, hq, d), k.view(b * s, hkv, d), v.view(b * s, hkv, d), cu, cu, length, length, True, scale
         )
-        out = diagonal.view(b, s, hq, d).to(compute_dtype(q.dtype))
-        lse = lse.view(hq, b, s).transpose(0, 1)
+        # The running result in q's row order: [B*S*Hq, D] and [B*S*Hq].
+        out = diagonal.view(-1, d).to(compute_dtype(q.dtype))
+        lse = lse.t().reshape(-1)
         if plan.own is not None:  # rows that did not choose their own block take nothing from it
-            out = out.masked_fill(~plan.own.unsqueeze(-1), 0)
-            lse = lse.masked_fill(~plan.own.transpose(1, 2), float("-inf"))
+            out.masked_fill_(~plan.own.unsqueeze(-1), 0)
+            lse.masked_fill_(~plan.own, float("-inf"))
         k_major, v_major = _kv_major(k), _kv_major(v)
         q_rows = q.view(-1, d)
         for slot in plan.slots:
             segments = (slot.cu_q, plan.key_cu, slot.max_q, length, False, scale)
             part, part_lse = calls.forward(q_rows[slot.order].unsqueeze(1), k_major, v_major, *segments)
-            part = part.view(-1, d)[slot.back].view(b, s, hq, d)
-            part_lse = torch.where(slot.present, part_lse.view(-1)[slot.back], float("-inf"))
-            out, lse = _merge(out, lse, part, part_lse.view(b, s, hq).transpose(1, 2))
-        out = out.to(q.dtype).contiguous()
+            _merge_into(out, lse, part.view(-1, d), part_lse.view(-1), slot.order)
+        out = out.view(b, s, hq, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.plan, ctx.scale = index, plan, scale
         ctx.set_materialize_grads(False)
-        return out, lse.float()
+        return out, _transposed(lse.view(b, s, hq, 1), torch.float32).view(b, hq, s)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors  # lse: [B*S*Hq], q's row order
+        b, s, hq, d = q.shape
+        hkv = k.shape[2]
         if dout is None:  # only the LSE reached the loss
             dout = torch.zeros_like(out)
         if dlse is not None:
+            lse = lse.view(b, s, hq).transpose(1, 2).contiguous()
             return *_with_lse_gradient(q, k, v, ctx.index, ctx.scale, out, lse, dout, dlse), None, None
         calls, plan, scale = varlen.library(q), ctx.plan, ctx.scale
-        b, s, hq, d = q.shape
-        hkv = k.shape[2]
         dout = dout.to(q.dtype).contiguous()
         cu, length = plan.diagonal_cu, plan.block_len
-        diagonal_lse = lse.transpose(0, 1)
+        diagonal_lse = lse
         if plan.own is not None:  # an LSE of +inf gives those rows no probability in their block
-            diagonal_lse = diagonal_lse.masked_fill(~plan.own.permute(2, 0, 1), float("inf"))
+            diagonal_lse = diagonal_lse.masked_fill(~plan.own, float("inf"))
         dq, dk, dv = calls.backward(
             dout.view(b * s, hq, d), q.view(b * s, hq, d), k.view(b * s, hkv, d), v.view(b * s, hkv, d),
-            out.view(b * s, hq, d), diagonal_lse.reshape(hq, b * s).contiguous(), cu, cu, length, length, True, scale,
+            out.view(b * s, hq, d), diagonal_lse.view(b * s, hq).t().contiguous(), cu, cu, length, length, True,
+            scale,
         )  # fmt: skip
+        # The sums in fp32, begun with the diagonal's: dQ in row order, dK / dV KV-head-major.
         dt = compute_dtype(q.dtype)
         dq = dq.view(-1, d).to(dt)
+        dk_major, dv_major = (_transposed(t.view(b, s, hkv, d), dt).view(-1, 1, d) for t in (dk, dv))
         k_major, v_major = _kv_major(k), _kv_major(v)
-        dk_major = torch.zeros(k_major.shape, dtype=dt, device=k.device)
-        dv_major = torch.zeros(v_major.shape, dtype=dt, device=v.device)
         dout_rows, q_rows, out_rows = dout.view(-1, d), q.view(-1, d), out.view(-1, d)
-        lse_rows = lse.transpose(1, 2).reshape(-1)
         for slot in plan.slots:
             g = slot.order
             dq_part, dk_part, dv_part = calls.backward(
                 dout_rows[g].unsqueeze(1), q_rows[g].unsqueeze(1), k_major, v_major, out_rows[g].unsqueeze(1),
-                lse_rows[g].unsqueeze(0).contiguous(), slot.cu_q, plan.key_cu, slot.max_q, length, False, scale,
+                lse[g].unsqueeze(0), slot.cu_q, plan.key_cu, slot.max_q, length, False, scale,
             )  # fmt: skip
-            dq += torch.where(slot.present.unsqueeze(-1), dq_part.view(-1, d)[slot.back], 0)
+            dq.index_add_(0, g, dq_part.view(-1, d).to(dt))  # each row once: nothing added twice
             dk_major += dk_part
             dv_major += dv_part
-        dk = dk.view(b, s, hkv, d).to(dt) + dk_major.view(b, hkv, s, d).transpose(1, 2)
-        dv = dv.view(b, s, hkv, d).to(dt) + dv_major.view(b, hkv, s, d).transpose(1, 2)
-        return dq.view(b, s, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dk, dv = (_transposed(t.view(b, hkv, s, d), k.dtype) for t in (dk_major, dv_major))
+        return dq.view(b, s, hq, d).to(q.dtype), dk, dv, None, None
 
 
 def _with_lse_gradient(q, k, v, index, scale, out, lse, dout, dlse):
