@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled ahead of time for A100 (sm80) and H100/H200 (sm90),
 with no GPU: shared memory, registers and spills of every launch, and whether each fits.
 
-    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer window]
+    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer window combine]
                                       [--arch 80 90]
                                       [--launch NAME ...] [--index NAME ...] [--documents]
                                       [--kv-configs "bwd:64,128,8,1,8"] [--dtype bf16|fp16|fp32]
@@ -26,7 +26,10 @@ as Triton's launcher specialises it:
 * ``window``: the window-statistics passes (``index_build.window_stats``) of the
   vertical-slash build and of the recalls: row maxima and normalisers, the index recall's
   kept sums (on 64-key tiles: with the marks tile, 128 keys spill on sm80), MSA's block
-  sums, the mass pass and its pooling.
+  sums, the mass pass and its pooling;
+* ``combine``: the LSE merges of partial results (``kernels.shared.combine``): the two-way
+  merge forward and backward (the ring's and the varlen path's) and the varlen path's in-place
+  merge into named rows (``merge_rows``), a running fp32 result taking bf16/fp16 parts.
 
 ``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
 the KV-outer orders take none). Printed per launch and target: shared memory, registers,
@@ -73,13 +76,14 @@ from megatron_mtraining.sparse.kernels.index_build import window_stats
 from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
 from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
+from megatron_mtraining.sparse.kernels.shared import combine
 from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 
 # Largest dynamic shared memory a block may opt in to (CUDA programming guide, compute
 # capabilities 8.0 and 9.0).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window")
+FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window", "combine")
 KV_OUTER_FAMILIES = ("kl-kv-outer", "kv-outer", "msa-kv-outer")  # no documents
 
 
@@ -248,6 +252,33 @@ def _window(c: _Case, index) -> list:
     ]
 
 
+class _Context:
+    """What ``FusedCombine``'s forward and backward use of an autograd context."""
+
+    def __init__(self, *saved):
+        self.saved_tensors = saved
+
+    def save_for_backward(self, *saved):
+        self.saved_tensors = saved
+
+
+def _combine(c: _Case, index) -> list:
+    """The merges as the varlen path runs them: a running fp32 result (``[B, S, H, D]``, LSE
+    ``[B, H, S]``) and a part in the case's dtype; ``merge_rows`` on half the rows."""
+    b, s, h, d = c.q.shape
+    out, lse = torch.zeros(b, s, h, d), torch.zeros(b, h, s)
+    part = c.q.new_zeros(b, s, h, d)
+    saved = (out, lse, part, lse)
+    rows = b * s * h
+    order = torch.arange(0, rows, 2, dtype=torch.int32)
+    return [
+        ("combine", lambda: combine.FusedCombine.forward(_Context(), *saved)),
+        ("combine-bwd", lambda: combine.FusedCombine.backward(_Context(*saved), out, lse)),
+        ("merge_rows", lambda: combine.merge_rows(out.view(rows, d), lse.view(rows), part.view(rows, d)[: len(order)],
+                                                  lse.view(rows)[: len(order)], order)),
+    ]  # fmt: skip
+
+
 # Per family: its entry points on an index, the indexes it serves, and the kernels it may
 # launch (module, names: a kernel, or a module of kernels).
 _FAMILIES = {
@@ -269,6 +300,7 @@ _FAMILIES = {
         [(kv_outer, ("kernels",)), (kv_loss, ("_kl_lse_kernel", "_kl_bwd_kernel", "_kl_dq_kernel", "kv_kernels"))],
     ),
     "window": (_window, ("dense",), [(window_stats, ("_row_stats_kernel", "_mass_kernel", "_pool_kernel"))]),
+    "combine": (_combine, ("dense",), [(combine, ("_combine_fwd", "_combine_bwd", "_merge_rows"))]),
 }
 
 
