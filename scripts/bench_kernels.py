@@ -27,8 +27,11 @@ Rows:
   KV-outer kernels) and, for comparison, through the union-of-tiles kernels with the share
   of their computed tile area that is useful; for MSA also the KV-outer path's peak memory
   and backward kernel times; for MoBA also the varlen library path (``varlen_blocks``, which
-  ``auto`` gives it on CUDA), its output, LSE and gradients first checked against the union of
-  tiles, then timed, with its peak memory and backward kernel times. ``--patterns moba`` runs
+  ``auto`` gives it on CUDA) on each library, PyTorch's FlashAttention-2 (``varlen blocks``)
+  and, where it serves the inputs (sm90, cudnn-frontend installed), cuDNN's ragged attention
+  (``varlen blocks, cuDNN``): its output, LSE and gradients first checked against the union of
+  tiles, then timed; then peak memory and backward kernel times on the library ``auto`` picks
+  (``varlen_blocks.library.choice``, printed). ``--patterns moba`` runs
   the MoBA rows and the cuDNN dense row alone, e.g. on an H200::
 
       python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 524288 --patterns moba
@@ -173,15 +176,41 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"
 
 
 def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
-    """A top-k index on the varlen library (``kernels/varlen_blocks``), called directly: its
-    output, LSE and dq / dk / dv of one random output gradient checked first against the union
-    of tiles (the Triton path MoBA took at 128K before), relative to each tensor's largest entry
-    (bf16's tolerance of the tests for the values, 1e-3 for the fp32 LSE); then timed, with its
-    forward's kernels, its peak memory and its backward's kernels."""
+    """A top-k index on the varlen library path (``kernels/varlen_blocks``) on each library
+    (``varlen_library_rows``): FlashAttention-2 (the ``varlen blocks`` row, as measured before
+    cuDNN's was added), then cuDNN's ragged attention where it serves the inputs; then its peak
+    memory and backward kernels on the library ``auto`` picks."""
+    from megatron_mtraining.sparse.kernels.varlen_blocks import cudnn_library, library
+
+    for setting, label in (("flash", "varlen blocks"), ("cudnn", "varlen blocks, cuDNN")):
+        why_not = cudnn_library.unsupported(q) if setting == "cudnn" else None
+        if why_not is not None:
+            print(f"    ours {pattern} ({label}) skipped: {why_not}")
+            continue
+        with mock.patch.dict(os.environ, {library.LIBRARY_ENV: setting}):
+            if not varlen_library_rows(seq, q, k, v, index, rows, cudnn, rep, pattern, area, label):
+                return
+        if setting == "cudnn" and cudnn_library.DECLINED:  # those calls ran on FlashAttention-2
+            print(f"    cuDNN declined graphs (run on FlashAttention-2): {cudnn_library.DECLINED}")
+            rows[-1]["cudnn_declined"] = [f"{key}: {why}" for key, why in cudnn_library.DECLINED.items()]
+    print(f"    {pattern} (varlen blocks) memory and backward kernels on {library.choice(q)[1]}")
+    for what in (memory, kernel_times):
+        try:
+            what(q, k, v, index, seq, extra, f"{pattern} (varlen blocks)", backend="varlen_blocks")
+        except Exception as e:
+            print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
+
+
+def varlen_library_rows(seq, q, k, v, index, rows, cudnn, rep, pattern, area, label) -> bool:
+    """A top-k index on the varlen library path, called directly on the library
+    ``MTRAINING_VARLEN_LIBRARY`` names: its output, LSE and dq / dk / dv of one random output
+    gradient checked first against the union of tiles (the Triton path MoBA took at 128K
+    before), relative to each tensor's largest entry (bf16's tolerance of the tests for the
+    values, 1e-3 for the fp32 LSE); then timed, with its forward's kernels. Whether it ran."""
     from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
     from megatron_mtraining.sparse.kernels.varlen_blocks.attention import VarlenBlockAttention
 
-    name, scale = f"ours {pattern} (varlen blocks)", D**-0.5
+    name, scale = f"ours {pattern} ({label})", D**-0.5
     grad = torch.randn(q.shape, device=q.device, dtype=q.dtype)
     check = {}
     for key, fn in (("varlen", VarlenBlockAttention.apply), ("union", TritonBlockBarAttention.apply)):
@@ -199,19 +228,15 @@ def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
     if wrong:
         print(f"{name:<34} FAILED: differs from the union of tiles: {wrong}", flush=True)
         rows.append({"kernel": name, "error": f"differs from the union of tiles: {wrong}"})
-        return
+        return False
     run = lambda a, b, c: VarlenBlockAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
     measure(name, lambda: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn), rows)
     if "error" in rows[-1]:
-        return
+        return False
     rows[-1]["error_vs_union"] = errors
     # Where the forward's time goes: the library's kernels against the layout's sorts, gathers and merges.
     rows[-1]["fwd_kernel_ms"] = profile_kernels(lambda: run(q, k, v), f"{name} forward, GPU time per kernel")
-    for what in (memory, kernel_times):
-        try:
-            what(q, k, v, index, seq, extra, f"{pattern} (varlen blocks)", backend="varlen_blocks")
-        except Exception as e:
-            print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
+    return True
 
 
 def flex_block_mask(index: VerticalSlashIndex, with_bars: bool):

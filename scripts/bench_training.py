@@ -15,7 +15,7 @@ Rows (``--rows``):
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   moba-triton   MoBA on the plugin's Triton kernels (``backend=triton``), the path ``moba`` takes
                 under context parallelism and with packed documents (``moba`` on one GPU runs
-                PyTorch's FlashAttention-2 varlen calls)
+                the varlen calls on the library ``auto`` picks: cuDNN's on sm90, else FlashAttention-2)
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
   msa-kl-shared ``msa`` with the KL's teacher taken from the attention's backward
                 (``MTRAINING_KL_TEACHER=shared``), not recomputed by the KL's own kernels

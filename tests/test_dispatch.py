@@ -83,13 +83,23 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     deterministic mode and packed documents keep the plugin's kernels, and a wide-block decision
     says why it is not the library's. Forcing ``varlen_blocks`` where it cannot run fails."""
     from megatron_mtraining.sparse.documents import packed_documents
-    from megatron_mtraining.sparse.kernels.varlen_blocks import library
+    from megatron_mtraining.sparse.kernels.varlen_blocks import cudnn_library, library
 
+    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
     monkeypatch.setattr(library, "unsupported", lambda q: None)  # stands for a GPU it serves
+    monkeypatch.setattr(cudnn_library, "unsupported", lambda q: None)  # an sm90 with cudnn-frontend
     q, seq = cuda_q(seq=65536), 65536
     moba = topk(seq, 4, 4096)  # a quarter of the keys: the union of tiles otherwise
     decision = dispatch.attention_kernel(q, moba)
     assert decision.kernel == "varlen_blocks" and "4096-token blocks" in decision.reason
+    assert "on cuDNN's ragged attention (cudnn-frontend)" in decision.reason
+    monkeypatch.setattr(
+        cudnn_library, "unsupported", lambda q: "got a GPU of compute capability (8, 0), used on sm90 only"
+    )
+    on_flash = dispatch.attention_kernel(q, moba).reason
+    assert (
+        "on PyTorch's FlashAttention-2 varlen kernels (not cuDNN's: got a GPU of compute capability (8, 0)" in on_flash
+    )
     assert dispatch.attention_kernel(q, moba, "varlen_blocks") == dispatch.Decision("varlen_blocks", "forced")
     narrow = dispatch.attention_kernel(q, topk(seq, 4, dispatch.VARLEN_MIN_BLOCK // 2))
     assert narrow.kernel == "kv_outer" and "varlen" not in narrow.reason

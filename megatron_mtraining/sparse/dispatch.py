@@ -8,11 +8,13 @@ An attention call goes to one of :data:`KERNELS`:
   documents: these libraries take no index, no key positions, no document bounds and no
   running result. Not ``sdpa`` under torch's deterministic
   mode (Megatron's ``deterministic_mode``): its backward is not bitwise reproducible.
-* ``varlen_blocks``: a top-k index of wide blocks (MoBA's chunks) a key block at a time on
-  PyTorch's FlashAttention-2 varlen kernels (``kernels/varlen_blocks``; sm80 and sm90): each
-  block's own rows causally, then per selection slot the rows that chose each earlier block
-  against its keys, merged by LSE (:func:`varlen_blocks_preferred`). Not under torch's
-  deterministic mode, and not with packed documents.
+* ``varlen_blocks``: a top-k index of wide blocks (MoBA's chunks) a key block at a time on a
+  varlen attention library (``kernels/varlen_blocks``): each block's own rows causally, then per
+  selection slot the rows that chose each earlier block against its keys, merged by LSE
+  (:func:`varlen_blocks_preferred`). Not under torch's deterministic mode, and not with packed
+  documents. The library is ``varlen_blocks.library.choice``'s, named in the reason: cuDNN's
+  ragged attention (cudnn-frontend) on sm90 where it serves the call, else PyTorch's
+  FlashAttention-2 (sm80 and sm90); ``MTRAINING_VARLEN_LIBRARY`` overrides it.
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
   queries select a small share of the keys (:func:`kv_outer_preferred`), without packed
   documents (they take no document bounds; ``block_bar`` masks rows by their document start).
@@ -51,6 +53,7 @@ from .kernels import triton_available
 from .kernels.block_bar.tables import SERVED_INDEXES
 from .kernels.dense_backends import flash_attn, sdpa
 from .kernels.varlen_blocks import attention as varlen_blocks
+from .kernels.varlen_blocks import library as varlen_library
 from .validation import fail
 
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa", "varlen_blocks")
@@ -272,8 +275,10 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
     ``auto``, why or why not): blocks of at least ``VARLEN_MIN_BLOCK`` tokens, where
     ``varlen_blocks.unsupported`` has nothing against the call, outside torch's deterministic
     mode. PyTorch runs FlashAttention-2's deterministic backward in that mode (its
-    ``_flash_attention_backward`` reads the flag), but that is not yet checked on a GPU here,
-    so deterministic runs keep the plugin's bitwise-reproducible kernels, as for ``sdpa``."""
+    ``_flash_attention_backward`` reads the flag), and the cuDNN library asks for cuDNN's
+    deterministic backward, but neither is yet checked on a GPU here, so deterministic runs keep
+    the plugin's bitwise-reproducible kernels, as for ``sdpa``. The reason names the library
+    (``varlen_blocks.library.choice``)."""
     if _backend_setting(backend) != "auto":
         return False, "the setting is not auto"
     if index.block_size < VARLEN_MIN_BLOCK:
@@ -286,8 +291,8 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
     if torch.are_deterministic_algorithms_enabled():
         return False, "deterministic mode (FlashAttention-2's fast backward adds dQ by fp32 atomics)"
     return True, (
-        f"a top-k index of {index.block_size}-token blocks on CUDA: a key block at a time on PyTorch's "
-        "FlashAttention-2 varlen kernels, no row computed against a block it did not choose"
+        f"a top-k index of {index.block_size}-token blocks on CUDA: a key block at a time on "
+        f"{varlen_library.choice(q)[1]}, no row computed against a block it did not choose"
     )
 
 

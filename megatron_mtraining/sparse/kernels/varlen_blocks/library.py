@@ -12,25 +12,38 @@ The LSE is ``[Hq, Tq]``.
   ``_flash_attention_backward``, CUDA sm80 and sm90. ``torch.nn.attention.varlen.varlen_attn``
   calls the same ops, but its backward differentiates its own output with its own LSE, where a
   key block's piece must be differentiated with its rows' merged output and LSE, and its keywords
-  changed between releases (``is_causal`` / ``window_size``, ``enable_gqa``). cuDNN's ragged
-  attention (``aten::_cudnn_attention_forward`` with ``cum_seq_q``) would run at cuDNN's dense
-  rate on Hopper, but PyTorch's own ``varlen_attn`` keeps it switched off (2.13), so it is not
-  used untested.
+  changed between releases (``is_causal`` / ``window_size``, ``enable_gqa``).
+* ``CudnnVarlen`` (``cudnn_library``): cuDNN's ragged attention through NVIDIA's cudnn-frontend
+  (the optional ``cudnn`` extra), on sm90, where it runs near cuDNN's dense rate and
+  FlashAttention-2 at about half of it. PyTorch's own ragged cuDNN ops
+  (``aten::_cudnn_attention_forward`` with ``cum_seq_q``) are not used: before torch 2.14 their
+  backward sizes dQ's accumulator wrongly and their graphs are rebuilt on every call.
 * ``ReferenceVarlen``: the same calls in PyTorch, any device and dtype, a segment at a time: the
   stand-in that lets the gathering, merging and gradient logic run (and be tested) on a CPU.
+
+``choice`` picks one for inputs like ``q`` and says why (the one place the library is chosen):
+the stand-in off CUDA; cuDNN's where ``cudnn_library.unsupported`` has nothing against the call
+(sm90, cudnn-frontend installed with cuDNN >= 9.6, fp16/bf16, head dim a multiple of 8 up to
+256); FlashAttention-2 otherwise (sm80, and the fallback). ``MTRAINING_VARLEN_LIBRARY``
+(``auto``, the default; ``flash``; ``cudnn``, an error where cuDNN's cannot run) overrides it,
+read on every call as ``MTRAINING_ATTENTION_BACKEND`` is.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from ...reference import compute_dtype, finite_or_zero
+from ...validation import fail
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
+LIBRARY_ENV = "MTRAINING_VARLEN_LIBRARY"
+LIBRARY_SETTINGS = ("auto", "flash", "cudnn")
 # The ops as PyTorch has had them since 2.7 (rng_state / unused replaced philox_seed /
 # philox_offset), to the keyword this module passes; later releases add optional keywords.
 FORWARD_SCHEMA = (
@@ -139,8 +152,33 @@ class ReferenceVarlen:
 
 
 def library(q: torch.Tensor):
-    """The calls for inputs like ``q``: the library on CUDA, the stand-in elsewhere."""
-    return FlashVarlen if q.is_cuda else ReferenceVarlen
+    """The calls for inputs like ``q``, as ``choice`` picks them."""
+    return choice(q)[0]
+
+
+def choice(q: torch.Tensor) -> tuple[type, str]:
+    """(the calls for inputs like ``q``, why): the stand-in off CUDA; on CUDA as
+    ``MTRAINING_VARLEN_LIBRARY`` says, under ``auto`` cuDNN's ragged attention where
+    ``cudnn_library.unsupported`` has nothing against it, else FlashAttention-2 (module docstring).
+    Forward and backward each ask; were the answers to differ, the pieces still agree (each
+    library's backward takes the caller's output and LSE)."""
+    if not q.is_cuda:
+        return ReferenceVarlen, f"{q.device.type} tensors: the PyTorch stand-in"
+    setting = os.environ.get(LIBRARY_ENV) or LIBRARY_SETTINGS[0]
+    if setting not in LIBRARY_SETTINGS:
+        fail(LIBRARY_ENV, setting, f"one of {', '.join(LIBRARY_SETTINGS)}")
+    flash = "PyTorch's FlashAttention-2 varlen kernels"
+    if setting == "flash":
+        return FlashVarlen, f"{flash} ({LIBRARY_ENV}=flash)"
+    from . import cudnn_library
+
+    why_not = cudnn_library.unsupported(q)
+    if why_not is None:
+        forced = f" ({LIBRARY_ENV}=cudnn)" if setting == "cudnn" else ""
+        return cudnn_library.CudnnVarlen, f"cuDNN's ragged attention (cudnn-frontend){forced}"
+    if setting == "cudnn":
+        fail(LIBRARY_ENV, setting, f"inputs cuDNN's ragged attention serves ({cudnn_library.REQUIREMENTS}); {why_not}")
+    return FlashVarlen, f"{flash} (not cuDNN's: {why_not})"
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
