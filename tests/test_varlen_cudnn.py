@@ -146,8 +146,17 @@ def test_the_library_choice_says_why(monkeypatch):
     assert library.choice(torch.zeros(4, 2, 8)) == (library.ReferenceVarlen, "cpu tensors: the PyTorch stand-in")
     q = _cuda_like()
     monkeypatch.setattr(cl, "unsupported", lambda q: None)
+    # Opt-in until cuDNN's calls have run on a GPU: auto keeps FlashAttention-2 where cuDNN could run.
+    assert library.choice(q) == (
+        library.FlashVarlen,
+        "PyTorch's FlashAttention-2 varlen kernels (cuDNN's ragged attention is opt-in until run on a GPU: "
+        "MTRAINING_VARLEN_LIBRARY=cudnn)",
+    )
+    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
     calls, why = library.choice(q)
-    assert calls is cl.CudnnVarlen and why == "cuDNN's ragged attention (cudnn-frontend)"
+    assert (
+        calls is cl.CudnnVarlen and why == "cuDNN's ragged attention (cudnn-frontend, MTRAINING_VARLEN_LIBRARY=cudnn)"
+    )
     assert library.library(q) is cl.CudnnVarlen
     monkeypatch.setenv(library.LIBRARY_ENV, "flash")
     assert library.choice(q) == (
@@ -155,15 +164,11 @@ def test_the_library_choice_says_why(monkeypatch):
         "PyTorch's FlashAttention-2 varlen kernels (MTRAINING_VARLEN_LIBRARY=flash)",
     )
     monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
-    assert library.choice(q)[1].endswith("(MTRAINING_VARLEN_LIBRARY=cudnn)")
     monkeypatch.setattr(cl, "unsupported", lambda q: "got a GPU of compute capability (8, 0), used on sm90 only")
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn'.*sm90 only"):
         library.choice(q)
     monkeypatch.setenv(library.LIBRARY_ENV, "auto")
-    assert library.choice(q) == (
-        library.FlashVarlen,
-        "PyTorch's FlashAttention-2 varlen kernels (not cuDNN's: got a GPU of compute capability (8, 0), used on sm90 only)",
-    )
+    assert library.choice(q)[0] is library.FlashVarlen
     monkeypatch.setenv(library.LIBRARY_ENV, "cudnn9")
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn9'.*one of auto, flash, cudnn"):
         library.choice(q)
@@ -395,13 +400,14 @@ def test_cudnn_graphs_are_reused_and_the_deterministic_backward_repeats(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_moba_on_cudnn_matches_fp64_dense(dtype, rng, monkeypatch):
-    """The whole path as ``auto`` dispatches it on sm90 (its calls on cuDNN), at Qwen2.5-3B's
-    head shape on a sequence that is no multiple of the chunk; then with an LSE gradient."""
+    """The whole path as the dispatch runs it on sm90 with cuDNN's calls asked for (opt-in
+    until this test has passed on a GPU), at Qwen2.5-3B's head shape on a sequence that is no
+    multiple of the chunk; then with an LSE gradient."""
     _cudnn_on_gpu()
     from megatron_mtraining.sparse import dispatch
 
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
+    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
     q, k, v = make_inputs(rng, (1, 3000, 16, 2, 128), dtype, "cuda")
     index = build_moba_index(q.detach(), k.detach(), MoBAConfig(chunk_size=1024, topk=3))
     decision = dispatch.attention_kernel(q, index)

@@ -22,11 +22,12 @@ The LSE is ``[Hq, Tq]``.
   stand-in that lets the gathering, merging and gradient logic run (and be tested) on a CPU.
 
 ``choice`` picks one for inputs like ``q`` and says why (the one place the library is chosen):
-the stand-in off CUDA; cuDNN's where ``cudnn_library.unsupported`` has nothing against the call
-(sm90, cudnn-frontend installed with cuDNN >= 9.6, fp16/bf16, head dim a multiple of 8 up to
-256); FlashAttention-2 otherwise (sm80, and the fallback). ``MTRAINING_VARLEN_LIBRARY``
-(``auto``, the default; ``flash``; ``cudnn``, an error where cuDNN's cannot run) overrides it,
-read on every call as ``MTRAINING_ATTENTION_BACKEND`` is.
+the stand-in off CUDA; FlashAttention-2 on CUDA under ``MTRAINING_VARLEN_LIBRARY=auto`` (the
+default) and ``flash``; cuDNN's under ``cudnn`` where ``cudnn_library.unsupported`` has nothing
+against the call (sm90, cudnn-frontend installed with cuDNN >= 9.6, fp16/bf16, head dim a
+multiple of 8 up to 256), an error where it cannot run. cuDNN's calls are opt-in until they have
+run on a GPU (they are verified against an emulated cuDNN only); ``auto`` is to take them on
+sm90 once measured. The variable is read on every call, as ``MTRAINING_ATTENTION_BACKEND`` is.
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ def library(q: torch.Tensor):
 
 def choice(q: torch.Tensor) -> tuple[type, str]:
     """(the calls for inputs like ``q``, why): the stand-in off CUDA; on CUDA as
-    ``MTRAINING_VARLEN_LIBRARY`` says, under ``auto`` cuDNN's ragged attention where
-    ``cudnn_library.unsupported`` has nothing against it, else FlashAttention-2 (module docstring).
+    ``MTRAINING_VARLEN_LIBRARY`` says: FlashAttention-2 under ``auto`` and ``flash``, cuDNN's
+    ragged attention under ``cudnn`` (module docstring).
     Forward and backward each ask; were the answers to differ, the pieces still agree (each
     library's backward takes the caller's output and LSE)."""
     if not q.is_cuda:
@@ -170,15 +171,14 @@ def choice(q: torch.Tensor) -> tuple[type, str]:
     flash = "PyTorch's FlashAttention-2 varlen kernels"
     if setting == "flash":
         return FlashVarlen, f"{flash} ({LIBRARY_ENV}=flash)"
+    if setting == "auto":
+        return FlashVarlen, f"{flash} (cuDNN's ragged attention is opt-in until run on a GPU: {LIBRARY_ENV}=cudnn)"
     from . import cudnn_library
 
     why_not = cudnn_library.unsupported(q)
-    if why_not is None:
-        forced = f" ({LIBRARY_ENV}=cudnn)" if setting == "cudnn" else ""
-        return cudnn_library.CudnnVarlen, f"cuDNN's ragged attention (cudnn-frontend){forced}"
-    if setting == "cudnn":
+    if why_not is not None:
         fail(LIBRARY_ENV, setting, f"inputs cuDNN's ragged attention serves ({cudnn_library.REQUIREMENTS}); {why_not}")
-    return FlashVarlen, f"{flash} (not cuDNN's: {why_not})"
+    return cudnn_library.CudnnVarlen, f"cuDNN's ragged attention (cudnn-frontend, {LIBRARY_ENV}=cudnn)"
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
