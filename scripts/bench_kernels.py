@@ -31,7 +31,7 @@ Rows:
   and, where it serves the inputs (sm90, cudnn-frontend installed), cuDNN's ragged attention
   (``varlen blocks, cuDNN``): its output, LSE and gradients first checked against the union of
   tiles, then timed; then peak memory and backward kernel times on the library ``auto`` picks
-  (``varlen_blocks.library.choice``, printed). ``--patterns moba`` runs
+  (``varlen_blocks.choose.choice``, printed). ``--patterns moba`` runs
   the MoBA rows and the cuDNN dense row alone, e.g. on an H200::
 
       python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 524288 --patterns moba
@@ -180,20 +180,20 @@ def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
     (``varlen_library_rows``): FlashAttention-2 (the ``varlen blocks`` row, as measured before
     cuDNN's was added), then cuDNN's ragged attention where it serves the inputs; then its peak
     memory and backward kernels on the library ``auto`` picks."""
-    from megatron_mtraining.sparse.kernels.varlen_blocks import cudnn_library, library
+    from megatron_mtraining.sparse.kernels.varlen_blocks import choose, cudnn_library
 
     for setting, label in (("flash", "varlen blocks"), ("cudnn", "varlen blocks, cuDNN")):
         why_not = cudnn_library.unsupported(q) if setting == "cudnn" else None
         if why_not is not None:
             print(f"    ours {pattern} ({label}) skipped: {why_not}")
             continue
-        with mock.patch.dict(os.environ, {library.LIBRARY_ENV: setting}):
+        with mock.patch.dict(os.environ, {choose.LIBRARY_ENV: setting}):
             if not varlen_library_rows(seq, q, k, v, index, rows, cudnn, rep, pattern, area, label):
                 return
         if setting == "cudnn" and cudnn_library.DECLINED:  # those calls ran on FlashAttention-2
             print(f"    cuDNN declined graphs (run on FlashAttention-2): {cudnn_library.DECLINED}")
             rows[-1]["cudnn_declined"] = [f"{key}: {why}" for key, why in cudnn_library.DECLINED.items()]
-    print(f"    {pattern} (varlen blocks) memory and backward kernels on {library.choice(q)[1]}")
+    print(f"    {pattern} (varlen blocks) memory and backward kernels on {choose.choice(q)[1]}")
     for what in (memory, kernel_times):
         try:
             what(q, k, v, index, seq, extra, f"{pattern} (varlen blocks)", backend="varlen_blocks")

@@ -83,9 +83,9 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     deterministic mode and packed documents keep the plugin's kernels, and a wide-block decision
     says why it is not the library's. Forcing ``varlen_blocks`` where it cannot run fails."""
     from megatron_mtraining.sparse.documents import packed_documents
-    from megatron_mtraining.sparse.kernels.varlen_blocks import cudnn_library, library
+    from megatron_mtraining.sparse.kernels.varlen_blocks import choose, cudnn_library, library
 
-    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
+    monkeypatch.delenv(choose.LIBRARY_ENV, raising=False)
     monkeypatch.setattr(library, "unsupported", lambda q: None)  # stands for a GPU it serves
     monkeypatch.setattr(cudnn_library, "unsupported", lambda q: None)  # an sm90 with cudnn-frontend
     q, seq = cuda_q(seq=65536), 65536
@@ -94,9 +94,9 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     assert decision.kernel == "varlen_blocks" and "4096-token blocks" in decision.reason
     # cuDNN's calls are opt-in until they have run on a GPU; the reason names the library.
     assert "on PyTorch's FlashAttention-2 varlen kernels (cuDNN's ragged attention is opt-in" in decision.reason
-    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
+    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
     assert "on cuDNN's ragged attention (cudnn-frontend" in dispatch.attention_kernel(q, moba).reason
-    monkeypatch.delenv(library.LIBRARY_ENV)
+    monkeypatch.delenv(choose.LIBRARY_ENV)
     assert dispatch.attention_kernel(q, moba, "varlen_blocks") == dispatch.Decision("varlen_blocks", "forced")
     narrow = dispatch.attention_kernel(q, topk(seq, 4, dispatch.VARLEN_MIN_BLOCK // 2))
     assert narrow.kernel == "kv_outer" and "varlen" not in narrow.reason

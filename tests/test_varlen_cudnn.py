@@ -15,8 +15,8 @@ import torch
 from dense_reference import TOLERANCE, assert_close_rel, check_index_attention, make_inputs
 
 from megatron_mtraining.sparse import MoBAConfig, build_moba_index
+from megatron_mtraining.sparse.kernels.varlen_blocks import choose, library
 from megatron_mtraining.sparse.kernels.varlen_blocks import cudnn_library as cl
-from megatron_mtraining.sparse.kernels.varlen_blocks import library
 
 # The emulated calls compute in fp64, but their softmax stats are fp32 as cuDNN's are: a
 # misplaced element is off by O(1), fp32 stats by about 1e-7.
@@ -142,36 +142,36 @@ def _cuda_like(dtype=torch.bfloat16, dim=128):
 
 
 def test_the_library_choice_says_why(monkeypatch):
-    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
-    assert library.choice(torch.zeros(4, 2, 8)) == (library.ReferenceVarlen, "cpu tensors: the PyTorch stand-in")
+    monkeypatch.delenv(choose.LIBRARY_ENV, raising=False)
+    assert choose.choice(torch.zeros(4, 2, 8)) == (library.ReferenceVarlen, "cpu tensors: the PyTorch stand-in")
     q = _cuda_like()
     monkeypatch.setattr(cl, "unsupported", lambda q: None)
     # Opt-in until cuDNN's calls have run on a GPU: auto keeps FlashAttention-2 where cuDNN could run.
-    assert library.choice(q) == (
+    assert choose.choice(q) == (
         library.FlashVarlen,
         "PyTorch's FlashAttention-2 varlen kernels (cuDNN's ragged attention is opt-in until run on a GPU: "
         "MTRAINING_VARLEN_LIBRARY=cudnn)",
     )
-    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
-    calls, why = library.choice(q)
+    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
+    calls, why = choose.choice(q)
     assert (
         calls is cl.CudnnVarlen and why == "cuDNN's ragged attention (cudnn-frontend, MTRAINING_VARLEN_LIBRARY=cudnn)"
     )
-    assert library.library(q) is cl.CudnnVarlen
-    monkeypatch.setenv(library.LIBRARY_ENV, "flash")
-    assert library.choice(q) == (
+    assert choose.library(q) is cl.CudnnVarlen
+    monkeypatch.setenv(choose.LIBRARY_ENV, "flash")
+    assert choose.choice(q) == (
         library.FlashVarlen,
         "PyTorch's FlashAttention-2 varlen kernels (MTRAINING_VARLEN_LIBRARY=flash)",
     )
-    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
+    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
     monkeypatch.setattr(cl, "unsupported", lambda q: "got a GPU of compute capability (8, 0), used on sm90 only")
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn'.*sm90 only"):
-        library.choice(q)
-    monkeypatch.setenv(library.LIBRARY_ENV, "auto")
-    assert library.choice(q)[0] is library.FlashVarlen
-    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn9")
+        choose.choice(q)
+    monkeypatch.setenv(choose.LIBRARY_ENV, "auto")
+    assert choose.choice(q)[0] is library.FlashVarlen
+    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn9")
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn9'.*one of auto, flash, cudnn"):
-        library.choice(q)
+        choose.choice(q)
 
 
 def test_cudnn_says_what_it_does_not_serve(monkeypatch):
@@ -327,7 +327,7 @@ def test_moba_on_emulated_cudnn_matches_fp64_dense(shape, rng, monkeypatch):
     """The whole MoBA path with its calls on ``CudnnVarlen`` (emulated cuDNN), fp64 against
     dense attention under the index's mask."""
     emulated = EmulatedCudnn(monkeypatch)
-    monkeypatch.setattr(library, "library", lambda q: cl.CudnnVarlen)
+    monkeypatch.setattr(choose, "library", lambda q: cl.CudnnVarlen)
     b, s, hq, hkv, d, chunk, topk = shape
     q, k, v = make_inputs(rng, (b, s, hq, hkv, d), torch.float64, "cpu")
     index = build_moba_index(q.detach(), k.detach(), MoBAConfig(chunk_size=chunk, topk=topk))
@@ -407,12 +407,12 @@ def test_moba_on_cudnn_matches_fp64_dense(dtype, rng, monkeypatch):
     from megatron_mtraining.sparse import dispatch
 
     monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
-    monkeypatch.setenv(library.LIBRARY_ENV, "cudnn")
+    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
     q, k, v = make_inputs(rng, (1, 3000, 16, 2, 128), dtype, "cuda")
     index = build_moba_index(q.detach(), k.detach(), MoBAConfig(chunk_size=1024, topk=3))
     decision = dispatch.attention_kernel(q, index)
     assert decision.kernel == "varlen_blocks" and "cuDNN's ragged attention" in decision.reason, decision
-    assert library.library(q) is cl.CudnnVarlen
+    assert choose.library(q) is cl.CudnnVarlen
     check_index_attention(q, k, v, index, rng, TOLERANCE[dtype], grads=("out",))
     check_index_attention(q, k, v, index, rng, TOLERANCE[dtype], grads=("out", "lse"))
     assert not cl.DECLINED, cl.DECLINED

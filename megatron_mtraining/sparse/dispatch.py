@@ -12,7 +12,7 @@ An attention call goes to one of :data:`KERNELS`:
   varlen attention library (``kernels/varlen_blocks``): each block's own rows causally, then per
   selection slot the rows that chose each earlier block against its keys, merged by LSE
   (:func:`varlen_blocks_preferred`). Not under torch's deterministic mode, and not with packed
-  documents. The library is ``varlen_blocks.library.choice``'s, named in the reason: PyTorch's
+  documents. The library is ``varlen_blocks.choose.choice``'s, named in the reason: PyTorch's
   FlashAttention-2 (sm80 and sm90), or cuDNN's ragged attention (cudnn-frontend, sm90) under
   ``MTRAINING_VARLEN_LIBRARY=cudnn`` (opt-in until it has run on a GPU).
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
@@ -53,7 +53,7 @@ from .kernels import triton_available
 from .kernels.block_bar.tables import SERVED_INDEXES
 from .kernels.dense_backends import flash_attn, sdpa
 from .kernels.varlen_blocks import attention as varlen_blocks
-from .kernels.varlen_blocks import library as varlen_library
+from .kernels.varlen_blocks import choose as varlen_choose
 from .validation import fail
 
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa", "varlen_blocks")
@@ -278,7 +278,7 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
     ``_flash_attention_backward`` reads the flag), and the cuDNN library asks for cuDNN's
     deterministic backward, but neither is yet checked on a GPU here, so deterministic runs keep
     the plugin's bitwise-reproducible kernels, as for ``sdpa``. The reason names the library
-    (``varlen_blocks.library.choice``)."""
+    (``varlen_blocks.choose.choice``)."""
     if _backend_setting(backend) != "auto":
         return False, "the setting is not auto"
     if index.block_size < VARLEN_MIN_BLOCK:
@@ -292,7 +292,7 @@ def varlen_blocks_preferred(q: torch.Tensor, index: BlockTopKIndex, backend: str
         return False, "deterministic mode (FlashAttention-2's fast backward adds dQ by fp32 atomics)"
     return True, (
         f"a top-k index of {index.block_size}-token blocks on CUDA: a key block at a time on "
-        f"{varlen_library.choice(q)[1]}, no row computed against a block it did not choose"
+        f"{varlen_choose.choice(q)[1]}, no row computed against a block it did not choose"
     )
 
 

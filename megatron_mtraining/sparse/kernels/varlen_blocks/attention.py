@@ -47,6 +47,7 @@ from ...index import BlockTopKIndex, SparseIndex
 from ...reference import backward_partial, combine, compute_dtype
 from .. import triton_available
 from ..block_bar.tables import tile_tables
+from . import choose
 from . import library as varlen
 
 REQUIREMENTS = (
@@ -181,7 +182,7 @@ class VarlenBlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index: BlockTopKIndex, scale: float):
-        calls = varlen.library(q)
+        calls = choose.library(q)
         q, k, v = (t.contiguous() for t in (q, k, v))
         b, s, hq, d = q.shape
         hkv = k.shape[2]
@@ -218,7 +219,7 @@ class VarlenBlockAttention(torch.autograd.Function):
         if dlse is not None:
             lse = lse.view(b, s, hq).transpose(1, 2).contiguous()
             return *_with_lse_gradient(q, k, v, ctx.index, ctx.scale, out, lse, dout, dlse), None, None
-        calls, plan, scale = varlen.library(q), ctx.plan, ctx.scale
+        calls, plan, scale = choose.library(q), ctx.plan, ctx.scale
         dout = dout.to(q.dtype).contiguous()
         cu, length = plan.diagonal_cu, plan.block_len
         diagonal_lse = lse

@@ -21,30 +21,20 @@ The LSE is ``[Hq, Tq]``.
 * ``ReferenceVarlen``: the same calls in PyTorch, any device and dtype, a segment at a time: the
   stand-in that lets the gathering, merging and gradient logic run (and be tested) on a CPU.
 
-``choice`` picks one for inputs like ``q`` and says why (the one place the library is chosen):
-the stand-in off CUDA; FlashAttention-2 on CUDA under ``MTRAINING_VARLEN_LIBRARY=auto`` (the
-default) and ``flash``; cuDNN's under ``cudnn`` where ``cudnn_library.unsupported`` has nothing
-against the call (sm90, cudnn-frontend installed with cuDNN >= 9.6, fp16/bf16, head dim a
-multiple of 8 up to 256), an error where it cannot run. cuDNN's calls are opt-in until they have
-run on a GPU (they are verified against an emulated cuDNN only); ``auto`` is to take them on
-sm90 once measured. The variable is read on every call, as ``MTRAINING_ATTENTION_BACKEND`` is.
+Which one runs is ``choose``'s decision.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ...reference import compute_dtype, finite_or_zero
-from ...validation import fail
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
-LIBRARY_ENV = "MTRAINING_VARLEN_LIBRARY"
-LIBRARY_SETTINGS = ("auto", "flash", "cudnn")
 # The ops as PyTorch has had them since 2.7 (rng_state / unused replaced philox_seed /
 # philox_offset), to the keyword this module passes; later releases add optional keywords.
 FORWARD_SCHEMA = (
@@ -150,35 +140,6 @@ class ReferenceVarlen:
             dk[keys] = torch.einsum("hrn,rhd->nhd", ds, qs).unflatten(1, (hkv, -1)).sum(2) * scale
             dv[keys] = torch.einsum("hrn,rhd->nhd", p, do).unflatten(1, (hkv, -1)).sum(2)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def library(q: torch.Tensor):
-    """The calls for inputs like ``q``, as ``choice`` picks them."""
-    return choice(q)[0]
-
-
-def choice(q: torch.Tensor) -> tuple[type, str]:
-    """(the calls for inputs like ``q``, why): the stand-in off CUDA; on CUDA as
-    ``MTRAINING_VARLEN_LIBRARY`` says: FlashAttention-2 under ``auto`` and ``flash``, cuDNN's
-    ragged attention under ``cudnn`` (module docstring).
-    Forward and backward each ask; were the answers to differ, the pieces still agree (each
-    library's backward takes the caller's output and LSE)."""
-    if not q.is_cuda:
-        return ReferenceVarlen, f"{q.device.type} tensors: the PyTorch stand-in"
-    setting = os.environ.get(LIBRARY_ENV) or LIBRARY_SETTINGS[0]
-    if setting not in LIBRARY_SETTINGS:
-        fail(LIBRARY_ENV, setting, f"one of {', '.join(LIBRARY_SETTINGS)}")
-    flash = "PyTorch's FlashAttention-2 varlen kernels"
-    if setting == "flash":
-        return FlashVarlen, f"{flash} ({LIBRARY_ENV}=flash)"
-    if setting == "auto":
-        return FlashVarlen, f"{flash} (cuDNN's ragged attention is opt-in until run on a GPU: {LIBRARY_ENV}=cudnn)"
-    from . import cudnn_library
-
-    why_not = cudnn_library.unsupported(q)
-    if why_not is not None:
-        fail(LIBRARY_ENV, setting, f"inputs cuDNN's ragged attention serves ({cudnn_library.REQUIREMENTS}); {why_not}")
-    return cudnn_library.CudnnVarlen, f"cuDNN's ragged attention (cudnn-frontend, {LIBRARY_ENV}=cudnn)"
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
