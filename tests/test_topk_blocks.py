@@ -1,9 +1,11 @@
 """The Triton top-k of block scores (``sparse.kernels.index_build.topk_blocks``) against
-``index.select_topk_blocks``: the same blocks, exactly."""
+``index.select_topk_blocks``, and MoBA's gate on it against the torch path: the same blocks,
+exactly."""
 
 import pytest
 import torch
 
+from megatron_mtraining.sparse import MoBAConfig, build_moba_index, moba
 from megatron_mtraining.sparse.index import select_topk_blocks
 
 INF = float("inf")
@@ -88,3 +90,26 @@ def test_bad_inputs_are_named(small_tiles):
         small_tiles.select_topk_blocks(torch.zeros(4, 8), own[:3], 2)
     with pytest.raises(ValueError, match="out"):
         small_tiles.select_topk_blocks(torch.zeros(4, 8), own, 2, out=torch.zeros(4, 3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("topk", [3, 12])
+def test_moba_gate_on_the_kernel_equals_the_torch_path(documents, topk, rng, kdevice, small_tiles, monkeypatch):
+    """``build_moba_index`` with the kernel (as on CUDA) and on the torch path: the same
+    blocks, on small-integer inputs whose chunk means tie exactly; 10 chunks (``topk`` 12
+    above them), packed documents starting inside chunks."""
+    b, s, hq, hkv, d, cs = 2, 150, 4, 2, 8, 16
+    q = torch.randint(-2, 3, (b, s, hq, d), generator=rng).float().to(kdevice)
+    k = torch.randint(-2, 3, (b, s, hkv, d), generator=rng).float().to(kdevice)
+    cu = torch.tensor([0, 37, 41, 120, s], dtype=torch.int32, device=kdevice) if documents else None
+    cfg = MoBAConfig(chunk_size=cs, topk=topk)
+    launches = []
+    real = small_tiles.select_topk_blocks
+    monkeypatch.setattr(small_tiles, "select_topk_blocks", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moba, "backend_choice", lambda q: "triton")
+    got = build_moba_index(q, k, cfg, cu).blocks
+    assert launches
+    monkeypatch.setattr(moba, "backend_choice", lambda q: "reference")
+    want = build_moba_index(q, k, cfg, cu).blocks
+    assert len(launches) == 1
+    assert got.is_contiguous() and torch.equal(got, want)
