@@ -43,9 +43,12 @@ MAX_BLOCKS = 128
 @dataclass(frozen=True)
 class TopkLaunch:
     """Tile sizes: ``elements`` scores a program (rows x padded blocks), rows capped at
-    ``max_rows``; fewer rows for wider rows keeps the tile's registers bounded."""
+    ``max_rows``; fewer rows for wider rows keeps the tile's registers bounded. The tile's
+    scores, ids and ranks take several registers per element a thread: four times these
+    elements spilled at 128 blocks, and held registers enough to cut the resident warps
+    (``scripts/compile_kernels.py --family gate``)."""
 
-    elements: int = 4096
+    elements: int = 1024
     max_rows: int = 256
     num_warps: int = 4
 
@@ -84,12 +87,12 @@ def _topk_blocks_kernel(
     l1 = lead % lead1
     s_row = SCORES + l0 * s_l0 + l1 * s_l1 + qi * s_q
     o_row = OUT + l0 * o_l0 + l1 * o_l1 + qi * o_q
-    own = tl.load(OWN + qi, mask=row_ok, other=-1)
+    own = tl.load(OWN + qi, mask=row_ok, other=-1).to(tl.int32)
     first = own
     lo = 0
     hi = n_blocks
     if HAS_FIRST:
-        first = tl.load(FIRST + qi, mask=row_ok, other=0)
+        first = tl.load(FIRST + qi, mask=row_ok, other=0).to(tl.int32)
         # Blocks before every row's first (and own) one are hidden from the whole tile.
         lo = tl.min(tl.where(row_ok, tl.minimum(first, own), n_blocks))
     if CAUSAL:  # blocks after every row's own one likewise
@@ -121,6 +124,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 4:
         return t.view((1,) * (4 - t.dim()) + tuple(t.shape))
     return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+
+
+def _ids(t: torch.Tensor) -> torch.Tensor:
+    """Block ids as the kernel loads them: int32 or int64 (MoBA's, taken as they are)."""
+    return (t if t.dtype in (torch.int32, torch.int64) else t.long()).contiguous()
 
 
 def _launch(scores, own, first, out, topk: int, causal: bool) -> None:
@@ -178,7 +186,6 @@ def select_topk_blocks(
     if out.numel():
         if scores.shape[-1] == 0:
             fail("scores.shape", tuple(scores.shape), "at least one block (the own one)")
-        own = own_block.to(torch.int32).contiguous()
-        first = None if first_block is None else first_block.to(torch.int32).contiguous()
+        own, first = (None if t is None else _ids(t) for t in (own_block, first_block))
         _launch(scores, own, first, out, topk, causal)
     return out
