@@ -76,13 +76,12 @@ def moba_select_from_parts(
     qg = q.double().unflatten(2, (hkv, hq // hkv))
     gate = torch.einsum("bskgd,bckd->bkgsc", qg, pooled).flatten(1, 2)
     own = query_positions // cs
-    chunks = torch.arange(n_chunks, device=q.device).view(1, -1)
     first = None
     if documents is not None:
         first = documents.starts[query_positions.long()].long() // cs  # the chunk of the query's document start
         head = _document_heads(k, key_positions, documents, cs, all_reduce_sum)
         head_gate = torch.einsum("bskgd,bskd->bkgs", qg, head[:, documents.ids[query_positions.long()].long()])
-        at_head = chunks == first.view(-1, 1)
+        at_head = torch.arange(n_chunks, device=q.device) == first.view(-1, 1)
         gate = torch.where(at_head, head_gate.flatten(1, 2).unsqueeze(-1), gate)
     if backend_choice(q) == "triton":
         from .kernels.index_build import topk_blocks  # imports Triton
@@ -92,6 +91,7 @@ def moba_select_from_parts(
             blocks = torch.empty(bsz, q.shape[1], hq, config.topk, dtype=torch.int32, device=q.device)
             topk_blocks.select_topk_blocks(gate, own, config.topk, True, first, out=blocks.permute(0, 2, 1, 3))
             return blocks
+    chunks = torch.arange(n_chunks, device=q.device).view(1, -1)
     earlier = chunks < own.view(-1, 1)
     if first is not None:
         earlier &= chunks >= first.view(-1, 1)
