@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled ahead of time for A100 (sm80) and H100/H200 (sm90),
 with no GPU: shared memory, registers and spills of every launch, and whether each fits.
 
-    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer window combine]
+    python scripts/compile_kernels.py [--family kl kl-kv-outer attention kv-outer msa-kv-outer window combine gate]
                                       [--arch 80 90]
                                       [--launch NAME ...] [--index NAME ...] [--documents]
                                       [--kv-configs "bwd:64,128,8,1,8"] [--dtype bf16|fp16|fp32]
@@ -29,7 +29,10 @@ as Triton's launcher specialises it:
   sums, the mass pass and its pooling;
 * ``combine``: the LSE merges of partial results (``kernels.shared.combine``): the two-way
   merge forward and backward (the ring's and the varlen path's) and the varlen path's in-place
-  merge into named rows (``merge_rows``), a running fp32 result taking bf16/fp16 parts.
+  merge into named rows (``merge_rows``), a running fp32 result taking bf16/fp16 parts;
+* ``gate``: MoBA's gate choice (``index_build.topk_blocks``) on the fp64 gate of the case's
+  query heads, causal (and from each row's document's first chunk with ``--documents``):
+  32 chunks, top-12 (``select``), and the kernel's widest rows, 128 chunks (``select-wide``).
 
 ``--documents`` packs three documents into the sample (the kernels' ``HAS_DOCS`` variants;
 the KV-outer orders take none). Printed per launch and target: shared memory, registers,
@@ -72,7 +75,7 @@ from megatron_mtraining.sparse import (
 )
 from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables
-from megatron_mtraining.sparse.kernels.index_build import window_stats
+from megatron_mtraining.sparse.kernels.index_build import topk_blocks, window_stats
 from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
 from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
@@ -83,7 +86,7 @@ from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 # capabilities 8.0 and 9.0).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window", "combine")
+FAMILIES = ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window", "combine", "gate")
 KV_OUTER_FAMILIES = ("kl-kv-outer", "kv-outer", "msa-kv-outer")  # no documents
 
 
@@ -279,6 +282,23 @@ def _combine(c: _Case, index) -> list:
     ]  # fmt: skip
 
 
+def _gate(c: _Case, index) -> list:
+    """MoBA's gate choice as ``moba_select_from_parts`` launches it: the ``[B, Hq, S, chunks]``
+    fp64 gate, each row's own chunk, top-12, written into a ``[B, S, Hq, 12]`` result; with
+    ``index``'s documents, each row's first chunk."""
+    b, s, h, _ = c.q.shape
+    topk = 12
+
+    def select(n_chunks):
+        cs = s // n_chunks
+        gate = torch.zeros(b, h, s, n_chunks, dtype=torch.float64)
+        first = None if index.documents is None else index.documents.starts.long() // cs
+        out = torch.empty(b, s, h, topk, dtype=torch.int32).permute(0, 2, 1, 3)
+        return lambda: topk_blocks.select_topk_blocks(gate, torch.arange(s) // cs, topk, True, first, out=out)
+
+    return [("select", select(32)), ("select-wide", select(topk_blocks.MAX_BLOCKS))]
+
+
 # Per family: its entry points on an index, the indexes it serves, and the kernels it may
 # launch (module, names: a kernel, or a module of kernels).
 _FAMILIES = {
@@ -301,6 +321,7 @@ _FAMILIES = {
     ),
     "window": (_window, ("dense",), [(window_stats, ("_row_stats_kernel", "_mass_kernel", "_pool_kernel"))]),
     "combine": (_combine, ("dense",), [(combine, ("_combine_fwd", "_combine_bwd", "_merge_rows"))]),
+    "gate": (_gate, ("dense",), [(topk_blocks, ("_topk_blocks_kernel",))]),
 }
 
 

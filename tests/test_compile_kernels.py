@@ -32,7 +32,7 @@ def test_every_default_launch_fits_an_a100_and_an_h100(tmp_path):
     128): shared memory within the GPU's and no stack beyond 4 KiB a thread, with the launch
     parameters each architecture gets."""
     rc, rows = _run(tmp_path)
-    for family in ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window", "combine"):
+    for family in ("kl", "kl-kv-outer", "attention", "kv-outer", "msa-kv-outer", "window", "combine", "gate"):
         for arch in (80, 90):
             assert any(r["family"] == family and r["arch"] == arch for r in rows), (family, arch)
     assert {r["index"] for r in rows if r["family"] == "attention"} == {"dense", "v-s", "top-k"}

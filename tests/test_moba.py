@@ -141,11 +141,13 @@ def test_hand_built_gate(rng):
 def test_top_k_selection_ties_to_the_lower_block(dtype, rng):
     """``select_topk_blocks`` against a sort by (score descending, block id ascending) in Python,
     on scores drawn from a few values (many ties, at the cut too), with invisible blocks, NaNs,
-    rows seeing fewer blocks than ``topk`` and a ``topk`` above the block count."""
+    +inf scores (ranked as scores, after the own block), rows seeing fewer blocks than ``topk``
+    and a ``topk`` above the block count."""
     rows, n = 300, 9
     scores = torch.randint(0, 4, (2, rows, n), generator=rng).to(dtype)
     drop = torch.rand(2, rows, n, generator=rng)
     scores = scores.masked_fill(drop < 0.2, float("-inf")).masked_fill(drop > 0.95, float("nan"))
+    scores = scores.masked_fill((drop > 0.75) & (drop < 0.85), float("inf"))
     own = torch.randint(0, n, (rows,), generator=rng)
     for topk in (1, 3, 5, n + 2):
         got = select_topk_blocks(scores, own, topk)

@@ -32,8 +32,8 @@ The user's setting (``backend`` argument, else ``MTRAINING_ATTENTION_BACKEND``, 
 ``ValueError`` that says why. :func:`attention_kernel` returns the choice with its reason;
 with ``logging.getLogger("megatron_mtraining.dispatch")`` at DEBUG every single-device call
 and every ring call logs it. The other kernel families follow the same setting:
-:func:`backend_choice` (merges, index statistics, MSA selection) and :func:`index_kernels`
-(the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
+:func:`backend_choice` (merges, index statistics, MSA selection, MoBA's gate top-k) and
+:func:`index_kernels` (the vertical-slash selection). MSA's KL loss in training goes where :func:`kl_kernel` says:
 the fused kernels (``kernels/msa_kl``) or the PyTorch reference, and on one device with
 the KV-outer attention inside its backward where ``MTRAINING_KL_TEACHER=shared``
 (``msa_kl_with_attention``); the union-of-tiles KL backward takes one pass or two as

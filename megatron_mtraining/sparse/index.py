@@ -223,6 +223,9 @@ def select_topk_blocks(block_scores: torch.Tensor, own_block: torch.Tensor, topk
     ids = torch.arange(n, dtype=torch.int32, device=scores.device)
     key = torch.where(scores > kth, ids, ids + n)
     key = torch.where((scores >= kth) & (scores > -inf), key, INT32_MAX)
+    # The own block's key is the smallest (``% n`` maps it back): kept even where ``k`` other
+    # blocks score +inf too, as its own +inf would tie with them by id.
+    key.scatter_(-1, own, (own - n).to(torch.int32))
     first = key.topk(k, dim=-1, largest=False, sorted=False).values
     # Width k, a bound from the shapes: the longest row would be read on the host.
     chosen = sort_kept(torch.where(first < INT32_MAX, first % n, INT32_MAX), k)

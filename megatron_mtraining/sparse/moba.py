@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dispatch import backend_choice
 from .documents import Documents, packed_documents
 from .index import BlockTopKIndex, select_topk_blocks, single_device
 from .validation import ValidatedConfig, check_int, check_power_of_two, check_qk, setting
@@ -57,8 +58,12 @@ def moba_select_from_parts(
     key holders (identity on one device). fp64 sums and gate scores make the choice
     independent of how the keys are split; the choice ranks them rounded to fp32 (a rounding of
     the same value on every split), ties to the earlier chunk (``select_topk_blocks``), so the
-    top-k runs on 32-bit values and keys. ``documents``: packed documents (module docstring);
-    the sums of the documents' heads, ``[B, n_documents, Hkv, D]``, are reduced too."""
+    top-k runs on 32-bit values and keys. Where the kernels run (``dispatch.backend_choice``)
+    and the chunks are at most ``topk_blocks.MAX_BLOCKS``, one Triton launch makes the same
+    choice (``kernels/index_build/topk_blocks.py``) from the unmasked fp64 gate and the causal
+    and document limits, in place of ``torch.topk`` on millions of short rows, the masking
+    and the fp32 copy. ``documents``: packed documents (module docstring); the sums of the
+    documents' heads, ``[B, n_documents, Hkv, D]``, are reduced too."""
     bsz, _, hq, _ = q.shape
     hkv = k.shape[2]
     cs = config.chunk_size
@@ -71,14 +76,24 @@ def moba_select_from_parts(
     qg = q.double().unflatten(2, (hkv, hq // hkv))
     gate = torch.einsum("bskgd,bckd->bkgsc", qg, pooled).flatten(1, 2)
     own = query_positions // cs
-    chunks = torch.arange(n_chunks, device=q.device).view(1, -1)
-    earlier = chunks < own.view(-1, 1)
+    first = None
     if documents is not None:
         first = documents.starts[query_positions.long()].long() // cs  # the chunk of the query's document start
         head = _document_heads(k, key_positions, documents, cs, all_reduce_sum)
         head_gate = torch.einsum("bskgd,bskd->bkgs", qg, head[:, documents.ids[query_positions.long()].long()])
-        at_head = chunks == first.view(-1, 1)
+        at_head = torch.arange(n_chunks, device=q.device) == first.view(-1, 1)
         gate = torch.where(at_head, head_gate.flatten(1, 2).unsqueeze(-1), gate)
+    if backend_choice(q) == "triton":
+        from .kernels.index_build import topk_blocks  # imports Triton
+
+        if n_chunks <= topk_blocks.MAX_BLOCKS:
+            # The earlier chunks (from the document's first) as limits, read with the fp64 gate.
+            blocks = torch.empty(bsz, q.shape[1], hq, config.topk, dtype=torch.int32, device=q.device)
+            topk_blocks.select_topk_blocks(gate, own, config.topk, True, first, out=blocks.permute(0, 2, 1, 3))
+            return blocks
+    chunks = torch.arange(n_chunks, device=q.device).view(1, -1)
+    earlier = chunks < own.view(-1, 1)
+    if first is not None:
         earlier &= chunks >= first.view(-1, 1)
     # In place: the gate is [B, Hq, Lq, chunks] fp64, whose copy would be as large.
     scores = gate.masked_fill_(~earlier, float("-inf")).float()
