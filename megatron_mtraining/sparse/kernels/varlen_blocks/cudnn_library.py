@@ -40,12 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .library import FlashVarlen
+from .library import FlashVarlen, unsupported_inputs
 
 logger = logging.getLogger(__name__)
 
-DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256  # cuDNN's Hopper forward and backward (its support matrix, 9.x)
 CAPABILITY_MAJOR = 9  # sm90; on sm80 FlashAttention-2 runs at cuDNN's rate, sm100 is not tested here
 # Ragged softmax stats ([T, H] packed, as the LSE is) and int64 ragged offsets came with 9.6.
 MIN_BACKEND = 90600
@@ -76,14 +74,9 @@ def frontend():
 
 
 def unsupported(q: torch.Tensor) -> str | None:
-    """Why ``CudnnVarlen`` cannot run on inputs like ``q``, or None."""
-    if not q.is_cuda:
-        return f"got inputs on {q.device}"
-    if q.dtype not in DTYPES:
-        return f"got {q.dtype}"
-    if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:
-        return f"got head dim {q.shape[-1]}"
-    why_not = frontend()[1]
+    """Why ``CudnnVarlen`` cannot run on inputs like ``q``, or None. cuDNN's Hopper forward and
+    backward take the inputs FlashAttention-2's do (its support matrix, 9.x)."""
+    why_not = unsupported_inputs(q) or frontend()[1]
     if why_not is not None:
         return why_not
     capability = torch.cuda.get_device_capability(q.device)

@@ -61,14 +61,23 @@ def missing_ops() -> str | None:
     return None
 
 
-def unsupported(q: torch.Tensor) -> str | None:
-    """Why ``FlashVarlen`` cannot run on inputs like ``q``, or None."""
+def unsupported_inputs(q: torch.Tensor) -> str | None:
+    """Why no GPU library of the varlen calls (FlashAttention-2's, cuDNN's: both fp16/bf16,
+    head dims a multiple of 8 up to 256) takes inputs like ``q``, or None."""
     if not q.is_cuda:
         return f"got inputs on {q.device}"
     if q.dtype not in DTYPES:
         return f"got {q.dtype}"
     if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:
         return f"got head dim {q.shape[-1]}"
+    return None
+
+
+def unsupported(q: torch.Tensor) -> str | None:
+    """Why ``FlashVarlen`` cannot run on inputs like ``q``, or None."""
+    why_not = unsupported_inputs(q)
+    if why_not is not None:
+        return why_not
     if torch.cuda.get_device_capability(q.device) < MIN_CAPABILITY:
         return f"got a GPU of compute capability {torch.cuda.get_device_capability(q.device)}, below sm80"
     if not torch.backends.cuda.is_flash_attention_available():
