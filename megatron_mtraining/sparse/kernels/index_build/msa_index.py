@@ -226,23 +226,30 @@ def _launch(
     select = blocks is not None
     kp = triton.next_power_of_2(max(n_slots, 1))
     fp32 = q.dtype == torch.float32
+
+    def launch(block_m: int) -> None:
+        _block_select_kernel[(bsz * groups, triton.cdiv(seq, block_m))](
+            q, k, scores, blocks, q if doc_starts is None else doc_starts, seq, n_blocks, groups, *q.stride()[:3],
+            *k.stride()[:2], n_slots, width,
+            1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+            BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
+            PRECISION="tf32x3" if fp32 else "tf32", num_warps=LAUNCH.num_warps,
+            num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages, HAS_DOCS=doc_starts is not None,
+        )  # fmt: skip
+
+    with_fewer_rows(launch, block_m)
+
+
+def with_fewer_rows(launch, rows: int, smallest: int = 16) -> None:
+    """``launch(rows)``, halving the rows a program takes while the GPU has less shared memory
+    than the tiles need (an A100 has 164 KiB); Triton raises before the launch, so nothing ran."""
     while True:
         try:
-            _block_select_kernel[(bsz * groups, triton.cdiv(seq, block_m))](
-                q, k, scores, blocks, q if doc_starts is None else doc_starts, seq, n_blocks, groups, *q.stride()[:3],
-                *k.stride()[:2], n_slots, width,
-                1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
-                BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
-                PRECISION="tf32x3" if fp32 else "tf32", num_warps=LAUNCH.num_warps,
-                num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages, HAS_DOCS=doc_starts is not None,
-            )  # fmt: skip
-            return
+            return launch(rows)
         except OutOfResources:
-            # Less shared memory than the tiles need (an A100 has 164 KiB): smaller row
-            # tiles. Raised before the launch, so nothing ran.
-            if block_m <= 16:
+            if rows <= smallest:
                 raise
-            block_m //= 2
+            rows //= 2
 
 
 @torch.no_grad()

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from ...validation import check_int, fail
+from .msa_index import with_fewer_rows
 
 # A row's scores and ranks live in registers, a [rows, next_pow2(n_blocks)] tile each, and
 # the count takes n_blocks steps: up to 128 blocks (MoBA's 4096-token chunks at 512K).
@@ -137,19 +137,15 @@ def _launch(scores, own, first, out, topk: int, causal: bool) -> None:
     n_rows = lead0 * lead1 * nq
     np_ = triton.next_power_of_2(n)
     block_r = min(LAUNCH.max_rows, max(1, LAUNCH.elements // np_), triton.next_power_of_2(n_rows))
-    while True:
-        try:
-            _topk_blocks_kernel[(triton.cdiv(n_rows, block_r),)](
-                s4, own, own if first is None else first, o4, n_rows, nq, n, lead1, *s4.stride()[:3], s4.stride(3),
-                *o4.stride()[:3], topk, BLOCK_R=block_r, NP=np_, PAD_W=min(triton.next_power_of_2(topk), 128),
-                CAUSAL=causal, HAS_FIRST=first is not None, num_warps=LAUNCH.num_warps,
-            )  # fmt: skip
-            return
-        except OutOfResources:
-            # Raised before the launch, so nothing ran: fewer rows a program.
-            if block_r <= 16:
-                raise
-            block_r //= 2
+
+    def launch(block_r: int) -> None:
+        _topk_blocks_kernel[(triton.cdiv(n_rows, block_r),)](
+            s4, own, own if first is None else first, o4, n_rows, nq, n, lead1, *s4.stride()[:3], s4.stride(3),
+            *o4.stride()[:3], topk, BLOCK_R=block_r, NP=np_, PAD_W=min(triton.next_power_of_2(topk), 128),
+            CAUSAL=causal, HAS_FIRST=first is not None, num_warps=LAUNCH.num_warps,
+        )  # fmt: skip
+
+    with_fewer_rows(launch, block_r)
 
 
 @torch.no_grad()
