@@ -43,7 +43,6 @@ the KV-outer attention inside its backward where ``MTRAINING_KL_TEACHER=shared``
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ from .kernels.block_bar.tables import SERVED_INDEXES
 from .kernels.dense_backends import flash_attn, sdpa
 from .kernels.varlen_blocks import attention as varlen_blocks
 from .kernels.varlen_blocks import choose as varlen_choose
-from .validation import fail
+from .validation import check_choice, env_choice, fail
 
 BACKENDS = ("auto", "reference", "triton", "flash_attn", "sdpa", "varlen_blocks")
 BACKEND_ENV = "MTRAINING_ATTENTION_BACKEND"
@@ -215,10 +214,7 @@ def kl_kernel(
 
 def _teacher_not_shared(q: torch.Tensor, index: BlockTopKIndex, backend: str | None) -> str | None:
     """Why the KV-outer KL cannot take its teacher from the attention's backward, or None."""
-    setting = os.environ.get(KL_TEACHER_ENV) or KL_TEACHERS[0]
-    if setting not in KL_TEACHERS:
-        fail(KL_TEACHER_ENV, setting, f"one of {', '.join(KL_TEACHERS)}")
-    if setting == "recompute":
+    if env_choice(KL_TEACHER_ENV, KL_TEACHERS) == "recompute":
         return f"{KL_TEACHER_ENV}=recompute (the default; shared measured slower)"
     attention = attention_kernel(q, index, backend)
     if attention.kernel != "kv_outer":
@@ -374,10 +370,10 @@ def dense_backend(q: torch.Tensor, index: SparseIndex, backend: str | None = Non
 
 
 def _backend_setting(backend: str | None) -> str:
-    choice = backend or os.environ.get(BACKEND_ENV) or "auto"
-    if choice not in BACKENDS:
-        fail("backend" if backend else BACKEND_ENV, choice, f"one of {', '.join(BACKENDS)}")
-    return choice
+    if not backend:
+        return env_choice(BACKEND_ENV, BACKENDS)
+    check_choice("backend", backend, BACKENDS)
+    return backend
 
 
 def index_kernels(t: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -38,6 +39,15 @@ def check_power_of_two(name: str, value, *, minimum: int) -> None:
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         fail(name, value, f"one of {', '.join(map(str, choices))}")
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The setting of environment variable ``name``: the first of ``choices`` where unset or
+    empty; a value not among them is an error naming the variable. Read on every call, so a
+    test or a run can change it between calls."""
+    value = os.environ.get(name) or choices[0]
+    check_choice(name, value, choices)
+    return value
 
 
 def check_fraction(name: str, value) -> None:

@@ -12,11 +12,9 @@ as ``MTRAINING_ATTENTION_BACKEND`` is.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ...validation import fail
+from ...validation import env_choice, fail
 from . import cudnn_library
 from .library import FlashVarlen, ReferenceVarlen
 
@@ -37,9 +35,7 @@ def choice(q: torch.Tensor) -> tuple[type, str]:
     library's backward takes the caller's output and LSE)."""
     if not q.is_cuda:
         return ReferenceVarlen, f"{q.device.type} tensors: the PyTorch stand-in"
-    setting = os.environ.get(LIBRARY_ENV) or LIBRARY_SETTINGS[0]
-    if setting not in LIBRARY_SETTINGS:
-        fail(LIBRARY_ENV, setting, f"one of {', '.join(LIBRARY_SETTINGS)}")
+    setting = env_choice(LIBRARY_ENV, LIBRARY_SETTINGS)
     flash = "PyTorch's FlashAttention-2 varlen kernels"
     if setting == "flash":
         return FlashVarlen, f"{flash} ({LIBRARY_ENV}=flash)"
