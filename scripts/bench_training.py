@@ -15,9 +15,9 @@ Rows (``--rows``):
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
   moba-triton   MoBA on the plugin's Triton kernels (``backend=triton``), the path ``moba`` takes
                 under context parallelism and with packed documents (``moba`` on one GPU runs
-                the varlen calls on the library ``varlen_blocks/choose.py`` picks)
-  moba-cudnn    ``moba`` with those calls on cuDNN's ragged attention (``MTRAINING_VARLEN_LIBRARY=cudnn``;
-                sm90 and cudnn-frontend)
+                the varlen calls on the library ``varlen_blocks/choose.py`` picks: cuDNN's on sm90)
+  moba-flash    ``moba`` with those calls on FlashAttention-2 (``MTRAINING_VARLEN_LIBRARY=flash``),
+                what an A100 runs
   msa-warmup    MSA during warmup (dense main branch, KL against the whole distribution)
   msa-kl-shared ``msa`` with the KL's teacher taken from the attention's backward
                 (``MTRAINING_KL_TEACHER=shared``), not recomputed by the KL's own kernels
@@ -55,13 +55,13 @@ ROWS = {
     "mtraining": ["attention.type=mtraining"],
     "moba": ["attention.type=moba"],
     "moba-triton": ["attention.type=moba", "attention.backend=triton"],
-    "moba-cudnn": ["attention.type=moba"],
+    "moba-flash": ["attention.type=moba"],
     "msa": ["attention.type=msa", "attention.msa.warmup_steps=0"],
     "msa-warmup": ["attention.type=msa", "attention.msa.warmup_steps=1000"],
     "msa-kl-shared": ["attention.type=msa", "attention.msa.warmup_steps=0"],
 }
 # Rows that differ from another by the environment only.
-ROW_ENV = {"msa-kl-shared": {"MTRAINING_KL_TEACHER": "shared"}, "moba-cudnn": {"MTRAINING_VARLEN_LIBRARY": "cudnn"}}
+ROW_ENV = {"msa-kl-shared": {"MTRAINING_KL_TEACHER": "shared"}, "moba-flash": {"MTRAINING_VARLEN_LIBRARY": "flash"}}
 RECOMPUTE = {
     "full": [
         "megatron.recompute_granularity=full",

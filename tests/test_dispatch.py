@@ -92,10 +92,15 @@ def test_wide_top_k_blocks_go_a_key_block_at_a_time_to_the_varlen_library(monkey
     moba = topk(seq, 4, 4096)  # a quarter of the keys: the union of tiles otherwise
     decision = dispatch.attention_kernel(q, moba)
     assert decision.kernel == "varlen_blocks" and "4096-token blocks" in decision.reason
-    # cuDNN's calls are opt-in until they have run on a GPU; the reason names the library.
-    assert "on PyTorch's FlashAttention-2 varlen kernels (cuDNN's ragged attention is opt-in" in decision.reason
-    monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
-    assert "on cuDNN's ragged attention (cudnn-frontend" in dispatch.attention_kernel(q, moba).reason
+    # The reason names the library: cuDNN's where it serves the call, else FlashAttention-2's.
+    assert "on cuDNN's ragged attention (cudnn-frontend, MTRAINING_VARLEN_LIBRARY=auto)" in decision.reason
+    monkeypatch.setattr(cudnn_library, "unsupported", lambda q: "got a GPU of compute capability (8, 0)")
+    assert "on PyTorch's FlashAttention-2 varlen kernels (not cuDNN's" in dispatch.attention_kernel(q, moba).reason
+    monkeypatch.setattr(cudnn_library, "unsupported", lambda q: None)
+    monkeypatch.setenv(choose.LIBRARY_ENV, "flash")
+    assert "on PyTorch's FlashAttention-2 varlen kernels (MTRAINING_VARLEN_LIBRARY=flash)" in (
+        dispatch.attention_kernel(q, moba).reason
+    )
     monkeypatch.delenv(choose.LIBRARY_ENV)
     assert dispatch.attention_kernel(q, moba, "varlen_blocks") == dispatch.Decision("varlen_blocks", "forced")
     narrow = dispatch.attention_kernel(q, topk(seq, 4, dispatch.VARLEN_MIN_BLOCK // 2))

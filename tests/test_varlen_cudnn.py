@@ -146,11 +146,10 @@ def test_the_library_choice_says_why(monkeypatch):
     assert choose.choice(torch.zeros(4, 2, 8)) == (library.ReferenceVarlen, "cpu tensors: the PyTorch stand-in")
     q = _cuda_like()
     monkeypatch.setattr(cl, "unsupported", lambda q: None)
-    # Opt-in until cuDNN's calls have run on a GPU: auto keeps FlashAttention-2 where cuDNN could run.
+    # auto takes cuDNN's calls wherever they can run.
     assert choose.choice(q) == (
-        library.FlashVarlen,
-        "PyTorch's FlashAttention-2 varlen kernels (cuDNN's ragged attention is opt-in until run on a GPU: "
-        "MTRAINING_VARLEN_LIBRARY=cudnn)",
+        cl.CudnnVarlen,
+        "cuDNN's ragged attention (cudnn-frontend, MTRAINING_VARLEN_LIBRARY=auto)",
     )
     monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn")
     calls, why = choose.choice(q)
@@ -168,7 +167,11 @@ def test_the_library_choice_says_why(monkeypatch):
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn'.*sm90 only"):
         choose.choice(q)
     monkeypatch.setenv(choose.LIBRARY_ENV, "auto")
-    assert choose.choice(q)[0] is library.FlashVarlen
+    assert choose.choice(q) == (
+        library.FlashVarlen,
+        "PyTorch's FlashAttention-2 varlen kernels (not cuDNN's ragged attention: "
+        "got a GPU of compute capability (8, 0), used on sm90 only)",
+    )
     monkeypatch.setenv(choose.LIBRARY_ENV, "cudnn9")
     with pytest.raises(ValueError, match=r"MTRAINING_VARLEN_LIBRARY='cudnn9'.*one of auto, flash, cudnn"):
         choose.choice(q)
@@ -400,9 +403,9 @@ def test_cudnn_graphs_are_reused_and_the_deterministic_backward_repeats(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_moba_on_cudnn_matches_fp64_dense(dtype, rng, monkeypatch):
-    """The whole path as the dispatch runs it on sm90 with cuDNN's calls asked for (opt-in
-    until this test has passed on a GPU), at Qwen2.5-3B's head shape on a sequence that is no
-    multiple of the chunk; then with an LSE gradient."""
+    """The whole path as the dispatch runs it on sm90 with cuDNN's calls asked for, at
+    Qwen2.5-3B's head shape on a sequence that is no multiple of the chunk; then with an LSE
+    gradient."""
     _cudnn_on_gpu()
     from megatron_mtraining.sparse import dispatch
 

@@ -12,9 +12,9 @@ An attention call goes to one of :data:`KERNELS`:
   varlen attention library (``kernels/varlen_blocks``): each block's own rows causally, then per
   selection slot the rows that chose each earlier block against its keys, merged by LSE
   (:func:`varlen_blocks_preferred`). Not under torch's deterministic mode, and not with packed
-  documents. The library is ``varlen_blocks.choose.choice``'s, named in the reason: PyTorch's
-  FlashAttention-2 (sm80 and sm90), or cuDNN's ragged attention (cudnn-frontend, sm90) under
-  ``MTRAINING_VARLEN_LIBRARY=cudnn`` (opt-in until it has run on a GPU).
+  documents. The library is ``varlen_blocks.choose.choice``'s, named in the reason: cuDNN's
+  ragged attention (cudnn-frontend, sm90) where it serves the call, else PyTorch's
+  FlashAttention-2 (sm80, or no cudnn-frontend); ``MTRAINING_VARLEN_LIBRARY`` forces either.
 * ``kv_outer``: the Triton KV-outer kernels (``kernels/kv_outer``), for a top-k index whose
   queries select a small share of the keys (:func:`kv_outer_preferred`), without packed
   documents (they take no document bounds; ``block_bar`` masks rows by their document start).
