@@ -65,6 +65,24 @@ def test_recomputation_is_its_own_phase():
     assert set(recomputed["layers_ms"]) == set(plain["layers_ms"])
 
 
+def test_kernels_launched_outside_operators_are_filed_by_name(monkeypatch):
+    """A kernel that lands in ``other`` goes to the part ``UNLINKED_KERNELS`` names for it; the
+    same kernel inside a named part stays there. (On CPU the "kernels" are ATen operations.)"""
+    from megatron_mtraining.training import step_report
+
+    monkeypatch.setattr(step_report, "UNLINKED_KERNELS", {"aten::sin": "msa_index"})
+    x = torch.randn(4096)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with part_range("other"):
+            x.sin()
+            x.cos()
+        with part_range("loss"):
+            x.sin()
+    parts = breakdown(prof, 1.0, on_device=False)["top_kernels_ms"]
+    assert "forward: aten::sin" in parts["msa_index"] and "forward: aten::sin" in parts["loss"]
+    assert "forward: aten::cos" in parts["other"] and "forward: aten::sin" not in parts["other"]
+
+
 def test_idle_gaps_name_the_longest_and_what_the_host_did():
     ms = 1_000_000
     # Device: k1 [0, 2], k2 [1, 3] (overlapping: no gap), k3 [7, 8], k4 [8.01, 9], k5 [9.5, 10].

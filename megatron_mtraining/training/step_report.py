@@ -15,7 +15,8 @@ runs) writes a JSON report when the run ends:
   embedding and the layer (``layer:N``); ranges inside the core attention name the index
   build and MSA's index branch and KL loss; the chunked loss names ``loss`` (output layer
   included). Whatever else a layer runs (RoPE, SwiGLU, residual adds) is ``elementwise``;
-  the rest of the forward step (batch, RoPE tables, loss reduction) is ``other``; what runs
+  the rest of the forward step (batch, RoPE tables, loss reduction) is ``other`` (less the
+  plugin's kernels launched outside any operator, filed by name: ``UNLINKED_KERNELS``); what runs
   outside forward and backward is ``optimizer`` (the optimizer step, gradient clipping,
   parameter copies); backward work that no forward operation made is ``grads`` (gradient
   accumulation into Megatron's buffers); NCCL kernels are ``communication``. The phase is ``forward``,
@@ -58,6 +59,15 @@ MODULE_PARTS = {
 }
 PHASES = ("forward", "recompute", "backward")
 TOP_KERNELS = 12
+# The plugin's kernels launched outside any operator (a Triton launch, a CUDA-graph replay): the
+# profiler links a kernel to the innermost operator on the stack, not to a range, so with full
+# recomputation these link to Megatron's CheckpointFunction, which sits outside the layer's
+# range, and would count as ``other``. Their names say which part ran them.
+UNLINKED_KERNELS = {
+    "_block_select_kernel": "msa_index",  # MSA's top-k selection, replayed from a CUDA graph
+    "_topk_blocks_kernel": "index",  # MoBA's gate top-k
+    "_row_stats_kernel": "metrics",  # the recall metric's window pass (the loss's runs inside its op)
+}
 # Idle stretches the report lists, the shortest it counts, and the host events it names per gap.
 IDLE_GAPS = 10
 MIN_GAP_MS = 0.05
@@ -252,6 +262,8 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         part, layer, phase = classify(event)
         for name, us in kernels:
             key = "communication" if "nccl" in name.lower() else part
+            if key == "other":
+                key = UNLINKED_KERNELS.get(name, key)
             parts[key][phase] += us / 1e3
             kernels_by_part[key][f"{phase}: {name[:120]}"] += us / 1e3
             if layer:
