@@ -26,7 +26,7 @@ from megatron_mtraining.evaluation.harness import EvalPlan, summarize  # noqa: E
 from megatron_mtraining.evaluation.report import has_matplotlib  # noqa: E402
 from megatron_mtraining.evaluation.tasks import TASKS, make_sample  # noqa: E402
 from megatron_mtraining.examples.quickstart import StageError, run_logged  # noqa: E402
-from megatron_mtraining.examples.study import report, schedule, transfer  # noqa: E402
+from megatron_mtraining.examples.study import report, runs, schedule, transfer  # noqa: E402
 from megatron_mtraining.examples.study.cli import main  # noqa: E402
 from megatron_mtraining.examples.study.data import (  # noqa: E402
     BYTES,
@@ -337,6 +337,24 @@ def test_all_runs_every_stage_it_has_not_run(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "report" / "study.md").is_file()
 
 
+def test_all_runs_a_variant_with_its_overrides_on_the_continued_runs_only(tmp_path, monkeypatch):
+    from megatron_mtraining.examples.study import cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_data", lambda cli_, workdir, splits: None)
+    monkeypatch.setattr(schedule, "run_jobs", lambda jobs, devices, logs: ran.append(list(jobs)) or [])
+    main(["all", "--workdir", str(tmp_path), "--attention", "mtraining", "--seeds", "1", "--variant", "p95",
+          "attention.mtraining.vertical_topp=0.95"])  # fmt: skip
+    (pretrain,), (continued,) = ran
+    assert "attention.mtraining.vertical_topp=0.95" not in pretrain.args
+    assert continued.name == "continue-mtraining-p95-seed1"
+    args = continued.args
+    assert any(list(args[i : i + 2]) == ["--variant", "p95"] for i in range(len(args)))
+    assert args[-1] == "attention.mtraining.vertical_topp=0.95"
+    with pytest.raises(SystemExit, match="--variant='P95' is invalid"):
+        main(["all", "--workdir", str(tmp_path), "--variant", "P95"])
+
+
 def test_all_puts_runs_per_gpu_runs_on_each_gpu(tmp_path, monkeypatch):
     """``--runs-per-gpu 2``: every GPU once, then every GPU again, as the continued runs' slots;
     0 is refused naming the flag."""
@@ -524,6 +542,31 @@ def test_report_tables_from_fixture_results(fixture_workdir):
     assert "### The pretrained model (dense, 2048 tokens)" in text and "| 100.0 | 80.0 | 90.0 | 7.389 |" in text
 
 
+def test_a_variant_reports_as_its_own_row_against_dense(fixture_workdir):
+    """A run of ``continue --variant p95`` reports as ``mtraining p95``, paired with the dense run
+    of its seed, and leaves the plain ``mtraining`` rows as they were."""
+    plain = report.summarize(fixture_workdir)
+    run = "continue/mtraining-p95-seed1"
+    record = stage_record(run, "mtraining", 1) | {"variant": "p95"}
+    write_run(fixture_workdir, run, record, {"mtraining": fixture_results("msa", 1, loss=2.001)})
+    summary = report.summarize(fixture_workdir)
+    assert list(summary["per_type"]) == ["dense", "mtraining", "mtraining p95", "msa"]
+    assert summary["per_type"]["mtraining"] == plain["per_type"]["mtraining"]
+    variant = summary["against_dense"]["mtraining p95"]
+    assert variant["seeds"] == [1] and variant["perplexity_ratio"] == pytest.approx(math.exp(0.001) - 1)
+    assert variant["average"][0] == pytest.approx(100 * (summary["per_type"]["mtraining p95"]["average"][0] - 0.9))
+    text = report.markdown(summary)
+    assert "| mtraining p95 | 1 | 500 | 0.200 |" in text and "| mtraining p95 | 1 | " in text.split("Against dense")[1]
+
+
+def test_variant_names_make_run_directories_or_are_refused():
+    assert runs.continue_run("msa", 2) == Path("continue/msa-seed2")
+    assert runs.continue_run("msa", 2, "k32") == Path("continue/msa-k32-seed2")
+    for bad in ("K32", "p-95", "", "p95/x", ".p"):
+        with pytest.raises(StageError, match=r"--variant=.* is invalid; accepted: lower-case letters"):
+            runs.continue_run("msa", 1, bad)
+
+
 def test_report_files_and_the_empty_case(fixture_workdir, tmp_path):
     text, written = report.write_report(fixture_workdir)
     names = {p.name for p in written}
@@ -615,8 +658,8 @@ def test_data_and_pretraining(pretrained):
 
 
 def test_continued_msa_from_the_pretrained_model_elsewhere(pretrained, tiny, capsys):
-    """Continued in a fresh workdir from the pretraining's archive (as on another machine),
-    evaluated with MSA and dense, exported without its checkpoint and reported."""
+    """Continued in a fresh workdir from the pretraining's archive (as on another machine), as a
+    named variant, evaluated with MSA and dense, exported without its checkpoint and reported."""
     root, options, evaluation = tiny
     fresh = ["--workdir", "w2", *options[2:]]
     output = study(
@@ -633,10 +676,13 @@ def test_continued_msa_from_the_pretrained_model_elsewhere(pretrained, tiny, cap
         *evaluation,
         "--export",
         "out2",
+        "--variant",
+        "kl.5",
+        "attention.msa.kl_coeff=0.5",
     )
     work = root / "w2"
     assert "imported study-pretrain.tar" in output and "split heldout: reused" in output
-    log = (work / "continue/msa-seed3/train.log").read_text()
+    log = (work / "continue/msa-kl.5-seed3/train.log").read_text()
     # The switch from the pretrained dense model, which restarts at iteration 0 with a fresh
     # optimizer; the index branch warms up for one iteration (dense) and then selects.
     assert "attention switch on load from pretrain/checkpoints (iteration 2): 'dense' -> 'msa'" in log
@@ -645,24 +691,25 @@ def test_continued_msa_from_the_pretrained_model_elsewhere(pretrained, tiny, cap
     metrics = parse_metrics(log)
     assert sorted(metrics) == [1, 2, 3]
     assert float(metrics[1]["attended_fraction"]) == 1.0 and float(metrics[3]["attended_fraction"]) < 0.5
-    record = json.loads((work / "continue/msa-seed3/stage.json").read_text())
+    record = json.loads((work / "continue/msa-kl.5-seed3/stage.json").read_text())
     assert record["started_from"] == {"checkpoint": "pretrain/checkpoints", "iteration": 2}
     assert (record["loaded_iteration"], record["iterations"], record["seed"]) == (0, 3, 3)
     # The continued stage masks packed documents (the indexes are built per document).
     assert record["documents_masked"] is True
+    assert record["variant"] == "kl.5" and "attention.msa.kl_coeff=0.5" in record["overrides"]
     assert record["validation"]["iteration"] == 3 and record["data"]["split"] == "continue"
     for attention in ("msa", "dense"):
-        results = json.loads((work / f"continue/msa-seed3/eval/{attention}/results.json").read_text())
+        results = json.loads((work / f"continue/msa-kl.5-seed3/eval/{attention}/results.json").read_text())
         assert results["meta"]["attention"]["type"] == attention and results["meta"]["iteration"] == 3
         assert results["plan"]["lengths"] == [512] and results["plan"]["held_out"] == "indexed dataset data/heldout"
         assert math.isfinite(results["perplexity"]["512"]["perplexity"])
     # The export holds the results, not the checkpoint; the report reads them anywhere.
     main(["import", str(root / "out2"), "--workdir", str(root / "w3")])
-    assert (root / "w3/continue/msa-seed3/eval/msa/results.json").is_file()
-    assert not (root / "w3/continue/msa-seed3/checkpoints").exists()
+    assert (root / "w3/continue/msa-kl.5-seed3/eval/msa/results.json").is_file()
+    assert not (root / "w3/continue/msa-kl.5-seed3/checkpoints").exists()
     main(["report", "--workdir", str(root / "w3")])
     text = capsys.readouterr().out
-    assert "| msa | 3 | 3 | " in text and "| msa | dense | 3 |" in text
+    assert "| msa kl.5 | 3 | 3 | " in text and "| msa kl.5 | dense | 3 |" in text
 
 
 def test_a_config_megatron_rejects_stops_before_the_data(tiny, tmp_path):

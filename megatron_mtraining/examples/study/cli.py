@@ -10,7 +10,18 @@ from pathlib import Path
 
 from ... import configs
 from ..quickstart import StageError
-from .runs import ATTENTION_TYPES, CONTINUE, CROSS, PRETRAIN, STAGE_FILE, Deadline, EvalSettings, Study, continue_run
+from .runs import (
+    ATTENTION_TYPES,
+    CONTINUE,
+    CROSS,
+    PRETRAIN,
+    STAGE_FILE,
+    Deadline,
+    EvalSettings,
+    Study,
+    check_variant,
+    continue_run,
+)
 
 DATA_CONFIG = "data/study.yaml"
 CONFIGS = "study"
@@ -99,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     cont.add_argument("--seed", type=int, required=True, help="seed of the run (data order, new parameters)")
     cont.add_argument("--export-checkpoint", action="store_true", help="with --export: the checkpoint too")
     cont.add_argument(
+        "--variant",
+        metavar="NAME",
+        help="name a run whose overrides change the type's settings (a budget sweep): it trains as "
+        "continue/<type>-NAME-seed<N> and reports as its own row against dense",
+    )
+    cont.add_argument(
         "--cross",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -145,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     every.add_argument(
         "--cross", action=argparse.BooleanOptionalAction, default=True, help="as the continue stage's --cross"
+    )
+    every.add_argument(
+        "--variant",
+        metavar="NAME",
+        help="the continued runs as a named variant (as the continue stage's --variant), the overrides its settings",
     )
     every.add_argument("--export", metavar="DIR", help="each stage packs its outputs into DIR, as with the stages")
     every.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every stage")
@@ -230,7 +252,7 @@ def _train_stage(
     evaluation still leaves the run) and again after the evaluations, finished or failed."""
     passes = 1 + len(cross) if cli.eval else 0
     reserve = passes * cli.eval_minutes + (EXPORT_MINUTES if cli.export else 0)
-    record = study.train(stage, run, overrides, cli.steps, deadline, reserve)
+    record = study.train(stage, run, overrides, cli.steps, deadline, reserve, getattr(cli, "variant", None))
     if cli.export:
         export()
     if cli.eval:
@@ -288,12 +310,12 @@ def run(cli) -> None:
                 f"no pretrained model in {workdir / PRETRAIN}: run the pretrain stage there first, or --import its "
                 "archive (study-pretrain.tar.NNN)"
             )
-        run_dir = continue_run(cli.attention, cli.seed)
+        run_dir = continue_run(cli.attention, cli.seed, cli.variant)
         overrides = [f"attention.type={cli.attention}", f"megatron.seed={cli.seed}"]
         study.plan("continue", run_dir, overrides, cli.steps)
         _data(cli, workdir, ("continue", "heldout"))
         exclude = [] if cli.export_checkpoint else [run_dir / "checkpoints"]
-        name = f"study-continue-{cli.attention}-seed{cli.seed}"
+        name = f"study-{'-'.join(run_dir.parts)}"
         _train_stage(
             cli,
             study,
@@ -308,7 +330,7 @@ def run(cli) -> None:
         for name in cli.runs:
             run_dir = Path(name)
             if run_dir.parts[:1] not in ((PRETRAIN.name,), (CONTINUE.name,)):
-                raise StageError(f"bad run {name!r} (accepted: pretrain, or continue/<type>-seed<N>)")
+                raise StageError(f"bad run {name!r} (accepted: pretrain, or continue/<type>[-<variant>]-seed<N>)")
             types = cli.attention or _default_types(workdir, run_dir)
             study.evaluate(run_dir, tuple(types), _eval_settings(cli))
             if cli.export:
@@ -328,6 +350,7 @@ def _all(cli, workdir: Path) -> None:
 
     if cli.runs_per_gpu < 1:
         raise SystemExit(f"--runs-per-gpu={cli.runs_per_gpu} is invalid; accepted: an integer >= 1")
+    check_variant(cli.variant)
     devices = visible_devices(cli.gpus)
     _data(cli, workdir, ("pretrain", "continue", "heldout"))
     shared = ["--workdir", str(workdir), "--data-config", cli.data_config, "--configs", cli.configs]
@@ -337,25 +360,34 @@ def _all(cli, workdir: Path) -> None:
     lengths = ["--lengths", *map(str, cli.lengths)] if cli.lengths else []
     logs = workdir / "logs"
 
-    def job(run: Path, attention: str, train: tuple[str, ...], types: tuple[str, ...], seed=None, more=()):
+    def job(
+        run: Path, attention: str, train: tuple[str, ...], types: tuple[str, ...], seed=None, more=(), overrides=()
+    ):
         name = "-".join(run.parts)
         if not (workdir / run / STAGE_FILE).is_file():
-            return Job(name, (*train, *more, "--eval", "--time-limit", "0", *shared, *cli.overrides), seed)
+            return Job(name, (*train, *more, "--eval", "--time-limit", "0", *shared, *overrides), seed)
         if not (workdir / run / "eval" / attention / "results.json").is_file():
             return Job(f"{name}-eval", ("eval", run.as_posix(), "--as", *types, *more, *shared), seed)
         return None
 
-    pretrain = job(PRETRAIN, "dense", ("pretrain",), ("dense",))
+    # A variant's overrides are its continued runs' settings, not the pretraining's.
+    pretrain = job(PRETRAIN, "dense", ("pretrain",), ("dense",), overrides=() if cli.variant else cli.overrides)
     if pretrain is not None:
         check_finished(run_jobs([pretrain], devices[:1], logs))
     jobs = [
         job(
-            continue_run(attention, seed),
+            continue_run(attention, seed, cli.variant),
             attention,
-            ("continue", "--attention", attention, "--seed", str(seed), *([] if cli.cross else ["--no-cross"])),
+            (
+                "continue",
+                *("--attention", attention, "--seed", str(seed)),
+                *(["--variant", cli.variant] if cli.variant else []),
+                *([] if cli.cross else ["--no-cross"]),
+            ),
             (attention, *(CROSS[attention] if cli.cross else ())),
             seed,
             lengths,
+            cli.overrides,
         )
         for attention in cli.attention
         for seed in cli.seeds

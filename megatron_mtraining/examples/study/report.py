@@ -1,7 +1,7 @@
 """The study's report: the evaluation of every run in a workdir, as markdown for
 ``docs/accuracy.md`` and plots.
 
-It reads ``pretrain/`` and ``continue/<type>-seed<N>/`` (their ``stage.json`` and
+It reads ``pretrain/`` and ``continue/<type>[-<variant>]-seed<N>/`` (their ``stage.json`` and
 ``eval/<type>/results.json``, as the stages or an imported archive left them) and writes
 ``report/study.md``, ``report/study.json`` (the same numbers) and, with matplotlib,
 ``report/accuracy_by_length.png`` and ``report/loss_by_position.png``.
@@ -11,7 +11,9 @@ at every evaluated length. Every run is evaluated on the same samples (one evalu
 so a sparse type is compared with dense sample by sample: the difference of each sample's
 score, pooled over the seeds both types ran, gives the difference in points and its
 standard error. The target of issue 23: each sparse type within 2 points of dense on every
-task average, and within 1% of dense's held-out perplexity at the longest length.
+task average, and within 1% of dense's held-out perplexity at the longest length. A variant
+(``continue --variant``: the same type with other settings, a budget sweep) reports as a row of
+its own, ``<type> <variant>``, against the dense runs of its seeds.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class Run:
         return self.record["attention"]
 
     @property
+    def label(self) -> str:
+        """The row the run reports under: its attention type, and its variant if it has one."""
+        variant = self.record.get("variant")
+        return f"{self.attention} {variant}" if variant else self.attention
+
+    @property
     def seed(self) -> int:
         return self.record["seed"]
 
@@ -64,7 +72,7 @@ def load_runs(workdir: Path) -> tuple[Run | None, list[Run]]:
     workdir = Path(workdir)
     runs = [r for d in sorted((workdir / CONTINUE).glob("*")) if (r := load_run(workdir, d.relative_to(workdir)))]
     order = {name: i for i, name in enumerate(ATTENTION_TYPES)}
-    runs.sort(key=lambda r: (order.get(r.attention, len(order)), r.attention, r.seed))
+    runs.sort(key=lambda r: (order.get(r.attention, len(order)), r.label, r.seed))
     return load_run(workdir, PRETRAIN), runs
 
 
@@ -154,7 +162,7 @@ def summarize(workdir: Path) -> dict:
         per_run.append(
             {
                 "run": run.name,
-                "attention": run.attention,
+                "attention": run.label,
                 "seed": run.seed,
                 "iterations": run.record["iterations"],
                 "train_iters": run.record["train_iters"],
@@ -181,11 +189,11 @@ def summarize(workdir: Path) -> dict:
             "attended_fraction": mean_sd([r["attended_fraction"] for r in rows if r["attended_fraction"] is not None]),
         }
     against_dense = {}
-    dense = {r.seed: r for r in evaluated if r.attention == "dense"}
+    dense = {r.seed: r for r in evaluated if r.label == "dense"}
     for attention in types:
         if attention == "dense":
             continue
-        paired = [(r, dense[r.seed]) for r in evaluated if r.attention == attention and r.seed in dense]
+        paired = [(r, dense[r.seed]) for r in evaluated if r.label == attention and r.seed in dense]
         if not paired:
             continue
         pairs = [(r.own, d.own) for r, d in paired]
@@ -212,7 +220,7 @@ def summarize(workdir: Path) -> dict:
             cross.append(
                 {
                     "run": run.name,
-                    "trained": run.attention,
+                    "trained": run.label,
                     "evaluated": attention,
                     "seed": run.seed,
                     "average": results["accuracy"]["average"],
@@ -462,7 +470,7 @@ def figures(summary: dict, workdir: Path) -> dict:
     loss, ax = plt.subplots(figsize=(6, 4))
     _, runs = load_runs(workdir)
     for attention in summary["per_type"]:
-        own = [r.own for r in runs if r.attention == attention and r.own is not None]
+        own = [r.own for r in runs if r.label == attention and r.own is not None]
         buckets = [own_results["perplexity"][longest(own_results)]["buckets"] for own_results in own]
         xs = [(b["start"] + b["end"]) / 2 for b in buckets[0]]
         ys = [sum(bs[i]["loss"] for bs in buckets) / len(buckets) for i in range(len(xs))]

@@ -1,7 +1,8 @@
 """The study's training and evaluation stages over one workdir.
 
 A run is a directory of the workdir: ``pretrain`` (dense, short length) or
-``continue/<type>-seed<N>`` (one attention type and seed, from the pretrained model). Each
+``continue/<type>-seed<N>`` (one attention type and seed, from the pretrained model;
+``continue/<type>-<variant>-seed<N>`` for a named variant of the type's settings). Each
 holds ``checkpoints/``, ``train.log``, ``tensorboard/``, ``stage.json`` (what ran and what it
 measured) and ``eval/<type>/`` (the evaluation's ``results.json``, tables and plots, one
 folder per attention type the checkpoint was evaluated with).
@@ -50,8 +51,21 @@ SWITCH = re.compile(r"\[mtraining\] attention switch on load from (\S+) \(iterat
 RESERVED = ("train_iters", "save", "load", "save_interval", "seed", "tensorboard_dir", "exit_signal_handler")
 
 
-def continue_run(attention: str, seed: int) -> Path:
-    return CONTINUE / f"{attention}-seed{seed}"
+# A variant's name is part of a directory and an archive name, and is told from the seed by "-seed".
+VARIANT = re.compile(r"[a-z0-9][a-z0-9.]*")
+
+
+def check_variant(variant: str | None) -> None:
+    if variant is not None and not VARIANT.fullmatch(variant):
+        raise StageError(
+            f"--variant={variant!r} is invalid; accepted: lower-case letters, digits and dots, starting with a "
+            "letter or digit (e.g. p95, k32)"
+        )
+
+
+def continue_run(attention: str, seed: int, variant: str | None = None) -> Path:
+    check_variant(variant)
+    return CONTINUE / (f"{attention}-seed{seed}" if variant is None else f"{attention}-{variant}-seed{seed}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,7 @@ class Study:
         steps: int | None,
         deadline: Deadline,
         reserve_minutes: float,
+        variant: str | None = None,
     ) -> dict:
         """Trains ``run`` with the ``stage`` config; returns (and writes) its ``stage.json``."""
         run_config, run_overrides, steps = self.plan(stage, run, overrides, steps)
@@ -251,6 +266,7 @@ class Study:
             "stage": stage,
             "run": run.as_posix(),
             "attention": attention.type,
+            "variant": variant,
             "seed": run_config.value("seed"),
             "config": str(self.configs[stage].resolve()),
             "overrides": [*self.overrides, *run_overrides],
