@@ -63,6 +63,10 @@ def test_configs_resolve_from_a_non_editable_install(tmp_path):
     found = json.loads(proc.stdout)
     installed = site / "megatron_mtraining"
     assert Path(found["quickstart"]).is_relative_to(installed), found
+    # Every package of the checkout is installed: pyproject.toml lists them by hand.
+    checkout_packages = {p.parent.relative_to(REPO) for p in (REPO / "megatron_mtraining").rglob("__init__.py")}
+    installed_packages = {p.parent.relative_to(site) for p in installed.rglob("__init__.py")}
+    assert not checkout_packages - installed_packages, sorted(map(str, checkout_packages - installed_packages))
     for key in ("default_config", "mix_config", "recipe"):
         path = Path(found[key])
         assert path.is_relative_to(installed / "configs") and path.is_file(), (key, found)
