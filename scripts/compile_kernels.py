@@ -29,7 +29,9 @@ as Triton's launcher specialises it:
   sums, the mass pass and its pooling;
 * ``combine``: the LSE merges of partial results (``kernels.shared.combine``): the two-way
   merge forward and backward (the ring's and the varlen path's) and the varlen path's in-place
-  merge into named rows (``merge_rows``), a running fp32 result taking bf16/fp16 parts;
+  merge into named rows (``merge_rows``), a running fp32 result taking bf16/fp16 parts; and the
+  varlen path's row moves (``kernels.shared.rows``): its forward's gather of q, its backward's
+  of dO, q, O and the LSE in one launch, and dQ's add of a part into fp32 rows;
 * ``gate``: MoBA's gate choice (``index_build.topk_blocks``) on the fp64 gate of the case's
   query heads, causal (and from each row's document's first chunk with ``--documents``):
   32 chunks, top-12 (``select``), and the kernel's widest rows, 128 chunks (``select-wide``).
@@ -79,7 +81,7 @@ from megatron_mtraining.sparse.kernels.index_build import topk_blocks, window_st
 from megatron_mtraining.sparse.kernels.kv_outer import attention as kv_outer
 from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch as shared_arch
-from megatron_mtraining.sparse.kernels.shared import combine
+from megatron_mtraining.sparse.kernels.shared import combine, rows
 from megatron_mtraining.sparse.vertical_slash import ObservationWindows
 
 # Largest dynamic shared memory a block may opt in to (CUDA programming guide, compute
@@ -267,18 +269,23 @@ class _Context:
 
 def _combine(c: _Case, index) -> list:
     """The merges as the varlen path runs them: a running fp32 result (``[B, S, H, D]``, LSE
-    ``[B, H, S]``) and a part in the case's dtype; ``merge_rows`` on half the rows."""
+    ``[B, H, S]``) and a part in the case's dtype; ``merge_rows`` on half the rows; the row
+    gathers and dQ's add of a slot (``gather_rows``, ``add_rows``) on the same half."""
     b, s, h, d = c.q.shape
     out, lse = torch.zeros(b, s, h, d), torch.zeros(b, h, s)
     part = c.q.new_zeros(b, s, h, d)
     saved = (out, lse, part, lse)
-    rows = b * s * h
-    order = torch.arange(0, rows, 2, dtype=torch.int32)
+    n = b * s * h
+    order = torch.arange(0, n, 2, dtype=torch.int32)
+    q_rows, out_rows, lse_rows = c.q.reshape(n, d), out.view(n, d), lse.view(n)
     return [
         ("combine", lambda: combine.FusedCombine.forward(_Context(), *saved)),
         ("combine-bwd", lambda: combine.FusedCombine.backward(_Context(*saved), out, lse)),
-        ("merge_rows", lambda: combine.merge_rows(out.view(rows, d), lse.view(rows), part.view(rows, d)[: len(order)],
-                                                  lse.view(rows)[: len(order)], order)),
+        ("merge_rows", lambda: combine.merge_rows(out_rows, lse_rows, part.view(n, d)[: len(order)],
+                                                  lse_rows[: len(order)], order)),
+        ("gather_q", lambda: rows.gather_rows(order, q_rows)),
+        ("gather_rows", lambda: rows.gather_rows(order, q_rows, q_rows, q_rows, lse_rows)),
+        ("add_rows", lambda: rows.add_rows(out_rows, order, part.view(n, d)[: len(order)])),
     ]  # fmt: skip
 
 
@@ -320,7 +327,11 @@ _FAMILIES = {
         [(kv_outer, ("kernels",)), (kv_loss, ("_kl_lse_kernel", "_kl_bwd_kernel", "_kl_dq_kernel", "kv_kernels"))],
     ),
     "window": (_window, ("dense",), [(window_stats, ("_row_stats_kernel", "_mass_kernel", "_pool_kernel"))]),
-    "combine": (_combine, ("dense",), [(combine, ("_combine_fwd", "_combine_bwd", "_merge_rows"))]),
+    "combine": (
+        _combine,
+        ("dense",),
+        [(combine, ("_combine_fwd", "_combine_bwd", "_merge_rows")), (rows, ("_gather_rows", "_add_rows"))],
+    ),
     "gate": (_gate, ("dense",), [(topk_blocks, ("_topk_blocks_kernel",))]),
 }
 

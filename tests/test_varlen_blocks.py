@@ -238,8 +238,8 @@ def test_moba_on_cuda_matches_fp64_dense(dtype, rng, library_calls, monkeypatch)
 
 class _Launches(TorchDispatchMode):
     """Counts the ATen operations that would launch a kernel on CUDA (views and empty
-    allocations do not), outside the library calls and the merges, which count one each (a
-    FlashAttention-2 call, one Triton launch)."""
+    allocations do not), outside the library calls, the merges, the row gathers and dQ's adds,
+    which count one each (a FlashAttention-2 call, one Triton launch)."""
 
     FREE = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze",
             "alias", "detach", "permute", "empty", "empty_like", "empty_strided", "lift_fresh", "promote_types"}  # fmt: skip
@@ -248,7 +248,8 @@ class _Launches(TorchDispatchMode):
         super().__init__()
         self.count, self.paused = 0, False
         for owner, name in (
-            (library.ReferenceVarlen, "forward"), (library.ReferenceVarlen, "backward"), (varlen_attention, "_merge_into")
+            (library.ReferenceVarlen, "forward"), (library.ReferenceVarlen, "backward"),
+            (varlen_attention, "_merge_into"), (varlen_attention, "_gather"), (varlen_attention, "_add_into"),
         ):  # fmt: skip
             real = getattr(owner, name)
 
@@ -269,8 +270,9 @@ class _Launches(TorchDispatchMode):
 
 
 # Launches of a forward + backward: a fixed number, then per slot with rows the forward's gather,
-# call and merge, the backward's four gathers, call, dQ's cast and add, dK's and dV's adds.
-FIXED_LAUNCHES, SLOT_LAUNCHES = 52, 11  # measured: 52 + 11 per slot (the layout 38 of the 52)
+# call and merge, the backward's gather (dO, q, O and the LSE in one), call, dQ's add (the part's
+# cast in it) and dK's and dV's adds.
+FIXED_LAUNCHES, SLOT_LAUNCHES = 52, 8  # measured: 52 + 8 per slot (the layout 38 of the 52)
 
 
 @pytest.mark.parametrize("topk", [2, 7, 16])
@@ -291,10 +293,13 @@ def test_launches_grow_by_a_constant_per_slot(topk, rng, monkeypatch):
     assert launches.count <= FIXED_LAUNCHES + SLOT_LAUNCHES * (topk - 1)
 
 
-@pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     not triton_available() or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
     reason="needs Triton on CUDA or TRITON_INTERPRET=1",
 )
+
+
+@needs_triton
 @pytest.mark.parametrize("d", [16, 24])
 def test_the_fused_row_merge_equals_the_reference(d, rng):
     """``merge_rows`` (the forward's merge on CUDA, one launch) against ``_merge_into``'s
@@ -316,3 +321,40 @@ def test_the_fused_row_merge_equals_the_reference(d, rng):
     merge_rows(got_out, got_lse, part.to(device), part_lse.to(device), order.to(device))
     torch.testing.assert_close(got_out.cpu(), want_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_row_kernels_change_no_bit(dtype, rng, monkeypatch):
+    """The path with its gathers and dQ's adds on ``shared.rows`` (as on CUDA; here under the
+    interpreter, the calls and merges still PyTorch's) gives the same bits as with PyTorch's
+    indexing and ``index_add_``: copies, and fp32 sums of the same values in the same order."""
+    from megatron_mtraining.sparse.kernels.shared import rows
+
+    b, s, hq, hkv, d, chunk, topk = 1, 300, 4, 2, 24, 32, 4
+    q, k, v = make_inputs(rng, (b, s, hq, hkv, d), dtype, "cpu")
+    index = moba_index(q, k, chunk, topk)
+    dout = torch.randn(q.shape, generator=rng).to(dtype)
+
+    def run():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = sparse_attention(*inputs, index, backend="varlen_blocks")
+        return [out.detach(), *torch.autograd.grad(out, inputs, dout)]
+
+    want = run()
+    launches = {"gather_rows": 0, "add_rows": 0}
+    for name in launches:
+        real = getattr(rows, name)
+
+        def counted(*args, real=real, name=name):
+            launches[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(rows, name, counted)
+    monkeypatch.setattr(varlen_attention, "_triton_rows", lambda t: True)
+    got = run()
+    slots = min(topk - 1, -(-s // chunk) - 1)
+    assert launches == {"gather_rows": 2 * slots, "add_rows": slots}
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g.view(bits), w.view(bits)), name

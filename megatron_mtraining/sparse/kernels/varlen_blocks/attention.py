@@ -23,17 +23,20 @@ copies.
 The backward runs each piece's library backward with its rows' *merged* output and LSE: then
 ``P = exp(s - lse)`` and ``rowsum(dO * O)`` make each piece's gradients exactly its share of
 the whole attention's, with no gradient through the pieces' own LSEs. dQ adds each slot's rows
-into row order (``index_add_``, each row once a slot), dK / dV the slots' per-block results,
-both in fp32 sums begun with the diagonal's. A gradient through the returned LSE has no input in
-the library's backward (it computes ``rowsum(dO * O)`` itself), so such a backward runs where
-the softmax gradient takes it: the block-bar Triton kernels on CUDA, the PyTorch reference
-elsewhere.
+into row order (each row once a slot), dK / dV the slots' per-block results, both in fp32 sums
+begun with the diagonal's. A gradient through the returned LSE has no input in the library's
+backward (it computes ``rowsum(dO * O)`` itself), so such a backward runs where the softmax
+gradient takes it: the block-bar Triton kernels on CUDA, the PyTorch reference elsewhere.
 
 Every launch of the layer is a cost of its own: at 128K tokens the GPU waited on the host between
 the small ones (issue 21). So the layout (``layout``) is built for all slots at once on the
 device, in a fixed number of operations whatever ``topk`` (one sort per ``SORT_ENTRIES`` keys),
-and a slot costs the forward one gather, the library call and one merge, the backward four
-gathers, the library call and four adds. The per-slot row counts and largest segments (the
+and a slot costs the forward one gather, the library call and one merge, the backward one
+gather, the library call and three adds. On CUDA the rows move on ``shared.rows``: a slot's
+rows of dO, q, O and the LSE in one launch (``gather_rows``: PyTorch's indexing takes one a
+source and reads the index each time), and dQ's sum in one launch that converts the part as it
+adds (``add_rows``, with no atomics: a slot names a row once); elsewhere PyTorch's indexing and
+``index_add_``, which they equal bit for bit. The per-slot row counts and largest segments (the
 library's ``max_q``) are read on the host once per forward.
 """
 
@@ -165,6 +168,33 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_l
     lse[rows] = merged_lse.view(-1).to(lse.dtype)
 
 
+def _triton_rows(t: torch.Tensor) -> bool:
+    """Whether rows indexed by ``t`` move on the Triton kernels (``shared.rows``): on CUDA.
+    Elsewhere PyTorch's indexing, which the kernels equal bit for bit (the tests force them on
+    a CPU, under the interpreter, to show it)."""
+    return t.is_cuda and triton_available()
+
+
+def _gather(order: torch.Tensor, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``source[order]`` of each source: on CUDA one launch for all (``gather_rows``)."""
+    if _triton_rows(order):
+        from ..shared.rows import gather_rows  # imports Triton
+
+        return gather_rows(order, *sources)
+    return tuple(x[order] for x in sources)
+
+
+def _add_into(target: torch.Tensor, order: torch.Tensor, part: torch.Tensor):
+    """``target[order] += part`` in ``target``'s dtype, ``order`` naming each row once: on CUDA
+    one launch that converts ``part`` on the way (``add_rows``)."""
+    if _triton_rows(order):
+        from ..shared.rows import add_rows  # imports Triton
+
+        add_rows(target, order, part)
+        return
+    target.index_add_(0, order, part.to(target.dtype))
+
+
 def _kv_major(x: torch.Tensor) -> torch.Tensor:
     """``[B, S, Hkv, D]`` -> ``[B*Hkv*S, 1, D]``: each KV head's keys one run, as ``key_cu`` cuts them."""
     return x.transpose(1, 2).reshape(-1, 1, x.shape[-1])
@@ -201,7 +231,8 @@ class VarlenBlockAttention(torch.autograd.Function):
         q_rows = q.view(-1, d)
         for slot in plan.slots:
             segments = (slot.cu_q, plan.key_cu, slot.max_q, length, False, scale)
-            part, part_lse = calls.forward(q_rows[slot.order].unsqueeze(1), k_major, v_major, *segments)
+            (rows,) = _gather(slot.order, q_rows)
+            part, part_lse = calls.forward(rows.unsqueeze(1), k_major, v_major, *segments)
             _merge_into(out, lse, part.view(-1, d), part_lse.view(-1), slot.order)
         out = out.view(b, s, hq, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -237,12 +268,12 @@ class VarlenBlockAttention(torch.autograd.Function):
         k_major, v_major = _kv_major(k), _kv_major(v)
         dout_rows, q_rows, out_rows = dout.view(-1, d), q.view(-1, d), out.view(-1, d)
         for slot in plan.slots:
-            g = slot.order
+            dout_g, q_g, out_g, lse_g = _gather(slot.order, dout_rows, q_rows, out_rows, lse)
             dq_part, dk_part, dv_part = calls.backward(
-                dout_rows[g].unsqueeze(1), q_rows[g].unsqueeze(1), k_major, v_major, out_rows[g].unsqueeze(1),
-                lse[g].unsqueeze(0), slot.cu_q, plan.key_cu, slot.max_q, length, False, scale,
+                dout_g.unsqueeze(1), q_g.unsqueeze(1), k_major, v_major, out_g.unsqueeze(1), lse_g.unsqueeze(0),
+                slot.cu_q, plan.key_cu, slot.max_q, length, False, scale,
             )  # fmt: skip
-            dq.index_add_(0, g, dq_part.view(-1, d).to(dt))  # each row once: nothing added twice
+            _add_into(dq, slot.order, dq_part.view(-1, d))  # each row once a slot: nothing added twice
             dk_major += dk_part
             dv_major += dv_part
         dk, dv = (_transposed(t.view(b, hkv, s, d), k.dtype) for t in (dk_major, dv_major))
