@@ -184,6 +184,133 @@ def test_valid_fraction_holds_documents_out_of_the_mix(corpus):
     assert not list(corpus.glob("held_valid.*")) and not list((corpus / "held.sources").glob("*_valid.*"))
 
 
+class _CountingTokenizer:
+    """The real tokenizer, counting its calls and the texts it encodes."""
+
+    def __init__(self, tok):
+        self.tok, self.calls, self.texts = tok, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __len__(self):
+        return len(self.tok)
+
+    def __call__(self, texts, **kwargs):
+        self.calls += 1
+        self.texts += len(texts)
+        return self.tok(texts, **kwargs)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """Makes ``prepare`` load a :class:`_CountingTokenizer`; returns the list it appends them to."""
+    from megatron_mtraining.data import indexed
+
+    made = []
+
+    def load(path):
+        made.append(_CountingTokenizer(load_tokenizer(path)))
+        return made[-1]
+
+    monkeypatch.setattr(indexed, "load_tokenizer", load)
+    return made
+
+
+def _prepare_tree(config: MixConfig) -> dict[str, bytes]:
+    prepare(config, False)
+    return {p.name: p.read_bytes() for p in config.output_prefix.parent.rglob("*") if p.is_file()}
+
+
+def _source_files(tree: dict[str, bytes], name: str) -> dict[str, bytes]:
+    return {k: v for k, v in tree.items() if k.startswith((f"{name}.", f"{name}_valid."))}
+
+
+def test_length_buckets_of_one_input_share_a_tokenization(corpus, tmp_path, monkeypatch, counting):
+    """Two sources over the same files with complementary length filters: the texts are
+    tokenised once (one tokenizer call a batch), and every file written (sources, mix, held-out
+    set, summary) is byte for byte what tokenising each source on its own writes."""
+    from megatron_mtraining.data import indexed
+
+    paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
+    texts = _texts(corpus / "long.jsonl") + _texts(corpus / "short.jsonl")
+    cut = int(np.median([len(ids) - 1 for ids in _encode(corpus, texts)]))
+    sources = [
+        {"name": "long", "paths": paths, "min_tokens": cut, "weight": 3},
+        {"name": "short", "paths": paths, "max_tokens": cut - 1, "weight": 1},
+    ]
+    top = {"output_prefix": str(tmp_path / "out" / "mix"), "batch_size": 8, "seed": 5, "valid_fraction": 0.2}
+    config = _config(corpus, "unused", sources, **top)
+
+    shared = _prepare_tree(config)
+    assert counting[-1].calls == -(-len(texts) // 8) and counting[-1].texts == len(texts)
+
+    # The reference: each source tokenised on its own, as when no two sources read the same texts.
+    with monkeypatch.context() as patch:
+        patch.setattr(indexed, "_input_key", lambda source: source.name)
+        alone = _prepare_tree(config)
+    assert counting[-1].calls == 2 * -(-len(texts) // 8)
+    assert any(k.endswith("_valid.bin") for k in shared) and "mix.summary.json" in shared
+    assert shared == alone
+
+    # And each source's files are those of a mix of that source alone.
+    for source in sources:
+        single = _prepare_tree(
+            _config(corpus, "unused", [source], **top | {"output_prefix": str(tmp_path / source["name"] / "mix")})
+        )
+        assert _source_files(shared, source["name"]) == _source_files(single, source["name"]) != {}
+    summary = json.loads(shared["mix.summary.json"])
+    long_stats, short_stats = summary["sources"]
+    assert long_stats["read"] == short_stats["read"] == len(texts)
+    assert long_stats["too_short"] == short_stats["kept"] + short_stats["held_out"]
+    assert short_stats["too_long"] == long_stats["kept"] + long_stats["held_out"]
+
+
+def test_sources_over_different_inputs_are_tokenized_apart(corpus, tmp_path, counting):
+    """Different files, the same files in another order, or another ``text_key`` of the same
+    file: each source tokenised on its own, its files those of a mix of it alone."""
+    long, short = str(corpus / "long.jsonl"), str(corpus / "short.jsonl")
+    texts = _texts(corpus / "short.jsonl")
+    both = tmp_path / "both.jsonl"
+    both.write_text("".join(json.dumps({"text": t, "body": t[::-1]}) + "\n" for t in texts))
+    sources = [
+        {"name": "long", "paths": [long]},
+        {"name": "short", "paths": [short], "repeat": 2.0},
+        {"name": "long_short", "paths": [long, short]},
+        {"name": "short_long", "paths": [short, long]},
+        {"name": "text", "paths": [str(both)]},
+        {"name": "body", "paths": [str(both)], "text_key": "body"},
+    ]
+    top = {"batch_size": 8, "valid_fraction": 0.2}
+    tree = _prepare_tree(_config(corpus, "unused", sources, output_prefix=str(tmp_path / "all" / "mix"), **top))
+    batches = {"long": 2, "short": 4, "long_short": 6, "short_long": 6, "text": 4, "body": 4}
+    assert counting[-1].calls == sum(batches.values())
+    for source in sources:
+        out = str(tmp_path / source["name"] / "mix")
+        single = _prepare_tree(_config(corpus, "unused", [source], output_prefix=out, **top))
+        assert counting[-1].calls == batches[source["name"]]
+        assert _source_files(tree, source["name"]) == _source_files(single, source["name"]) != {}
+    text, body = (
+        _docs(str(tmp_path / "all" / "mix.sources" / "text")),
+        _docs(str(tmp_path / "all" / "mix.sources" / "body")),
+    )
+    assert sorted(text + _docs(str(tmp_path / "all" / "mix.sources" / "text_valid"))) == sorted(_encode(corpus, texts))
+    assert sorted(body + _docs(str(tmp_path / "all" / "mix.sources" / "body_valid"))) == sorted(
+        _encode(corpus, [t[::-1] for t in texts])
+    )
+
+
+def test_a_shared_input_keeps_each_sources_empty_error(corpus, tmp_path):
+    short = str(corpus / "short.jsonl")
+    # The same file spelled through a link: one input, one tokenization, still two sources.
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(short)
+    sources = [{"name": "a", "paths": [short]}, {"name": "b", "paths": [str(link)], "min_tokens": 10**6}]
+    with pytest.raises(ValueError, match=r"sources\[b\]: none of its 30 documents is within min_tokens=1000000"):
+        prepare(_config(corpus, "unused", sources, output_prefix=str(tmp_path / "mix")), False)
+    assert not list(tmp_path.glob("mix*"))
+
+
 def _gpt_dataset(corpus, out: str, seq: int, **flags):
     paths = [str(corpus / "long.jsonl"), str(corpus / "short.jsonl")]
     summary = prepare(_config(corpus, out, [{"name": "all", "paths": paths}], seq_length=seq), False)

@@ -6,7 +6,9 @@
    the local Hugging Face tokenizer, EOD (the tokenizer's EOS) appended, documents outside the
    source's ``[min_tokens, max_tokens]`` (EOD excluded) dropped. Memory stays at one batch.
    With ``valid_fraction`` the documents a seeded hash of their text holds out go to
-   ``<prefix>.sources/<name>_valid.bin/.idx`` instead.
+   ``<prefix>.sources/<name>_valid.bin/.idx`` instead. Sources that read the same texts (the
+   same files in the same order, the same ``text_key``: length buckets of one input) share one
+   tokenization, each batch going through all of their filters; each still writes its own files.
 2. **Mix**: each source's documents are repeated by its factor (``repeat``, or solved from the
    ``weight`` token shares), the document order is shuffled with the seed, and the documents
    are copied from the per-source files into ``<prefix>.bin/.idx``; the held-out documents,
@@ -133,6 +135,13 @@ def _progress(iterable=None, **kwargs):
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
+def _input_key(source: SourceConfig) -> tuple:
+    """Everything of a source that decides its token ids (the tokenizer and ``add_special_tokens``
+    are the mix's): sources with equal keys read the same texts, so they share a tokenization.
+    Resolved, so that two spellings of a file count as one."""
+    return tuple(p.resolve() for p in source.paths), source.text_key
+
+
 def _source_texts(source: SourceConfig) -> Iterator[str]:
     for path in source.paths:
         yield from read_texts(path, source.text_key)
@@ -156,16 +165,71 @@ def held_out(text: str, config: MixConfig) -> bool:
     return int.from_bytes(digest, "little") < config.valid_fraction * 2**64
 
 
-def tokenize_source(
-    source: SourceConfig, tokenizer, eod: int, dtype: type, prefix: Path, config: MixConfig, progress: bool = True
-) -> SourceStats:
-    """Pass 1 for one source: tokenised, length-filtered, EOD-terminated documents at
-    ``prefix`` (the held-out ones at ``<prefix>_valid``)."""
-    stats = SourceStats(source.name)
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
-    valid = IndexedDatasetBuilder(str(prefix) + "_valid.bin", dtype=dtype)
-    bar = _progress(desc=f"tokenize {source.name}", unit="doc", disable=not progress)
-    for batch in _batches(_source_texts(source), config.batch_size):
+class _SourceWriter:
+    """One source's side of a tokenization pass: its length filter, its files and its stats."""
+
+    def __init__(self, source: SourceConfig, dtype: type, prefix: Path):
+        self.source, self.prefix = source, prefix
+        self.stats = SourceStats(source.name)
+        self.builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+        self.valid = IndexedDatasetBuilder(str(prefix) + "_valid.bin", dtype=dtype)
+
+    def keeps(self, length: int) -> bool:
+        """Counts a read document of ``length`` tokens (EOD excluded); whether the filter keeps it."""
+        self.stats.read += 1
+        if length < self.source.min_tokens:
+            self.stats.too_short += 1
+            return False
+        if self.source.max_tokens is not None and length > self.source.max_tokens:
+            self.stats.too_long += 1
+            return False
+        return True
+
+    def add(self, doc: np.ndarray, held: bool) -> None:
+        if held:
+            self.valid.add_document(doc, [doc.size])
+            self.stats.held_out += 1
+            self.stats.held_out_tokens += doc.size
+            return
+        self.builder.add_document(doc, [doc.size])
+        self.stats.kept += 1
+        self.stats.tokens += doc.size
+
+    def finalize(self) -> None:
+        self.builder.finalize(str(self.prefix) + ".idx")
+        self.valid.finalize(str(self.prefix) + "_valid.idx")
+
+    def check(self, config: MixConfig) -> None:
+        stats, source = self.stats, self.source
+        if stats.kept == 0:
+            held = (
+                f", and {stats.held_out} held out by valid_fraction={config.valid_fraction}" if stats.held_out else ""
+            )
+            raise ValueError(
+                f"sources[{source.name}]: none of its {stats.read} documents is within min_tokens={source.min_tokens}, "
+                f"max_tokens={source.max_tokens}{held} (files: {', '.join(map(str, source.paths))})"
+            )
+
+
+def tokenize_sources(
+    sources: list[SourceConfig],
+    tokenizer,
+    eod: int,
+    dtype: type,
+    source_dir: Path,
+    config: MixConfig,
+    progress: bool = True,
+) -> list[SourceStats]:
+    """Pass 1 for sources that read the same texts (one :func:`_input_key`): each text is
+    tokenised once and goes, length-filtered and EOD-terminated, to every source that keeps it,
+    at ``source_dir / name`` (the held-out ones at ``<name>_valid``)."""
+    if len({_input_key(s) for s in sources}) != 1:
+        raise ValueError(f"tokenize_sources: {', '.join(s.name for s in sources)} do not read the same texts")
+    writers = [_SourceWriter(s, dtype, source_dir / s.name) for s in sources]
+    bar = _progress(desc=f"tokenize {', '.join(s.name for s in sources)}", unit="doc", disable=not progress)
+    # Batches stream through every source of the input at once, so memory stays at one batch
+    # however many sources (length buckets) read it.
+    for batch in _batches(_source_texts(sources[0]), config.batch_size):
         # A fast tokenizer encodes a batch on all cores (Rust threads), hence batches, not workers.
         encoded = tokenizer(
             batch,
@@ -174,33 +238,20 @@ def tokenize_source(
             return_token_type_ids=False,
         )["input_ids"]
         for text, ids in zip(batch, encoded, strict=True):
-            stats.read += 1
-            if len(ids) < source.min_tokens:
-                stats.too_short += 1
-                continue
-            if source.max_tokens is not None and len(ids) > source.max_tokens:
-                stats.too_long += 1
+            keeping = [w for w in writers if w.keeps(len(ids))]
+            if not keeping:
                 continue
             doc = np.asarray([*ids, eod], dtype=dtype)
-            if config.valid_fraction and held_out(text, config):
-                valid.add_document(doc, [doc.size])
-                stats.held_out += 1
-                stats.held_out_tokens += doc.size
-                continue
-            builder.add_document(doc, [doc.size])
-            stats.kept += 1
-            stats.tokens += doc.size
+            held = bool(config.valid_fraction) and held_out(text, config)
+            for writer in keeping:
+                writer.add(doc, held)
         bar.update(len(batch))
     bar.close()
-    builder.finalize(str(prefix) + ".idx")
-    valid.finalize(str(prefix) + "_valid.idx")
-    if stats.kept == 0:
-        held = f", and {stats.held_out} held out by valid_fraction={config.valid_fraction}" if stats.held_out else ""
-        raise ValueError(
-            f"sources[{source.name}]: none of its {stats.read} documents is within min_tokens={source.min_tokens}, "
-            f"max_tokens={source.max_tokens}{held} (files: {', '.join(map(str, source.paths))})"
-        )
-    return stats
+    for writer in writers:
+        writer.finalize()
+    for writer in writers:
+        writer.check(config)
+    return [w.stats for w in writers]
 
 
 def mix_factors(config: MixConfig, stats: list[SourceStats]) -> list[float]:
@@ -259,7 +310,13 @@ def _prepare_into(config: MixConfig, tokenizer, eod: int, stage: Path, progress:
     source_dir.mkdir()
     dtype = DType.optimal_dtype(len(tokenizer))
 
-    stats = [tokenize_source(s, tokenizer, eod, dtype, source_dir / s.name, config, progress) for s in config.sources]
+    groups: dict[tuple, list[SourceConfig]] = {}
+    for source in config.sources:
+        groups.setdefault(_input_key(source), []).append(source)
+    by_name = {}
+    for group in groups.values():
+        by_name |= {st.name: st for st in tokenize_sources(group, tokenizer, eod, dtype, source_dir, config, progress)}
+    stats = [by_name[s.name] for s in config.sources]
     datasets = [IndexedDataset(str(source_dir / s.name)) for s in config.sources]
     factors = mix_factors(config, stats)
     order = mix_order([len(d) for d in datasets], factors, config.seed)
