@@ -51,8 +51,9 @@ def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
         monkeypatch.setitem(kv.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=chunk))
     monkeypatch.setattr(kv, "PARTIAL_SHARE", 1.0)
     for name, cfg in kv.DEFAULTS.items():
-        small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=tiles_per_item)
-        monkeypatch.setitem(kv.OVERRIDES, name, small)
+        if isinstance(cfg, kv.PassConfig):
+            small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=tiles_per_item)
+            monkeypatch.setitem(kv.OVERRIDES, name, small)
 
 
 class Launches:
