@@ -35,11 +35,19 @@ Rows:
   the MoBA rows and the cuDNN dense row alone, e.g. on an H200::
 
       python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 524288 --patterns moba
+
+``--tune`` first sweeps launch parameters at the first length and keeps the best for the rows:
+the block-bar kernels' on the vertical-slash pattern (``TUNE_CANDIDATES``), and MSA's KV-outer
+kernels and selection on its structured index (``MSA_TUNE``), e.g.::
+
+      python scripts/bench_kernels.py --seq-lens 131072 --patterns msa --no-flex \
+          --tune kv_fwd kv_merge kv_bwd kv_sum_slots kv_reduce msa_select --out tune_msa.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -129,6 +137,16 @@ def msa_selection(q_idx, k_idx, config, seq, rows, rep):
     rows[-1]["rows_same_selection"] = same
 
 
+def msa_index_inputs(sq, sk, gen, msa_index="structured"):
+    """MSA's index queries and keys (group-mean queries and mean keys of structured ``sq`` /
+    ``sk``, or with ``msa_index="untrained"`` independent random ones) and its config (k=16,
+    block 128), as the MSA rows and the MSA sweep build them."""
+    q_idx, k_idx = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True)
+    if msa_index == "untrained":
+        q_idx, k_idx = (torch.randn(t.shape, generator=gen).to(t) for t in (q_idx, k_idx))
+    return q_idx, k_idx, MSAConfig(128, 16, D)
+
+
 def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured", patterns=("msa", "moba")):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data, or
     with ``msa_index="untrained"`` independent random index queries and keys, whose
@@ -144,9 +162,7 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"
     sq, sk = structured_qk(seq, gen)
     indices = {}
     if "msa" in patterns:
-        q_idx, k_idx, msa_config = sq.unflatten(2, (HKV, -1)).mean(3), sk.mean(2, keepdim=True), MSAConfig(128, 16, D)
-        if msa_index == "untrained":
-            q_idx, k_idx = (torch.randn(t.shape, generator=gen).to(t) for t in (q_idx, k_idx))
+        q_idx, k_idx, msa_config = msa_index_inputs(sq, sk, gen, msa_index)
         # Timed on bf16 index queries and keys, the dtype the index branch gives in training.
         msa_selection(q_idx.bfloat16(), k_idx.bfloat16(), msa_config, seq, rows, rep)
         indices["msa k16 b128"] = msa_select_blocks(q_idx, k_idx, msa_config, HQ)
@@ -551,10 +567,23 @@ TUNE_CANDIDATES = {
 
 
 def tune(args) -> dict:
+    """The sweeps of the kernels ``--tune`` names (none named: all), block-bar kernels first:
+    per kernel its best config, device time, worst time and every candidate's time."""
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    names = args.tune or [*block_bar.KERNELS, *MSA_TUNE]
+    best = {}
+    if any(name in block_bar.KERNELS for name in names):
+        best |= tune_block_bar(args, [name for name in names if name in block_bar.KERNELS])
+    if any(name in MSA_TUNE for name in names):
+        best |= tune_msa(args, [name for name in names if name in MSA_TUNE])
+    return best
+
+
+def tune_block_bar(args, names) -> dict:
     """Coordinate sweep of the launch configs on the vertical-slash pattern at the first
-    length: each kernel in turn (those named, else all), the others at their current best.
-    Its index comes from a generator of its own, so that the timed rows see the same index
-    as untuned runs."""
+    length: each kernel in turn, the others at their current best. Its index comes from a
+    generator of its own, so that the timed rows see the same index as untuned runs."""
     from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
     seq = args.seq_lens[0]
@@ -563,7 +592,7 @@ def tune(args) -> dict:
     )
     index = natural_index(seq, args.block, args.density, torch.Generator().manual_seed(args.seed + 1), "cuda")
     best = {}
-    for name in args.tune or block_bar.KERNELS:
+    for name in names:
         results = []
         for bn, warps, stages, bm in TUNE_CANDIDATES[name]:
             if bn > args.block:
@@ -589,8 +618,123 @@ def tune(args) -> dict:
             continue
         results.sort(key=lambda r: r[0])
         block_bar.OVERRIDES[name] = results[0][1]
-        best[name] = {"config": vars(results[0][1]), "ms": results[0][0], "worst_ms": results[-1][0]}
+        best[name] = {"config": vars(results[0][1]), "ms": results[0][0], "worst_ms": results[-1][0],
+                      "candidates": [{"config": vars(cfg), "ms": ms} for ms, cfg in results]}  # fmt: skip
         print(f"tuned {name}: {results[0][1]} {results[0][0]:.3f} ms (worst {results[-1][0]:.3f} ms)", flush=True)
+    return best
+
+
+# MSA's kernels by --tune name: the ``kv_outer.attention.OVERRIDES`` entry each sets (None:
+# ``msa_index.LAUNCH``), the Triton kernels whose device time decides (a bwd candidate of 64-key
+# steps hands the dQ products to ``_dq_kernel``), and the candidates, fields in the config's
+# order (PassConfig: block_m, block_n, num_warps, num_stages, tiles_per_item; RowConfig: rows,
+# num_warps, num_stages; SelectLaunch: block_m, block_n, num_warps, num_stages), tried after
+# the default. Plain Triton launch parameters, nothing sm90-only, so that a winner can be the
+# default on an A100 too once ``scripts/compile_kernels.py`` finds that it fits there. The
+# per-row kernels are memory-bound: rows a program and warps set how many loads are in flight.
+# The selection is bound by its products: tile shapes, warps and pipelining.
+_ROW_CANDIDATES = [(rows, warps, 3) for rows in (8, 16, 32, 64) for warps in (2, 4, 8)] + [(32, 4, 2), (32, 4, 4)]
+MSA_TUNE = {
+    "kv_fwd": ("fwd", ("_fwd_kernel",), [
+        (64, 128, 4, 3, 8), (64, 128, 8, 2, 8), (64, 128, 4, 1, 8), (32, 128, 4, 2, 8), (128, 128, 8, 2, 8),
+        (64, 64, 4, 2, 8), (64, 64, 4, 3, 8), (64, 128, 4, 2, 4), (64, 128, 4, 2, 16),
+    ]),
+    "kv_merge": ("merge", ("_merge_kernel",), _ROW_CANDIDATES),
+    "kv_bwd": ("bwd", ("_bwd_kernel", "_dq_kernel"), [
+        (64, 128, 8, 1, 8), (64, 128, 8, 3, 8), (64, 128, 4, 2, 8), (32, 128, 4, 2, 8), (32, 128, 8, 2, 8),
+        (128, 128, 8, 2, 8), (64, 128, 8, 2, 4), (64, 128, 8, 2, 16), (64, 64, 8, 2, 8),
+    ]),
+    "kv_sum_slots": ("sum_slots", ("_sum_slots_kernel",), _ROW_CANDIDATES),
+    "kv_reduce": ("reduce", ("_reduce_kernel",), _ROW_CANDIDATES),
+    "msa_select": (None, ("_block_select_kernel",), [
+        (block_m, block_n, warps, stages)
+        for block_m in (128, 64) for block_n in (64, 32, 128) for warps in (8, 4) for stages in (2, 3, 4)
+    ]),
+}  # fmt: skip
+
+
+def tune_msa(args, names) -> dict:
+    """Coordinate sweep of MSA's KV-outer kernels and selection (``MSA_TUNE``) on the MSA rows'
+    index (``--msa-index``) at the first length, each named kernel in turn, the others at their
+    current best, which stays set for the rows. A candidate's time is its kernels' device time
+    in one pass (the profiler's, as ``device_times``; the pass's other kernels only add noise,
+    which the memory-bound kernels' differences would drown in); the pass's device time is
+    recorded beside it. Candidates that fail (shared memory, registers) are skipped; so are
+    selection tiles the GPU cannot hold, rather than run with fewer rows as the product does."""
+    from megatron_mtraining.sparse.kernels.index_build import msa_index
+    from megatron_mtraining.sparse.kernels.kv_outer import attention as kv
+
+    seq = args.seq_lens[0]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    q, k, v = (
+        torch.randn(1, seq, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (HQ, HKV, HKV)
+    )
+    q_idx, k_idx, config = msa_index_inputs(*structured_qk(seq, gen), gen, args.msa_index)
+    index = msa_select_blocks(q_idx, k_idx, config, HQ)
+    q_idx, k_idx = q_idx.bfloat16(), k_idx.bfloat16()  # the index branch's dtype in training
+    scale = D**-0.5
+
+    def forward():
+        return kv.KVOuterAttention.apply(q, k, v, index, scale)[0]
+
+    def backward():
+        out = forward()
+        grad = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+    def select():
+        with torch.no_grad():
+            msa_select_blocks(q_idx, k_idx, config, HQ)
+
+    selection = msa_index.LAUNCH
+    select_fields = ("block_m", "block_n", "num_warps", "num_stages")
+
+    def candidate(entry, values):
+        if entry is None:
+            return dataclasses.replace(selection, **dict(zip(select_fields, values, strict=True)))
+        return type(kv.DEFAULTS[entry])(*values)
+
+    def install(entry, cfg):
+        """Sets ``cfg`` for the kernel of ``entry`` (None: the selection); ``cfg`` None: its default."""
+        if entry is None:
+            msa_index.LAUNCH = cfg or selection
+        elif cfg is None:
+            kv.OVERRIDES.pop(entry, None)
+        else:
+            kv.OVERRIDES[entry] = cfg
+
+    best = {}
+    no_retry = mock.patch.object(msa_index, "with_fewer_rows", lambda launch, rows, smallest=16: launch(rows))
+    for name in names:
+        entry, kernels, values = MSA_TUNE[name]
+        default = selection if entry is None else kv.DEFAULTS[entry]
+        configs = [default] + [c for c in (candidate(entry, v) for v in values) if c != default]
+        results = []
+        for cfg in configs:
+            install(entry, cfg)
+            try:
+                # A backward candidate runs on a graph of its own, through the forward at its current best.
+                run = {None: select, "fwd": forward, "merge": forward}.get(entry) or backward()
+                with no_retry:
+                    times = device_times(run, calls=3)
+                if not any(key in kernels for _, _, key in times):
+                    raise RuntimeError(f"no launch of {' or '.join(kernels)} was profiled")
+                ms = sum(t for t, _, key in times if key in kernels)
+                results.append((ms, sum(t for t, _, _ in times), cfg))
+                print(f"    {name} {cfg}: {ms:.3f} ms (pass {results[-1][1]:.3f} ms)", flush=True)
+            except Exception as e:  # out of shared memory, registers
+                print(f"    {name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if not results:
+            install(entry, None)
+            print(f"tuned {name}: every candidate failed, default kept", flush=True)
+            continue
+        results.sort(key=lambda r: r[0])
+        install(entry, None if results[0][2] == default else results[0][2])
+        best[name] = {"config": vars(results[0][2]), "ms": results[0][0], "pass_ms": results[0][1],
+                      "worst_ms": results[-1][0], "default": vars(default),
+                      "candidates": [{"config": vars(cfg), "ms": ms, "pass_ms": pass_ms}
+                                     for ms, pass_ms, cfg in results]}  # fmt: skip
+        print(f"tuned {name}: {results[0][2]} {results[0][0]:.3f} ms (worst {results[-1][0]:.3f} ms)", flush=True)
     return best
 
 
@@ -608,7 +752,10 @@ def main():
         nargs="*",
         default=None,
         metavar="KERNEL",
-        help="sweep the launch configs of these kernels (none named: all) first and use the best",
+        choices=["fwd", "dq", "bar_dkdv", "tile_dkdv", *MSA_TUNE],
+        help="sweep the launch configs of these kernels (none named: all) first and use the best: the block-bar "
+        "kernels (fwd, dq, bar_dkdv, tile_dkdv) on the vertical-slash pattern, MSA's KV-outer kernels (kv_fwd, "
+        "kv_merge, kv_bwd, kv_sum_slots, kv_reduce) and selection (msa_select) on its structured index",
     )
     p.add_argument(
         "--msa-index",

@@ -51,8 +51,9 @@ def small_work(monkeypatch, kv, chunk=16, tiles_per_item=2, block_n=16):
         monkeypatch.setitem(kv.CHUNKS, name, kv.Streaming(buffer_share=0.0, min_chunk=chunk))
     monkeypatch.setattr(kv, "PARTIAL_SHARE", 1.0)
     for name, cfg in kv.DEFAULTS.items():
-        small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=tiles_per_item)
-        monkeypatch.setitem(kv.OVERRIDES, name, small)
+        if isinstance(cfg, kv.PassConfig):
+            small = dataclasses.replace(cfg, block_m=32, block_n=block_n, num_stages=1, tiles_per_item=tiles_per_item)
+            monkeypatch.setitem(kv.OVERRIDES, name, small)
 
 
 class Launches:
@@ -60,11 +61,12 @@ class Launches:
     ``kernel`` if one is given."""
 
     def __init__(self, kernel=None):
-        self.kernel, self.calls = kernel, []
+        self.kernel, self.calls, self.kwargs = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.calls.append((grid, args))
+            self.kwargs.append(kwargs)
             if self.kernel is not None:
                 self.kernel[grid](*args, **kwargs)
 
@@ -249,6 +251,115 @@ def test_one_selection_for_all_heads(hq, hkv, rng, kdevice, kv, monkeypatch):
     q, k, v = make_inputs(rng, 1, 50, hq, hkv, 16, torch.float32, kdevice)
     blocks = random_selection(rng, 1, 50, 1, 2, 4).to(kdevice)
     check(q, k, v, BlockTopKIndex(blocks=blocks, block_size=16, num_heads=hq), rng)
+
+
+def test_launch_defaults_are_unchanged(kv):
+    """What runs without overrides: the passes' first choices, and for the per-row kernels
+    ``combine``'s rows with Triton's own warps and stages, which they took before they named any."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    expected = {
+        "fwd": kv.PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, tiles_per_item=8),
+        "bwd": kv.PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
+        "dq": kv.PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
+        "merge": kv.RowConfig(rows=16, num_warps=4, num_stages=3),
+        "sum_slots": kv.RowConfig(rows=16, num_warps=4, num_stages=3),
+        "reduce": kv.RowConfig(rows=16, num_warps=4, num_stages=3),
+    }
+    assert expected == kv.DEFAULTS
+    assert kv.ROWS == 16 and kv.OVERRIDES == {}
+    triton_default = (CUDAOptions.num_warps, CUDAOptions.num_stages)
+    assert {(c.num_warps, c.num_stages) for c in kv.DEFAULTS.values() if isinstance(c, kv.RowConfig)} == {
+        triton_default
+    }
+    assert all(kv.launch_config(name) is cfg for name, cfg in kv.DEFAULTS.items())
+
+
+def test_row_kernel_overrides_change_the_launch_not_the_result(rng, kdevice, kv, monkeypatch):
+    """Other rows, warps and stages for the merge, the slot sum and the reduction (rows capped
+    at the block): their grids and constexprs change, and output, LSE and gradients are
+    bitwise those of the defaults (each row's slots, and each key's partials, are added in
+    the same order whatever a program's rows)."""
+    small_work(monkeypatch, kv, chunk=32, tiles_per_item=1)
+    monkeypatch.setattr(kv, "reduce_programs", lambda device: 64)  # a grid bounded by the units
+    q, k, v = make_inputs(rng, 1, 96, 4, 2, 16, torch.float32, kdevice)
+    index = sink_index(rng, 96, 4, 2, 16, kdevice)
+    g = torch.randn(q.shape, generator=rng).to(kdevice)
+    names = ("_merge_kernel", "_sum_slots_kernel", "_reduce_kernel")
+
+    def run():
+        spies = {name: Launches(getattr(kv.kernels, name)) for name in names}
+        with monkeypatch.context() as m:
+            for name, spy in spies.items():
+                m.setattr(kv.kernels, name, spy)
+            out, lse = kv.KVOuterAttention.apply(q, k, v, index, 16**-0.5)
+            grads = torch.autograd.grad(out, (q, k, v), g)
+        return (out, lse, *grads), {name: (spy.calls[0][0], spy.kwargs[0]) for name, spy in spies.items()}
+
+    want, default = run()
+    monkeypatch.setitem(kv.OVERRIDES, "merge", kv.RowConfig(rows=64, num_warps=2, num_stages=1))
+    monkeypatch.setitem(kv.OVERRIDES, "sum_slots", kv.RowConfig(rows=8, num_warps=8, num_stages=2))
+    monkeypatch.setitem(kv.OVERRIDES, "reduce", kv.RowConfig(rows=32, num_warps=2, num_stages=4))
+    got, tuned = run()
+    slot_rows = 32 * 4  # a chunk's (token, head) rows
+    assert default["_merge_kernel"][0] == (slot_rows // 16,) and tuned["_merge_kernel"][0] == (slot_rows // 64,)
+    assert default["_sum_slots_kernel"][0] == (slot_rows // 16,) and tuned["_sum_slots_kernel"][0] == (slot_rows // 8,)
+    for name, (rows, warps, stages) in {
+        "_merge_kernel": (64, 2, 1),
+        "_sum_slots_kernel": (8, 8, 2),
+        "_reduce_kernel": (16, 2, 4),  # 32 rows capped at the block of 16
+    }.items():
+        assert {key: tuned[name][1][key] for key in ("ROWS", "num_warps", "num_stages")} == {
+            "ROWS": rows, "num_warps": warps, "num_stages": stages}  # fmt: skip
+        assert (default[name][1]["ROWS"], default[name][1]["num_warps"], default[name][1]["num_stages"]) == (16, 4, 3)
+    for a, e in zip(got, want, strict=True):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize(
+    "name,cfg,message",
+    [
+        (
+            "merge",
+            ("row", 12, 4, 3),
+            r"kv_outer\.OVERRIDES\['merge'\]\.rows=12 is not accepted: expected a power of two",
+        ),
+        (
+            "sum_slots",
+            ("row", 16, 3, 3),
+            r"\['sum_slots'\]\.num_warps=3 is not accepted: expected a power of two from 1",
+        ),
+        ("reduce", ("row", 16, 4, 0), r"\['reduce'\]\.num_stages=0 is not accepted: expected an integer >= 1"),
+        ("fwd", ("pass", 48, 128, 4, 2, 8), r"\['fwd'\]\.block_m=48 is not accepted: expected a power of two >= 16"),
+        ("bwd", ("pass", 64, 8, 8, 2, 8), r"\['bwd'\]\.block_n=8 is not accepted: expected a power of two >= 16"),
+        ("dq", ("pass", 64, 64, 4, 2, 0), r"\['dq'\]\.tiles_per_item=0 is not accepted"),
+        ("bwd", ("row", 16, 4, 3), r"\['bwd'\]=RowConfig\(.*\) is not accepted: expected a PassConfig"),
+        (
+            "merg",
+            ("row", 16, 4, 3),
+            r"kv_outer\.OVERRIDES key='merg' is not accepted: expected one of fwd, bwd, dq, merge",
+        ),
+    ],
+)
+def test_bad_overrides_are_refused(name, cfg, message, kv, monkeypatch):
+    """An override names a kernel of ``DEFAULTS`` and holds values its launch takes; the
+    error names the entry, the value and what is accepted."""
+    kind, *values = cfg
+    monkeypatch.setitem(kv.OVERRIDES, name, (kv.RowConfig if kind == "row" else kv.PassConfig)(*values))
+    with pytest.raises(ValueError, match=message):
+        kv.launch_config("merge" if name == "merg" else name)
+
+
+def test_the_forward_refuses_a_bad_override_before_it_launches(rng, kv, monkeypatch):
+    monkeypatch.setitem(kv.OVERRIDES, "merge", kv.RowConfig(rows=24, num_warps=4, num_stages=3))
+    spies = {name: Launches() for name in ("_fwd_kernel", "_merge_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(kv.kernels, name, spy)
+    q, k, v = make_inputs(rng, 1, 32, 2, 1, 16, torch.float32, "cpu")
+    index = BlockTopKIndex(blocks=torch.zeros(1, 32, 1, 1, dtype=torch.int32), block_size=16, num_heads=2)
+    with pytest.raises(ValueError, match=r"\['merge'\]\.rows=24 is not accepted"):
+        kv.KVOuterAttention.apply(q, k, v, index, 0.25)
+    assert not any(spy.calls for spy in spies.values())
 
 
 def test_block_size_must_be_a_power_of_two(rng, kdevice):

@@ -160,3 +160,62 @@ def test_bad_inputs_are_named(small_tiles):
         small_tiles.select_blocks(q, k, 16, 129)
     with pytest.raises(ValueError, match=r"block_size=24 is not accepted"):
         small_tiles.block_max_scores_triton(q, k, 24)
+
+
+def test_launch_defaults_are_unchanged():
+    """What runs unless ``LAUNCH`` is replaced (the tests' tiles, a sweep's candidates)."""
+    from megatron_mtraining.sparse.kernels.index_build import msa_index
+
+    assert msa_index.SelectLaunch() == msa_index.SelectLaunch(
+        block_m=128, block_m_wide=64, block_n=64, num_warps=8, num_stages=2, num_stages_fp32=1
+    )
+
+
+def test_launch_override_changes_the_tiles_not_the_selection(rng, kdevice, small_tiles, monkeypatch):
+    """Another ``LAUNCH`` (as ``bench_kernels.py --tune msa_select`` sets it) changes the grid
+    and the tiles the kernel receives; on small-integer inputs, whose scores are exact in any
+    tiling, the selection is the same."""
+    q, k = make_inputs(rng, 1, 200, 2, 16, torch.float16, kdevice, integer=True)  # fp32 takes num_stages_fp32
+    launches = []
+    kernel = small_tiles._block_select_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(small_tiles, "_block_select_kernel", Spy())
+    want = small_tiles.select_blocks(q, k, 32, 4)
+    monkeypatch.setattr(
+        small_tiles, "LAUNCH", small_tiles.SelectLaunch(block_m=16, block_n=32, num_warps=4, num_stages=3)
+    )
+    got = small_tiles.select_blocks(q, k, 32, 4)
+    assert launches == [((2, 7), 32, 16, 8, 2), ((2, 13), 16, 32, 4, 3)]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "launch,message",
+    [
+        ({"block_m": 96}, r"msa_index\.LAUNCH\.block_m=96 is not accepted: expected a power of two >= 16"),
+        ({"block_n": 8}, r"msa_index\.LAUNCH\.block_n=8 is not accepted: expected a power of two >= 16"),
+        ({"num_warps": 6}, r"msa_index\.LAUNCH\.num_warps=6 is not accepted: expected a power of two from 1 to 32"),
+        ({"num_stages": 0}, r"msa_index\.LAUNCH\.num_stages=0 is not accepted: expected an integer >= 1"),
+    ],
+)
+def test_bad_launch_is_refused(launch, message, small_tiles, monkeypatch):
+    monkeypatch.setattr(small_tiles, "LAUNCH", small_tiles.SelectLaunch(**launch))
+    q, k = torch.zeros(1, 40, 2, 16), torch.zeros(1, 40, 1, 16)
+    with pytest.raises(ValueError, match=message):
+        small_tiles.select_blocks(q, k, 16, 4)
+
+
+def test_a_launch_of_another_kernel_is_refused(small_tiles, monkeypatch):
+    from megatron_mtraining.sparse.kernels.kv_outer.attention import RowConfig
+
+    monkeypatch.setattr(small_tiles, "LAUNCH", RowConfig(rows=16, num_warps=4, num_stages=3))
+    with pytest.raises(ValueError, match=r"msa_index\.LAUNCH=RowConfig\(.*\) is not accepted: expected a SelectLaunch"):
+        small_tiles.block_max_scores_triton(torch.zeros(1, 40, 2, 16), torch.zeros(1, 40, 1, 16), 16)

@@ -36,6 +36,24 @@ def check_power_of_two(name: str, value, *, minimum: int) -> None:
         fail(name, value, accepted)
 
 
+def check_launch(name: str, cfg, expected: type, tiles: dict[str, int]) -> None:
+    """A kernel's launch parameters ``cfg`` (a dataclass of integers, e.g. an override a sweep
+    set), named ``name`` in errors: of type ``expected``; the fields ``tiles`` powers of two of
+    at least their minimum (Triton's ranges and products are powers of two); ``num_warps`` a
+    power of two up to 32 (a program's 1024 threads); any other field a positive integer."""
+    if type(cfg) is not expected:
+        fail(name, cfg, f"a {expected.__name__}")
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if field.name in tiles:
+            check_power_of_two(f"{name}.{field.name}", value, minimum=tiles[field.name])
+        elif field.name == "num_warps":
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32 or value & (value - 1):
+                fail(f"{name}.num_warps", value, "a power of two from 1 to 32")
+        else:
+            check_int(f"{name}.{field.name}", value, minimum=1)
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         fail(name, value, f"one of {', '.join(map(str, choices))}")

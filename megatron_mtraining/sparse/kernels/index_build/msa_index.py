@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ...validation import check_index_qk, check_int, fail
+from ...validation import check_index_qk, check_int, check_launch, fail
 
 # The set of kept blocks lives in registers, [BLOCK_M, next_pow2(topk)] scores and ids.
 MAX_TOPK = 128
@@ -73,7 +73,9 @@ class SelectLaunch:
     num_stages_fp32: int = 1
 
 
-# Tests shrink the tiles so that tiny inputs span several of each in Triton's interpreter.
+# The one place the launch is decided: tests shrink the tiles so that tiny inputs span several
+# of each in Triton's interpreter, and ``scripts/bench_kernels.py --tune msa_select`` replaces
+# it with each candidate; every launch checks it.
 LAUNCH = SelectLaunch()
 
 
@@ -226,18 +228,25 @@ def _launch(
     select = blocks is not None
     kp = triton.next_power_of_2(max(n_slots, 1))
     fp32 = q.dtype == torch.float32
+    cfg = _launch_config()
 
     def launch(block_m: int) -> None:
         _block_select_kernel[(bsz * groups, triton.cdiv(seq, block_m))](
             q, k, scores, blocks, q if doc_starts is None else doc_starts, seq, n_blocks, groups, *q.stride()[:3],
             *k.stride()[:2], n_slots, width,
             1.0 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
-            BLOCK_N=min(LAUNCH.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
-            PRECISION="tf32x3" if fp32 else "tf32", num_warps=LAUNCH.num_warps,
-            num_stages=LAUNCH.num_stages_fp32 if fp32 else LAUNCH.num_stages, HAS_DOCS=doc_starts is not None,
+            BLOCK_N=min(cfg.block_n, block_size), BLOCK_SIZE=block_size, KP=kp, SELECT=select,
+            PRECISION="tf32x3" if fp32 else "tf32", num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages_fp32 if fp32 else cfg.num_stages, HAS_DOCS=doc_starts is not None,
         )  # fmt: skip
 
     with_fewer_rows(launch, block_m)
+
+
+def _launch_config() -> SelectLaunch:
+    """``LAUNCH``, checked: an error names it, the value and what is accepted."""
+    check_launch("msa_index.LAUNCH", LAUNCH, SelectLaunch, {"block_m": 16, "block_m_wide": 16, "block_n": 16})
+    return LAUNCH
 
 
 def with_fewer_rows(launch, rows: int, smallest: int = 16) -> None:
@@ -264,7 +273,7 @@ def block_max_scores_triton(
     bsz, seq, groups, _ = q_idx.shape
     scores = torch.empty(bsz, groups, seq, -(-seq // block_size), dtype=torch.float32, device=q_idx.device)
     if seq:
-        _launch(q_idx, k_idx, block_size, scores, None, 1, 1, LAUNCH.block_m, _starts(doc_starts, seq))
+        _launch(q_idx, k_idx, block_size, scores, None, 1, 1, _launch_config().block_m, _starts(doc_starts, seq))
     return scores
 
 
@@ -291,6 +300,7 @@ def select_blocks(
     blocks = torch.empty(bsz, seq, groups, topk, dtype=torch.int32, device=q_idx.device)
     if seq:
         n_slots = min(topk, -(-seq // block_size))
-        block_m = LAUNCH.block_m if n_slots <= 32 else LAUNCH.block_m_wide
+        cfg = _launch_config()
+        block_m = cfg.block_m if n_slots <= 32 else cfg.block_m_wide
         _launch(q_idx, k_idx, block_size, None, blocks, n_slots, topk, block_m, _starts(doc_starts, seq))
     return blocks

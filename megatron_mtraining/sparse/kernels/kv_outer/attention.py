@@ -20,7 +20,7 @@ import torch
 import triton
 
 from ...index import BlockTopKIndex
-from ...validation import check_power_of_two, fail
+from ...validation import check_launch, check_power_of_two, fail
 from ..shared import buffers
 from ..shared.combine import ROWS
 from ..shared.kernels import LOG2E
@@ -46,6 +46,17 @@ class PassConfig:
 
 
 @dataclass(frozen=True)
+class RowConfig:
+    """Launch parameters of a per-row kernel: ``merge`` and ``sum_slots`` take one program per
+    ``rows`` (token, head) rows of a chunk's slots; ``reduce``'s grid strides over units of
+    ``rows`` keys of a split group's block (capped at the block)."""
+
+    rows: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
 class Streaming:
     """How long a pass's query chunks are."""
 
@@ -53,19 +64,23 @@ class Streaming:
     min_chunk: int  # query tokens per chunk at least: short sequences run in few chunks
 
 
-DEFAULTS = {
+DEFAULTS: dict[str, PassConfig | RowConfig] = {
     "fwd": PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, tiles_per_item=8),
     "bwd": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
     "dq": PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
+    # Triton's own warps and stages, which these launches took before they named any.
+    **dict.fromkeys(("merge", "sum_slots", "reduce"), RowConfig(rows=ROWS, num_warps=4, num_stages=3)),
 }
-"""Untuned first choices, with ``OVERRIDES`` replacing them per pass as in ``block_bar.attention``.
-Forward: 64 rows (8 tokens x 8 heads for Qwen2.5-3B's MSA) against a whole 128-key block,
-4 warps, so that two programs share a multiprocessor. dK/dV: 64 rows against a 128-key
-block, the shape of ``block_bar``'s dK/dV kernel. The alternatives measured once (a 128-row
-forward of 8 warps, three stages, items of 4 or 32 tiles; for dK/dV, 32-row tiles and 64-key
-steps with the separate dQ kernel) ran slower or no faster (docs/benchmarks.md, "KV-outer
-kernels for top-k indexes")."""
-OVERRIDES: dict[str, PassConfig] = {}
+"""Untuned first choices, with ``OVERRIDES`` replacing them per kernel as in ``block_bar.attention``
+(``scripts/bench_kernels.py --tune`` sweeps them on MSA's index). Forward: 64 rows (8 tokens x
+8 heads for Qwen2.5-3B's MSA) against a whole 128-key block, 4 warps, so that two programs
+share a multiprocessor. dK/dV: 64 rows against a 128-key block, the shape of ``block_bar``'s
+dK/dV kernel. The alternatives measured once (a 128-row forward of 8 warps, three stages,
+items of 4 or 32 tiles; for dK/dV, 32-row tiles and 64-key steps with the separate dQ kernel)
+ran slower or no faster (docs/benchmarks.md, "KV-outer kernels for top-k indexes"). The
+per-row kernels (``merge``, ``sum_slots``, ``reduce``: memory-bound) take ``combine``'s rows a
+program. The KL's launches of these kernels (``msa_kl.kv_loss``) keep their own settings."""
+OVERRIDES: dict[str, PassConfig | RowConfig] = {}
 # Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
 # allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
 # (0.16x q: ~650 tokens a chunk at k=16 with fp32 slots, ~1300 with bf16 inputs' bf16 ones)
@@ -84,12 +99,27 @@ PARTIAL_SHARE = 0.5
 REDUCE_PROGRAMS_PER_SM = 4
 
 
+def launch_config(name: str) -> PassConfig | RowConfig:
+    """Kernel ``name``'s launch parameters: its ``OVERRIDES`` entry, checked (an error names
+    the kernel, the value and what it accepts), else its default. A key of no kernel is an
+    error too: a misspelt override would otherwise leave the default silently."""
+    for key in OVERRIDES:
+        if key not in DEFAULTS:
+            fail("kv_outer.OVERRIDES key", key, f"one of {', '.join(DEFAULTS)}")
+    if name not in OVERRIDES:
+        return DEFAULTS[name]
+    cfg = OVERRIDES[name]
+    tiles = {"block_m": 16, "block_n": 16} if isinstance(DEFAULTS[name], PassConfig) else {"rows": 1}
+    check_launch(f"kv_outer.OVERRIDES[{name!r}]", cfg, type(DEFAULTS[name]), tiles)
+    return cfg
+
+
 def _config(name: str, p: _Problem) -> tuple[PassConfig, int, int]:
     """(the pass's config, its tile rows, its key step). The configured tiles are for rows
     of up to 256 bytes (head dim 128 in 16 bits); wider rows halve them (to 16 at least) per
     doubling, and fp32 once more, whose products take more shared memory, so that every
     shape fits an A100's 163 KiB."""
-    cfg = OVERRIDES.get(name, DEFAULTS[name])
+    cfg = launch_config(name)
     block_m, block_n = tile_shape(cfg, p.dims()["D_PAD"], p.q.dtype, p.block, triton.next_power_of_2(p.group))
     return cfg, block_m, block_n
 
@@ -201,6 +231,13 @@ def _opts(cfg: PassConfig, block_m: int, block_n: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def _row_opts(name: str, max_rows: int | None = None) -> dict:
+    """Launch arguments of per-row kernel ``name``, its rows capped at ``max_rows``."""
+    cfg = launch_config(name)
+    rows = cfg.rows if max_rows is None else min(cfg.rows, max_rows)
+    return {"ROWS": rows, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
 def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse fp32 ``[B, Hq, S]``)."""
     q = p.q
@@ -214,13 +251,14 @@ def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     rows = p.slot_rows(chunk) * p.topk
     o_buf = buffers.new_buffer((rows, d), q.dtype, q.device)
     lse_buf = buffers.new_buffer((rows,), torch.float32, q.device)
+    merge = _row_opts("merge")
     for c in range(rev.n_chunks):
         kernels._fwd_kernel[(work.items_per_chunk,)](
             q, p.k, p.v, rev.entries, work.tiles, work.items, work.chunk_items, o_buf, lse_buf, c,
             *p.chunk_args(chunk), p.scale * LOG2E, **p.dims(), **_opts(cfg, block_m, block_n),
         )  # fmt: skip
-        kernels._merge_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
-            o_buf, lse_buf, p.blocks, out, lse, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=p.dims()["D_PAD"]
+        kernels._merge_kernel[(triton.cdiv(p.slot_rows(chunk), merge["ROWS"]),)](
+            o_buf, lse_buf, p.blocks, out, lse, c, *p.slot_args(chunk), HEAD_DIM=d, D_PAD=p.dims()["D_PAD"], **merge
         )
     return out, lse
 
@@ -285,7 +323,8 @@ def kv_outer_backward(
     dq = buffers.new_buffer(q.shape, q.dtype, q.device)
     dq_buf = buffers.new_buffer(slot_shape, slot_dtype, q.device)
     dk_part, dv_part = (buffers.new_buffer((pool * p.block, d), torch.float32, q.device) for _ in range(2))
-    reduce_grid = (min(work.splits_per_chunk * (p.block // ROWS), reduce_programs(q.device)),)
+    reduce, sum_slots = _row_opts("reduce", p.block), _row_opts("sum_slots")
+    reduce_grid = (min(work.splits_per_chunk * (p.block // reduce["ROWS"]), reduce_programs(q.device)),)
     for c in range(rev.n_chunks):
         kernels._bwd_kernel[(work.items_per_chunk, steps)](
             q, k, p.v, dout, lse, delta, rev.entries, work.tiles, work.items, work.chunk_items, work.partial,
@@ -299,10 +338,10 @@ def kv_outer_backward(
             )  # fmt: skip
         kernels._reduce_kernel[reduce_grid](
             work.splits, work.chunk_splits, dk_part, dv_part, dk_sum, dv_sum, c, s, k.shape[2], p.n_blocks,
-            HEAD_DIM=d, D_PAD=dims["D_PAD"], BLOCK=p.block, ROWS=ROWS,
+            HEAD_DIM=d, D_PAD=dims["D_PAD"], BLOCK=p.block, **reduce,
         )  # fmt: skip
-        kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), ROWS),)](
-            dq_buf, p.blocks, dq, c, *p.slot_args(chunk), HEAD_DIM=d, ROWS=ROWS, D_PAD=dims["D_PAD"]
+        kernels._sum_slots_kernel[(triton.cdiv(p.slot_rows(chunk), sum_slots["ROWS"]),)](
+            dq_buf, p.blocks, dq, c, *p.slot_args(chunk), HEAD_DIM=d, D_PAD=dims["D_PAD"], **sum_slots
         )
         if follower is not None:
             follower.run(c)
