@@ -155,7 +155,13 @@ def _case(dtype, head_dim: int, group: int, documents: bool, seq: int = 512, blo
     indexes = {
         "dense": DenseIndex(1, hkv * group, seq, documents=packed_documents(cu_seqlens, seq, q.device)),
         "v-s": build_vertical_slash_index(
-            q.float(), k.float(), VerticalSlashConfig(block_size=block), scale, cu_seqlens=cu_seqlens
+            # Every document sparse (none is dense_below's 1024 tokens here), so that the
+            # documents' variants of the bar kernels have columns to launch on.
+            q.float(),
+            k.float(),
+            VerticalSlashConfig(block_size=block, dense_below=0),
+            scale,
+            cu_seqlens=cu_seqlens,
         ),
         "top-k": msa_select_blocks(q_idx.float(), k_idx.float(), MSAConfig(block, 2, d_idx), hkv * group, cu_seqlens),
     }

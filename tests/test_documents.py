@@ -140,6 +140,47 @@ def test_kernel_sub_tiles_within_documents(kind, rng, kdevice, monkeypatch):
     check_attention(q, k, v, index, "triton", rng)
 
 
+def columns_in_every_document(rng, cu: torch.Tensor, heads: int, block: int) -> VerticalSlashIndex:
+    """A per-document vertical-slash index whose columns lie in every document (its first
+    and last token and a few between), so that a bar dK/dV chunk of the ascending list holds
+    several documents' columns, some of them in one row step; each document keeps diagonal
+    0 and one more of those it spans."""
+    seq, bounds = int(cu[-1]), cu.tolist()
+    docs = packed_documents(cu, seq)
+    spans = docs.spans(block).tolist()
+    vertical, slash = [], []
+    for _ in range(heads):
+        cols = set()
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            cols |= {a, b - 1, *torch.randint(a, b, (2,), generator=rng).tolist()}
+        vertical.append(sorted(cols))
+        slash.append([[0, int(torch.randint(1, n, (1,), generator=rng))] if n > 1 else [0, -1] for n in spans])
+    width = max(map(len, vertical))
+    vertical = torch.tensor([c + [-1] * (width - len(c)) for c in vertical], dtype=torch.int32)[None]
+    return VerticalSlashIndex(vertical, torch.tensor(slash, dtype=torch.int32)[None], seq, block, docs)
+
+
+@KERNELS
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("block, step", [(16, None), (32, 16)], ids=["block-16", "block-32-step-16"])
+def test_bar_chunks_across_documents(block, step, rng, kdevice, monkeypatch):
+    """A bar dK/dV chunk walks each of its documents' rows apart (skipping the rows between,
+    and a row step two documents share walked once): attention and gradients equal fp64
+    dense attention under the block-diagonal mask."""
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    if step is not None:
+        for name in block_bar.KERNELS:
+            config = block_bar.LaunchConfig(block_n=step, num_warps=4, num_stages=1, block_m=step)
+            monkeypatch.setitem(block_bar.OVERRIDES, name, config)
+    seq = 192
+    cu = random_boundaries(rng, seq, block=block)
+    q, k, v = inputs(rng, seq, device=kdevice)
+    index = columns_in_every_document(rng, cu, q.shape[2], block).to(kdevice)
+    assert not (index.to_dense_mask(seq).cpu() & ~block_diagonal(cu, seq)).any()
+    check_attention(q, k, v, index, "triton", rng)
+
+
 @KERNELS
 @pytest.mark.parametrize("config", [VS_CONFIG, dataclasses.replace(VS_CONFIG, dense_below=0)],
                          ids=["dense-below-32", "all-sparse"])  # fmt: skip
