@@ -73,12 +73,24 @@ def fresh_tables(index):
     return vertical_slash_tables(index) if isinstance(index, VerticalSlashIndex) else tile_tables(index)
 
 
-def inputs(seq: int, gen: torch.Generator):
+def sample_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that fix the sample (``scripts/document_tiles.py`` counts the same one)."""
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--mean", type=int, default=8192)
+    p.add_argument("--mix", default="lognormal", choices=DOCUMENT_MIXES)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def sample(args, device) -> tuple[torch.Tensor, ...]:
+    """(document bounds, q, k, v in bf16) on ``device``, from ``args.seed``'s generator."""
+    gen = torch.Generator().manual_seed(args.seed)
+    seq = args.seq_len
+    cu = sampled_document_bounds(args.mix, seq, args.mean, gen)
     mean = torch.randn(1, 1, HKV, D, generator=gen) * 1.5
-    k = rope((mean + torch.randn(1, seq, HKV, D, generator=gen)).cuda())
-    q = rope((mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).cuda())
-    v = torch.randn(1, seq, HKV, D, generator=gen).cuda()
-    return [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    k = rope((mean + torch.randn(1, seq, HKV, D, generator=gen)).to(device))
+    q = rope((mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).to(device))
+    v = torch.randn(1, seq, HKV, D, generator=gen).to(device)
+    return cu.to(device), *(t.to(torch.bfloat16) for t in (q, k, v))
 
 
 def cudnn_dense(q, k, v):
@@ -156,20 +168,16 @@ def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--mean", type=int, default=8192)
-    p.add_argument("--mix", default="lognormal", choices=DOCUMENT_MIXES)
-    p.add_argument("--seed", type=int, default=0)
+    sample_arguments(p)
     p.add_argument("--rep-ms", type=int, default=150)
     p.add_argument("--kernels", action="store_true", help="per-kernel device times of the like-for-like pair")
     p.add_argument("--out", default="runs/bench_documents")
     args = p.parse_args()
-    gen = torch.Generator().manual_seed(args.seed)
     seq = args.seq_len
-    cu = sampled_document_bounds(args.mix, seq, args.mean, gen).cuda()
+    cu, *qkv = sample(args, "cuda")
     lengths = (cu[1:] - cu[:-1]).tolist()
     docs = packed_documents(cu, seq)
-    q, k, v = inputs(seq, gen)
+    q, k, v = (t.requires_grad_() for t in qkv)
     scale = D**-0.5
     rows: list[dict] = []
 

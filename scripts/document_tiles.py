@@ -28,27 +28,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_documents import HQ, D, sample, sample_arguments  # noqa: E402
 
-from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds  # noqa: E402
 from megatron_mtraining.sparse import VerticalSlashConfig, build_vertical_slash_index  # noqa: E402
 from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.tables import vertical_slash_tables  # noqa: E402
 
-HQ, HKV, D = 16, 2, 128
 # The launch defaults on sm90 (attention.launch_config, block 64): forward and dQ take the
 # block's 64 rows against 64 keys a step; the bar dK/dV programs 128 columns (64 on sm80)
 # against 64 rows a step.
 STEP_N, BAR_CHUNK, BAR_ROWS = 64, 128, 64
-
-
-def sample(seq: int, mean: int, mix: str, seed: int):
-    """``bench_documents.py``'s boundaries, q and k (its generator calls, in its order)."""
-    gen = torch.Generator().manual_seed(seed)
-    cu = sampled_document_bounds(mix, seq, mean, gen)
-    shared = torch.randn(1, 1, HKV, D, generator=gen) * 1.5
-    k = rope(shared + torch.randn(1, seq, HKV, D, generator=gen))
-    q = rope(shared.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen))
-    return cu, q.to(torch.bfloat16), k.to(torch.bfloat16)
 
 
 def row_bounds(index) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,13 +219,10 @@ def report(name: str, index, bs: int, seq: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--mean", type=int, default=8192)
-    p.add_argument("--mix", default="lognormal", choices=DOCUMENT_MIXES)
-    p.add_argument("--seed", type=int, default=0)
+    sample_arguments(p)
     args = p.parse_args()
     seq = args.seq_len
-    cu, q, k = sample(seq, args.mean, args.mix, args.seed)
+    cu, q, k, _ = sample(args, "cpu")
     lengths = (cu[1:] - cu[:-1]).tolist()
     print(f"seq {seq}, {len(lengths)} documents ({args.mix}, mean {seq / len(lengths):.0f}, longest {max(lengths)})")
     config, scale = VerticalSlashConfig(), D**-0.5
