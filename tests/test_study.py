@@ -540,6 +540,12 @@ def test_report_tables_from_fixture_results(fixture_workdir):
     )
     assert "| continue/msa-seed2 | NVIDIA H200 | 2026-11-26 | abc1234 | 500 of 500 | not recorded |" in text
     assert "### The pretrained model (dense, 2048 tokens)" in text and "| 100.0 | 80.0 | 90.0 | 7.389 |" in text
+    # The loss by position: every bucket holds the fixture's loss, so the differences are LOSS's.
+    position = summary["loss_by_position"]
+    assert position["buckets"] == [(0, 2048), (2048, 4096), (4096, 6144), (6144, 8192)]
+    assert position["per_type"]["msa"] == pytest.approx([LOSS["msa"]] * 4)
+    assert "| attention | 0-2048 | 2048-4096 | 4096-6144 | 6144-8192 |" in text
+    assert "| dense | 2.000 | 2.000 | 2.000 | 2.000 |" in text and "| mtraining | +0.020 | +0.020 |" in text
 
 
 def test_a_variant_reports_as_its_own_row_against_dense(fixture_workdir):

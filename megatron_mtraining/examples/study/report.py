@@ -213,6 +213,7 @@ def summarize(workdir: Path) -> dict:
             "misses": misses,
         }
     cross = []
+    by_position = _loss_by_position(evaluated)
     for run in runs:
         for attention, results in run.evals.items():
             if attention == run.attention or run.own is None:
@@ -247,6 +248,7 @@ def summarize(workdir: Path) -> dict:
         "per_type": per_type,
         "against_dense": against_dense,
         "cross": cross,
+        "loss_by_position": by_position,
         "same_data": same_data,
         "meta": {
             "devices": sorted({r.record["device"] for r in runs}),
@@ -268,6 +270,19 @@ def summarize(workdir: Path) -> dict:
             "length": longest(results),
         }
     return summary
+
+
+def _loss_by_position(evaluated: list[Run]) -> dict:
+    """The held-out loss by position bucket at the longest length, per attention type or
+    variant (mean over the seeds): where along the context a sparse type loses to dense."""
+    losses: dict[str, list[list[float]]] = {}
+    buckets = None
+    for run in evaluated:
+        rows = run.own["perplexity"][longest(run.own)]["buckets"]
+        buckets = buckets or [(b["start"], b["end"]) for b in rows]
+        losses.setdefault(run.label, []).append([b["loss"] for b in rows])
+    means = {label: [sum(col) / len(col) for col in zip(*runs, strict=True)] for label, runs in losses.items()}
+    return {"buckets": buckets, "per_type": means}
 
 
 def _mean_of(by_task: dict, length: str) -> float | None:
@@ -355,6 +370,24 @@ def markdown(summary: dict) -> str:
         if missed:
             verdict.append(f"not met by {', '.join(missed)}")
         lines += [f"**Target: {'; '.join(verdict)}.**", ""]
+    position = summary["loss_by_position"]
+    if "dense" in position["per_type"] and len(position["per_type"]) > 1:
+        dense = position["per_type"]["dense"]
+        rows = [["dense", *(f"{x:.3f}" for x in dense)]]
+        rows += [
+            [label, *(f"{x - d:+.3f}" for x, d in zip(losses, dense, strict=True))]
+            for label, losses in position["per_type"].items()
+            if label != "dense"
+        ]
+        lines += [
+            f"### Held-out loss by position at {length} tokens",
+            "",
+            "Nats per token, mean over the seeds: dense's, and each type's difference from it (where along the "
+            "context a sparse type loses what).",
+            "",
+            _table(["attention", *(f"{a}-{b}" for a, b in position["buckets"])], rows),
+            "",
+        ]
     if summary["cross"]:
         lines += [
             "### Evaluated with another attention type",
