@@ -472,7 +472,7 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def figures(summary: dict, workdir: Path) -> dict:
+def figures(summary: dict) -> dict:
     """Name -> matplotlib figure: the average accuracy by length, and the held-out loss by
     position at the longest length, per attention type (mean over the seeds)."""
     import matplotlib
@@ -501,12 +501,9 @@ def figures(summary: dict, workdir: Path) -> dict:
     ax.legend(title="attention")
     accuracy.tight_layout()
     loss, ax = plt.subplots(figsize=(6, 4))
-    _, runs = load_runs(workdir)
-    for attention in summary["per_type"]:
-        own = [r.own for r in runs if r.label == attention and r.own is not None]
-        buckets = [own_results["perplexity"][longest(own_results)]["buckets"] for own_results in own]
-        xs = [(b["start"] + b["end"]) / 2 for b in buckets[0]]
-        ys = [sum(bs[i]["loss"] for bs in buckets) / len(buckets) for i in range(len(xs))]
+    position = summary["loss_by_position"]
+    xs = [(start + end) / 2 for start, end in position["buckets"]]
+    for attention, ys in position["per_type"].items():
         ax.plot(xs, ys, marker="o", label=attention)
     ax.set_xlabel("position (tokens)")
     ax.set_ylabel("held-out loss (nats per token)")
@@ -532,7 +529,7 @@ def write_report(workdir: Path, out_dir: Path | None = None, log=print) -> tuple
     if has_matplotlib():
         from matplotlib import pyplot as plt
 
-        for name, fig in figures(summary, workdir).items():
+        for name, fig in figures(summary).items():
             fig.savefig(out_dir / name, dpi=120)
             plt.close(fig)
             written.append(out_dir / name)
