@@ -30,9 +30,14 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
         fail(name, value, f"an integer <= {maximum}")
 
 
-def check_power_of_two(name: str, value, *, minimum: int) -> None:
-    accepted = f"a power of two >= {minimum} (the kernels tile by it)"
+def check_power_of_two(name: str, value, *, minimum: int, maximum: int | None = None) -> None:
+    if maximum is None:
+        accepted = f"a power of two >= {minimum} (the kernels tile by it)"
+    else:
+        accepted = f"a power of two from {minimum} to {maximum}"
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value & (value - 1):
+        fail(name, value, accepted)
+    if maximum is not None and value > maximum:
         fail(name, value, accepted)
 
 
@@ -48,8 +53,7 @@ def check_launch(name: str, cfg, expected: type, tiles: dict[str, int]) -> None:
         if field.name in tiles:
             check_power_of_two(f"{name}.{field.name}", value, minimum=tiles[field.name])
         elif field.name == "num_warps":
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 32 or value & (value - 1):
-                fail(f"{name}.num_warps", value, "a power of two from 1 to 32")
+            check_power_of_two(f"{name}.num_warps", value, minimum=1, maximum=32)
         else:
             check_int(f"{name}.{field.name}", value, minimum=1)
 
