@@ -752,7 +752,7 @@ def main():
         nargs="*",
         default=None,
         metavar="KERNEL",
-        choices=["fwd", "dq", "bar_dkdv", "tile_dkdv", *MSA_TUNE],
+        choices=[*TUNE_CANDIDATES, *MSA_TUNE],
         help="sweep the launch configs of these kernels (none named: all) first and use the best: the block-bar "
         "kernels (fwd, dq, bar_dkdv, tile_dkdv) on the vertical-slash pattern, MSA's KV-outer kernels (kv_fwd, "
         "kv_merge, kv_bwd, kv_sum_slots, kv_reduce) and selection (msa_select) on its structured index",
