@@ -547,23 +547,13 @@ def test_failed_run_keeps_the_finished_output(corpus, tmp_path):
 def test_failed_first_run_leaves_nothing(corpus, tmp_path, monkeypatch):
     from megatron_mtraining.data import indexed
 
-    class FailingTokenizer:
+    class FailingTokenizer(_CountingTokenizer):
         """The real tokenizer until its third batch, which raises."""
 
-        def __init__(self, tok):
-            self.tok, self.batches = tok, 0
-
-        def __getattr__(self, name):
-            return getattr(self.tok, name)
-
-        def __len__(self):
-            return len(self.tok)
-
         def __call__(self, texts, **kwargs):
-            self.batches += 1
-            if self.batches == 3:
+            if self.calls == 2:
                 raise RuntimeError("tokenizer failed")
-            return self.tok(texts, **kwargs)
+            return super().__call__(texts, **kwargs)
 
     monkeypatch.setattr(indexed, "load_tokenizer", lambda path: FailingTokenizer(load_tokenizer(path)))
     sources = [{"name": "s", "paths": [str(corpus / "short.jsonl")]}]
