@@ -49,9 +49,8 @@ that cross a row's start pay the compare where the kernels skip masking: the dQ 
 masks a step whose first key precedes the block's last row's start, the tile dK/dV kernel
 a step of rows whose latest start follows its first key. Bars start at ``BAR_START``
 (the block's columns before that start), look up the diagonals of the block's first
-row's document (``ACT_OFF``), and a column chunk's dK/dV walks, for each document among its
-columns, the rows from its first column there to that document's end (``DOC_END``), not
-the rows between, which see none of the chunk.
+row's document (``ACT_OFF``), and a column's dK/dV walks the rows up to the end of its
+document (``DOC_END``).
 """
 
 from __future__ import annotations
@@ -454,44 +453,26 @@ def _bar_dkdv_kernel(
         if HAS_QPOS:
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         stop = S
-        n_runs = 1
-        col_end = col_pos
-        if HAS_DOCS and not HAS_QPOS:
-            # A chunk of the ascending list can hold several documents' columns, and only the
-            # rows from each document's first column to its end see any of them: one walk per
-            # document (run of equal ends) skips the rows between, which see none.
-            col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
-            lane = tl.arange(0, BLOCK_N)
-            prev = tl.load(BAR_POS + entries - 1, mask=col_ok & (lane > 0), other=-1)
-            prev_end = tl.load(DOC_END + prev, mask=prev >= 0, other=-1)
-            n_runs = tl.sum((col_ok & (prev_end != col_end)).to(tl.int32), 0)
-            stop = first * 0
-        for _ in range(n_runs):
-            if HAS_DOCS and not HAS_QPOS:
-                # The next document's columns are those ending after the last run's end; a
-                # step the last run shared with it was walked there (documents ascend, so its
-                # last step ends at the last run's end rounded up to a step).
-                run_col = tl.min(tl.where(col_ok & (col_end > stop), col_pos, 2147483647), 0)
-                first = tl.maximum(run_col // BLOCK_M, (stop + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-                stop = tl.max(tl.where(col_ok & (col_pos == run_col), col_end, 0), 0)
-            for r0 in range(first, stop, BLOCK_M):
-                rows = r0 + tl.arange(0, BLOCK_M)
-                row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
-                act_off = r0 * 0
-                look = col_ok
-                if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
-                    act_off = tl.load(ACT_OFF + r0 // BLOCK)
-                    block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
-                    look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
-                in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
-                seen = (~in_tile)[:, None]
-                if HAS_DOCS:
-                    row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
-                    seen = seen & (col_pos[:, None] >= row_first[None, :])
-                dk, dv = _kv_grads(
-                    dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos,
-                    q_stride, d, d_ok, qk_scale, seen, True, PRECISION,
-                )  # fmt: skip
+        if HAS_DOCS and not HAS_QPOS:  # rows after the document of the chunk's last column see none of it
+            stop = tl.load(DOC_END + tl.max(col_pos, 0))
+        for r0 in range(first, stop, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
+            act_off = r0 * 0
+            look = col_ok
+            if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
+                act_off = tl.load(ACT_OFF + r0 // BLOCK)
+                block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
+                look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
+            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+            seen = (~in_tile)[:, None]
+            if HAS_DOCS:
+                row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
+                seen = seen & (col_pos[:, None] >= row_first[None, :])
+            dk, dv = _kv_grads(
+                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
+                d, d_ok, qk_scale, seen, True, PRECISION,
+            )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk, mask=ok)
