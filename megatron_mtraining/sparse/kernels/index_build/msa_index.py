@@ -65,7 +65,7 @@ class SelectLaunch:
 
     block_m: int = 128
     block_m_wide: int = 64  # rows per tile when topk > 32
-    block_n: int = 64  # keys per matrix product (at most the block size)
+    block_n: int = 128  # keys per matrix product (at most the block size): long products amortise the top-k merge
     num_warps: int = 8
     num_stages: int = 2
     # fp32 inputs (3xTF32 products) keep split copies of both tiles in shared memory: one

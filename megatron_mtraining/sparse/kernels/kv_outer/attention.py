@@ -65,21 +65,25 @@ class Streaming:
 
 
 DEFAULTS: dict[str, PassConfig | RowConfig] = {
-    "fwd": PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, tiles_per_item=8),
+    "fwd": PassConfig(block_m=64, block_n=128, num_warps=4, num_stages=1, tiles_per_item=8),
     "bwd": PassConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, tiles_per_item=8),
     "dq": PassConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tiles_per_item=32),
-    # Triton's own warps and stages, which these launches took before they named any.
-    **dict.fromkeys(("merge", "sum_slots", "reduce"), RowConfig(rows=ROWS, num_warps=4, num_stages=3)),
+    "merge": RowConfig(rows=64, num_warps=2, num_stages=3),
+    "sum_slots": RowConfig(rows=8, num_warps=8, num_stages=3),
+    "reduce": RowConfig(rows=8, num_warps=8, num_stages=3),
 }
-"""Untuned first choices, with ``OVERRIDES`` replacing them per kernel as in ``block_bar.attention``
-(``scripts/bench_kernels.py --tune`` sweeps them on MSA's index). Forward: 64 rows (8 tokens x
-8 heads for Qwen2.5-3B's MSA) against a whole 128-key block, 4 warps, so that two programs
-share a multiprocessor. dK/dV: 64 rows against a 128-key block, the shape of ``block_bar``'s
-dK/dV kernel. The alternatives measured once (a 128-row forward of 8 warps, three stages,
-items of 4 or 32 tiles; for dK/dV, 32-row tiles and 64-key steps with the separate dQ kernel)
-ran slower or no faster (docs/benchmarks.md, "KV-outer kernels for top-k indexes"). The
-per-row kernels (``merge``, ``sum_slots``, ``reduce``: memory-bound) take ``combine``'s rows a
-program. The KL's launches of these kernels (``msa_kl.kv_loss``) keep their own settings."""
+"""First choices, with ``OVERRIDES`` replacing them per kernel as in ``block_bar.attention``
+(``scripts/bench_kernels.py --tune`` sweeps them on MSA's index; the choices here are that
+sweep's winners on an H200, docs/benchmarks.md, "MSA's tuned launches"). Forward: 64 rows (8
+tokens x 8 heads for Qwen2.5-3B's MSA) against a whole 128-key block, 4 warps, so that two
+programs share a multiprocessor, unpipelined: each program's loads are one block's K/V, and a
+second stage's shared memory costs more residency than it hides. dK/dV: 64 rows against a
+128-key block, the shape of ``block_bar``'s dK/dV kernel. The per-row kernels (``merge``,
+``sum_slots``, ``reduce``) are memory-bound: the merge reads each slot's rows once, so long
+programs of few warps stream best; the sums and the reduction gather rows from many slots, so
+short programs of many warps keep more loads in flight. Plain launch parameters, no sm90-only
+feature: ``scripts/compile_kernels.py`` checks that they fit an A100. The KL's launches of
+these kernels (``msa_kl.kv_loss``) keep their own settings."""
 OVERRIDES: dict[str, PassConfig | RowConfig] = {}
 # Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
 # allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
