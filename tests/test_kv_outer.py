@@ -297,21 +297,31 @@ def test_row_kernel_overrides_change_the_launch_not_the_result(rng, kdevice, kv,
         return (out, lse, *grads), {name: (spy.calls[0][0], spy.kwargs[0]) for name, spy in spies.items()}
 
     want, default = run()
-    monkeypatch.setitem(kv.OVERRIDES, "merge", kv.RowConfig(rows=64, num_warps=2, num_stages=1))
-    monkeypatch.setitem(kv.OVERRIDES, "sum_slots", kv.RowConfig(rows=8, num_warps=8, num_stages=2))
-    monkeypatch.setitem(kv.OVERRIDES, "reduce", kv.RowConfig(rows=32, num_warps=2, num_stages=4))
+    overrides = {
+        "merge": kv.RowConfig(rows=16, num_warps=4, num_stages=1),
+        "sum_slots": kv.RowConfig(rows=32, num_warps=2, num_stages=2),
+        "reduce": kv.RowConfig(rows=32, num_warps=2, num_stages=4),
+    }
+    for entry, cfg in overrides.items():
+        assert cfg != kv.DEFAULTS[entry], "an override equal to the default tests nothing"
+        monkeypatch.setitem(kv.OVERRIDES, entry, cfg)
     got, tuned = run()
     slot_rows = 32 * 4  # a chunk's (token, head) rows
-    assert default["_merge_kernel"][0] == (slot_rows // 16,) and tuned["_merge_kernel"][0] == (slot_rows // 64,)
-    assert default["_sum_slots_kernel"][0] == (slot_rows // 16,) and tuned["_sum_slots_kernel"][0] == (slot_rows // 8,)
-    for name, (rows, warps, stages) in {
-        "_merge_kernel": (64, 2, 1),
-        "_sum_slots_kernel": (8, 8, 2),
-        "_reduce_kernel": (16, 2, 4),  # 32 rows capped at the block of 16
-    }.items():
-        assert {key: tuned[name][1][key] for key in ("ROWS", "num_warps", "num_stages")} == {
-            "ROWS": rows, "num_warps": warps, "num_stages": stages}  # fmt: skip
-        assert (default[name][1]["ROWS"], default[name][1]["num_warps"], default[name][1]["num_stages"]) == (16, 4, 3)
+
+    def launch(cfg, capped):  # the reduction's rows are capped at the block of 16
+        return {
+            "ROWS": min(cfg.rows, 16) if capped else cfg.rows,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+        }
+
+    for entry, launches in (("default", default), ("override", tuned)):
+        configs = kv.DEFAULTS if entry == "default" else overrides
+        for name in ("merge", "sum_slots"):
+            assert launches[f"_{name}_kernel"][0] == (slot_rows // configs[name].rows,), (entry, name)
+        for name in ("merge", "sum_slots", "reduce"):
+            keys = {key: launches[f"_{name}_kernel"][1][key] for key in ("ROWS", "num_warps", "num_stages")}
+            assert keys == launch(configs[name], name == "reduce"), (entry, name)
     for a, e in zip(got, want, strict=True):
         assert torch.equal(a, e)
 
