@@ -54,7 +54,8 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         "--lengths",
         nargs="+",
         type=int,
-        help=f"sequence lengths in tokens (default: {SHORTEST_DEFAULT} doubling up to the config's seq_length, and it)",
+        help=f"sequence lengths in tokens (default: {SHORTEST_DEFAULT} doubling up to the config's seq_length, and "
+        "it, less those the attention cannot be sparse at, e.g. a top-k taking every block)",
     )
     parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), help="needle depths in [0, 1]")
     parser.add_argument("--samples", type=int, default=8, help="samples per task, length and depth (default 8)")
@@ -101,6 +102,25 @@ def default_lengths(seq_length: int) -> list[int]:
     return [*lengths, seq_length]
 
 
+def _sparse_lengths(lengths: list[int], run_config, cp: int) -> list[int]:
+    """The default lengths the run's attention can be sparse at. A short one where a top-k
+    takes every block (MSA at 64 blocks of 64 below 8192 tokens) would be dense attention,
+    which the config check refuses: it is left out, and said so, rather than failing the
+    evaluation (a length given with --lengths still fails, naming the setting)."""
+    kept = []
+    for n in lengths:
+        try:
+            run_config.attention.validate_for_sequence(n, cp)
+            kept.append(n)
+        except ValueError as err:
+            print(f"[eval] length {n} left out: {err}", flush=True)
+    if not kept:
+        from .training.yaml_config import ConfigError
+
+        raise ConfigError(f"no default length {lengths} fits the attention (accepted: give --lengths)")
+    return kept
+
+
 def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
     """The plan, checked against the run: lengths up to its seq_length that its attention
     and CP layout can split, buckets no more than the shortest length."""
@@ -110,6 +130,8 @@ def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
     if seq_length is None:
         raise ConfigError(f"{run_config.path}: no 'megatron.seq_length' (accepted: the length the model trained at)")
     lengths = cli.lengths or default_lengths(seq_length)
+    if not cli.lengths:
+        lengths = _sparse_lengths(lengths, run_config, cp)
     for n in lengths:
         if n > seq_length:
             raise ConfigError(

@@ -97,3 +97,26 @@ def test_two_processes_with_context_parallelism(trained):
     cp2 = ("attention.type=dense", "megatron.context_parallel_size=2", "--tasks", *tasks)
     results, _, out = evaluate(trained, 2, "cp2", *cp2)
     check_results(results, out, "dense", 2, tasks)
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [(None, (8192, 16384)), (["4096", "16384"], "bad value for --lengths: 4096 .*msa.topk=64 is not accepted")],
+)
+def test_default_lengths_leave_out_what_the_attention_cannot_be_sparse_at(given, want, capsys):
+    """MSA at 64 blocks of 64 takes every block of 4096 tokens: the default lengths leave 4096
+    out and say why; a length given with --lengths is an error naming the setting."""
+    from megatron_mtraining.evaluate import _parse_cli, _plan
+    from megatron_mtraining.training.yaml_config import ConfigError, load_config
+
+    study = CONFIG.parent / "study" / "continue.yaml"
+    run_config = load_config(study, ["attention.type=msa", "attention.msa.topk=64"])
+    cli = _parse_cli(["--config", str(study), *(["--lengths", *given] if given else [])])
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            _plan(cli, run_config)
+        return
+    assert _plan(cli, run_config).lengths == want
+    assert (
+        "[eval] length 4096 left out: MTrainingAttentionConfig.msa.topk=64 is not accepted" in capsys.readouterr().out
+    )

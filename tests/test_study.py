@@ -565,6 +565,22 @@ def test_a_variant_reports_as_its_own_row_against_dense(fixture_workdir):
     assert "| mtraining p95 | 1 | 500 | 0.200 |" in text and "| mtraining p95 | 1 | " in text.split("Against dense")[1]
 
 
+def test_a_run_evaluated_at_fewer_lengths_is_named_and_paired_where_both_scored(fixture_workdir):
+    """A run whose evaluation left a length out (MSA at a top-k taking every block there) is
+    named under the table, and differs from dense over the samples both scored only."""
+    run = "continue/msa-k64-seed1"
+    record = stage_record(run, "msa", 1) | {"variant": "k64"}
+    short = EvalPlan(**{**PLAN.__dict__, "lengths": (8192,)})
+    write_run(fixture_workdir, run, record, {"msa": fixture_results("msa", 1, short)})
+    summary = report.summarize(fixture_workdir)
+    assert summary["plan"]["lengths"] == [4096, 8192]
+    # niah_single: 2 depths x 10 samples at 8192 (40 with both lengths); msa misses none of them.
+    assert summary["against_dense"]["msa k64"]["tasks"]["niah_single"] == pytest.approx((0.0, 0.0, 20))
+    text = report.markdown(summary)
+    assert "Evaluated at fewer lengths" in text and "continue/msa-k64-seed1 at 8192." in text
+    assert "continue/msa-seed1 at" not in text
+
+
 def test_variant_names_make_run_directories_or_are_refused():
     assert runs.continue_run("msa", 2) == Path("continue/msa-seed2")
     assert runs.continue_run("msa", 2, "k32") == Path("continue/msa-k32-seed2")

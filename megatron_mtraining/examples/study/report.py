@@ -170,6 +170,7 @@ def summarize(workdir: Path) -> dict:
                 "attended_fraction": run.record.get("attended_fraction"),
                 "tasks": {t: results["accuracy"]["task_average"][t] for t in tasks},
                 "average": results["accuracy"]["average"],
+                "lengths": list(results["plan"]["lengths"]),
                 "by_length": {
                     n: _mean_of(results["accuracy"]["by_task"], n) for n in map(str, results["plan"]["lengths"])
                 },
@@ -242,7 +243,8 @@ def summarize(workdir: Path) -> dict:
     summary = {
         "tasks": tasks,
         "plan": {
-            k: evaluated[0].own["plan"][k] for k in ("lengths", "depths", "samples", "seed", "held_out", "documents")
+            **{k: evaluated[0].own["plan"][k] for k in ("depths", "samples", "seed", "held_out", "documents")},
+            "lengths": sorted({n for r in per_run for n in r["lengths"]}),
         },
         "runs": per_run,
         "per_type": per_type,
@@ -327,6 +329,16 @@ def markdown(summary: dict) -> str:
         "attended (after MSA's warmup). Per attention type: mean ± standard deviation over the seeds.",
         "",
     ]
+    fewer = {r["run"]: r["lengths"] for r in summary["runs"] if r["lengths"] != list(plan["lengths"])}
+    if fewer:
+        lines += [
+            "Evaluated at fewer lengths (the evaluation leaves out those its attention would attend densely at, "
+            "e.g. a top-k taking every block): "
+            + "; ".join(f"{run} at {', '.join(map(str, n))}" for run, n in fewer.items())
+            + ". Their averages are over those lengths; their differences from dense below, over the samples "
+            "both scored.",
+            "",
+        ]
     header = ["attention", "seed", "iterations", "attended", *tasks, "average", f"perplexity @{length}"]
     rows = []
     for attention, stats in summary["per_type"].items():
