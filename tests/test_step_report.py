@@ -4,6 +4,8 @@ parts are known."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -65,22 +67,49 @@ def test_recomputation_is_its_own_phase():
     assert set(recomputed["layers_ms"]) == set(plain["layers_ms"])
 
 
-def test_kernels_launched_outside_operators_are_filed_by_name(monkeypatch):
-    """A kernel that lands in ``other`` goes to the part ``UNLINKED_KERNELS`` names for it; the
-    same kernel inside a named part stays there. (On CPU the "kernels" are ATen operations.)"""
+def test_kernels_in_catch_all_parts_are_filed_by_name(monkeypatch):
+    """A kernel that lands in ``other`` or a layer's ``elementwise`` goes to the part
+    ``NAMED_KERNELS`` names for it; the same kernel inside a named part stays there. (On CPU
+    the "kernels" are ATen operations.)"""
     from megatron_mtraining.training import step_report
 
-    monkeypatch.setattr(step_report, "UNLINKED_KERNELS", {"aten::sin": "msa_index"})
+    monkeypatch.setattr(step_report, "NAMED_KERNELS", ((re.compile(r"^aten::sin$"), "msa_index"),))
     x = torch.randn(4096)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with part_range("other"):
             x.sin()
             x.cos()
+        with part_range("layer:1"):
+            x.sin()
         with part_range("loss"):
             x.sin()
     parts = breakdown(prof, 1.0, on_device=False)["top_kernels_ms"]
     assert "forward: aten::sin" in parts["msa_index"] and "forward: aten::sin" in parts["loss"]
     assert "forward: aten::cos" in parts["other"] and "forward: aten::sin" not in parts["other"]
+    assert "elementwise" not in parts
+
+
+@pytest.mark.parametrize(
+    "kernel, part",
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0",
+         "attention"),
+        ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, void*)", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false>>", "attention"),
+        ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128>>", "attention"),
+        ("_block_select_kernel", "msa_index"),
+        ("_topk_blocks_kernel", "index"),
+        ("_row_stats_kernel", "other"),  # ambiguous: mtraining's index build and the recall metric
+        ("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN", "other"),
+        ("triton_poi_fused_mul_silu_split_0", "other"),
+    ],
+)  # fmt: skip
+def test_the_named_kernels_of_the_step_on_a_gpu(kernel, part):
+    """The device's kernel names (from the H200 profiles) that name their part, and those that do not."""
+    from megatron_mtraining.training.step_report import _named_part
+
+    assert _named_part(kernel, "other") == part
+    assert _named_part(kernel, "matmuls") == "matmuls"
 
 
 def test_idle_gaps_name_the_longest_and_what_the_host_did():

@@ -16,7 +16,7 @@ runs) writes a JSON report when the run ends:
   build and MSA's index branch and KL loss; the chunked loss names ``loss`` (output layer
   included). Whatever else a layer runs (RoPE, SwiGLU, residual adds) is ``elementwise``;
   the rest of the forward step (batch, RoPE tables, loss reduction) is ``other`` (less the
-  plugin's kernels launched outside any operator, filed by name: ``UNLINKED_KERNELS``); what runs
+  kernels that name their part, filed by it: ``NAMED_KERNELS``); what runs
   outside forward and backward is ``optimizer`` (the optimizer step, gradient clipping,
   parameter copies); backward work that no forward operation made is ``grads`` (gradient
   accumulation into Megatron's buffers); NCCL kernels are ``communication``. The phase is ``forward``,
@@ -59,17 +59,34 @@ MODULE_PARTS = {
 }
 PHASES = ("forward", "recompute", "backward")
 TOP_KERNELS = 12
-# The plugin's kernels launched outside any operator (a Triton launch, a CUDA-graph replay): the
-# profiler links a kernel to the innermost operator on the stack, not to a range, so with full
-# recomputation these link to Megatron's CheckpointFunction, which sits outside the layer's
-# range, and would count as ``other``. Those whose name says which part ran them are filed
-# there. The window-statistics passes (``_row_stats_kernel`` and the vertical-slash build's
-# graph) are not: the same kernels build ``mtraining``'s index and take MSA's and MoBA's recall
-# metric, so they stay in ``other``.
-UNLINKED_KERNELS = {
-    "_block_select_kernel": "msa_index",  # MSA's top-k selection, replayed from a CUDA graph
-    "_topk_blocks_kernel": "index",  # MoBA's gate top-k
-}
+# Kernels filed by name when the profiler links them to a catch-all part (``other``, or a layer's
+# ``elementwise``). The plugin's kernels launched outside any operator (a Triton launch, a
+# CUDA-graph replay): the profiler links a kernel to the innermost operator on the stack, not to
+# a range, so with full recomputation these link to Megatron's CheckpointFunction, which sits
+# outside the layer's range. And the dense baselines' fused attention kernels, which run in the
+# core attention only, yet one a step now and then links to an operator outside its range on an
+# H200 (cuDNN's forward of one layer filed under ``other`` or ``elementwise``). The
+# window-statistics passes (``_row_stats_kernel`` and the vertical-slash build's graph) are not
+# filed: the same kernels build ``mtraining``'s index and take MSA's and MoBA's recall metric.
+NAMED_KERNELS = (
+    (re.compile(r"_block_select_kernel$"), "msa_index"),  # MSA's top-k selection, replayed from a CUDA graph
+    (re.compile(r"_topk_blocks_kernel$"), "index"),  # MoBA's gate top-k
+    # cuDNN's SDPA and its backward's pre- and post-passes; FlashAttention-2's kernels.
+    (re.compile(r"cudnn_generated_fort_native_sdpa|cudnn::fusion::(compute_dot_do_o|convert_dq)|\bflash_(fwd|bwd)_"),
+     "attention"),
+)  # fmt: skip
+CATCH_ALL_PARTS = ("other", "elementwise")
+
+
+def _named_part(kernel: str, part: str) -> str:
+    """``part``, or the part ``NAMED_KERNELS`` files ``kernel`` under where ``part`` is a catch-all."""
+    if part in CATCH_ALL_PARTS:
+        for pattern, named in NAMED_KERNELS:
+            if pattern.search(kernel):
+                return named
+    return part
+
+
 # Idle stretches the report lists, the shortest it counts, and the host events it names per gap.
 IDLE_GAPS = 10
 MIN_GAP_MS = 0.05
@@ -263,9 +280,7 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
             continue
         part, layer, phase = classify(event)
         for name, us in kernels:
-            key = "communication" if "nccl" in name.lower() else part
-            if key == "other":
-                key = UNLINKED_KERNELS.get(name, key)
+            key = "communication" if "nccl" in name.lower() else _named_part(name, part)
             parts[key][phase] += us / 1e3
             kernels_by_part[key][f"{phase}: {name[:120]}"] += us / 1e3
             if layer:
