@@ -162,12 +162,13 @@ def test_bad_inputs_are_named(small_tiles):
         small_tiles.block_max_scores_triton(q, k, 24)
 
 
-def test_launch_defaults_are_unchanged():
-    """What runs unless ``LAUNCH`` is replaced (the tests' tiles, a sweep's candidates)."""
+def test_launch_defaults_are_the_sweeps_winners():
+    """What runs unless ``LAUNCH`` is replaced (the tests' tiles, a sweep's candidates): the
+    launch sweep's winner on an H200 (docs/benchmarks.md, "MSA's tuned launches")."""
     from megatron_mtraining.sparse.kernels.index_build import msa_index
 
     assert msa_index.SelectLaunch() == msa_index.SelectLaunch(
-        block_m=128, block_m_wide=64, block_n=64, num_warps=8, num_stages=2, num_stages_fp32=1
+        block_m=128, block_m_wide=64, block_n=128, num_warps=8, num_stages=2, num_stages_fp32=1
     )
 
 
