@@ -106,27 +106,26 @@ def in_tile(index, tables, qb: torch.Tensor, col: torch.Tensor, h: int, bs: int)
     return (diag >= 0) & (tables.active[0, h].long()[at] != 0)
 
 
-def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> list[int]:
-    """The first rows of the 64-row steps that ``_bar_dkdv_kernel`` walks for a chunk of
-    ascending columns ``cols``: from its first column's step to the sequence's end without
-    documents; with them, each of its documents' rows from its first column there to the
-    document's end, a step shared by two documents once."""
-    first = int(cols.min()) // BAR_ROWS * BAR_ROWS
-    if not documents:
-        return list(range(first, seq, BAR_ROWS))
-    steps, done = [], first
-    for end in sorted(set(ends[cols].tolist())):
-        run_col = int(cols[ends[cols] == end].min())
-        steps += range(max(run_col // BAR_ROWS * BAR_ROWS, done), end, BAR_ROWS)
-        done = max(done, -(-end // BAR_ROWS) * BAR_ROWS)
-    return steps
-
-
-def bar_walk_before(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
-    """The steps of the walk before branch docmask: from the chunk's first column's step to
-    the end of its last column's document (the sequence's without documents)."""
+def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
+    """The 64-row steps that ``_bar_dkdv_kernel`` walks for a chunk of ascending columns
+    ``cols``: from its first column's step to the end of its last column's document (the
+    sequence's without documents)."""
     stop = int(ends[cols.max()]) if documents else seq
     return -(-(stop - int(cols.min()) // BAR_ROWS * BAR_ROWS) // BAR_ROWS)
+
+
+def bar_live_steps(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
+    """Of those steps, the ones some column's document reaches: only they can see a column
+    (a chunk of several documents' columns walks the rows between them too)."""
+    first = int(cols.min()) // BAR_ROWS * BAR_ROWS
+    if not documents:
+        return -(-(seq - first) // BAR_ROWS)
+    live, done = 0, first
+    for end in sorted(set(ends[cols].tolist())):
+        start = max(int(cols[ends[cols] == end].min()) // BAR_ROWS * BAR_ROWS, done)
+        live += max(0, -(-(end - start) // BAR_ROWS))
+        done = max(done, -(-end // BAR_ROWS) * BAR_ROWS)
+    return live
 
 
 def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
@@ -135,8 +134,8 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
     n_q = tables.tiles.shape[2]
     qb = torch.arange(n_q)
     steps = computed = useful = walked = walked_in_tile = walked_unseen = 0
-    chunks = chunk_steps = chunk_computed = before_steps = 0
-    longest_chunk = longest_before = 0
+    chunks = chunk_steps = chunk_computed = live_steps = 0
+    longest_chunk = longest_live = 0
     v_max = tables.vertical.shape[-1]
     for h in range(tables.vertical.shape[1]):
         vert = tables.vertical[0, h].long()
@@ -159,14 +158,14 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         walked_in_tile += int((walk & inside).sum())
         walked_unseen += int((walk & ~inside & (rows == 0)).sum())
         for c0 in range(0, len(cols), BAR_CHUNK):
-            n = len(bar_walk(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None))
-            n_before = bar_walk_before(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
+            n = bar_walk(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
+            n_live = bar_live_steps(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
             chunks += 1
             chunk_steps += n
             chunk_computed += n * BAR_ROWS * BAR_CHUNK
             longest_chunk = max(longest_chunk, n)
-            before_steps += n_before
-            longest_before = max(longest_before, n_before)
+            live_steps += n_live
+            longest_live = max(longest_live, n_live)
     computed = steps * bs * STEP_N
     return {
         "vertical entries per head (listed, padded width)": (
@@ -182,10 +181,10 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         "bar dK/dV chunks with a column (programs launched)": (chunks, -(-v_max // BAR_CHUNK)),
         "bar dK/dV row steps (max per chunk)": (chunk_steps, longest_chunk),
         "bar dK/dV computed area": chunk_computed,
-        "  before docmask: row steps (max per chunk), area": (
-            before_steps,
-            longest_before,
-            before_steps * BAR_ROWS * BAR_CHUNK,
+        "  of which some column's document reaches (max per chunk), their area": (
+            live_steps,
+            longest_live,
+            live_steps * BAR_ROWS * BAR_CHUNK,
         ),
         "bar K/V gathers per call, MiB (each of K and V)": 1 * HQ * v_max * D * 2 / 2**20,
         "bar dK/dV partials buffer, MiB": 2 * HQ * v_max * D * 4 / 2**20,
