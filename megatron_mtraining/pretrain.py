@@ -53,14 +53,21 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         help="with --step-report: the iteration to profile (0-based; default the second to last)",
     )
     parser.add_argument(
+        "--step-trace",
+        metavar="PATH",
+        help="with --step-report: also write the profiled step's trace to PATH (Chrome trace format, gzipped if PATH "
+        "ends in .gz), to see in Perfetto or chrome://tracing which operator launched each kernel",
+    )
+    parser.add_argument(
         "--check-finite",
         action="store_true",
         help="stop at the first transformer layer whose output or input gradient is NaN or infinite, naming it and "
         "its attention type (debugging: one host synchronisation per layer and pass)",
     )
     cli = parser.parse_args(argv)
-    if cli.profile_step is not None and cli.step_report is None:
-        parser.error("--profile-step is for --step-report")
+    for flag, value in (("--profile-step", cli.profile_step), ("--step-trace", cli.step_trace)):
+        if value is not None and cli.step_report is None:
+            parser.error(f"{flag} is for --step-report")
     if cli.world_size is not None and not cli.dry_run:
         parser.error("--world-size is for --dry-run; a real run's world size is the launcher's")
     return cli
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise ConfigError("\n".join(missing))
         try:
-            run(run_config, cli.step_report, cli.profile_step, check_finite=cli.check_finite)
+            run(run_config, cli.step_report, cli.profile_step, check_finite=cli.check_finite, step_trace=cli.step_trace)
         except ConfigError as err:
             raise explain_rejection(err, run_config) from None
     except ConfigError as err:

@@ -99,6 +99,11 @@ def _parse(argv):
         help="also run every row with twice the layers: per layer = the difference in s/iteration over the "
         "added layers, with no profiler attribution",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write each row's profiled step as a Chrome trace, OUT/<row>.trace.json.gz (pretrain's --step-trace)",
+    )
     p.add_argument("--iters", type=int, default=6, help="iterations per row: 2 warmup, steady ones, the profiled one")
     p.add_argument("--timeout", type=int, default=400, help="seconds per row")
     p.add_argument("--out", default="runs/bench_training")
@@ -177,6 +182,7 @@ def run_row(row: str, args, out: Path, layers: int) -> dict:
         str(report),
         "--profile-step",
         str(args.iters - 2),
+        *(["--step-trace", str(out / f"{name}.trace.json.gz")] if args.trace else []),
     ]
     # One process on one device: the entry point's own single-process rendezvous.
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}

@@ -466,6 +466,7 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
         overrides += CP2_STRIPED
     else:
         overrides += ["megatron.eval_interval=1", "--check-finite", "--step-report", str(tmp_path / "report.json")]
+        overrides += ["--step-trace", str(tmp_path / "trace.json.gz")]
     output = pretrain(tmp_path, *overrides, world=world).stdout
     evaluations = parse_validation(output)
     # The evaluation at iteration 3 and the one Megatron runs after training read the same samples.
@@ -491,12 +492,19 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
     # Not the training data's loss: the held-out sequence is what was evaluated.
     assert want > float(metrics(output)[3]["lm_loss"]) + 0.1, (want, metrics(output)[3])
     if world == 1:
+        import gzip
         import json
 
         report = json.loads((tmp_path / "report.json").read_text())
         assert len(report["evaluation_s"]) == 4 and all(t > 0 for t in report["evaluation_s"]), report
         assert len(report["iteration_s"]) == 2 and all(t > 0 for t in report["iteration_s"]), report
         assert report["profile"]["iteration"] == 2, report["profile"]
+        # The profiled step's trace, with the parts' ranges the report reads.
+        with gzip.open(tmp_path / "trace.json.gz", "rt") as trace:
+            names = {event.get("name") for event in json.load(trace)["traceEvents"]}
+        assert {"mtraining::layer:1", "mtraining::attention"} <= names, sorted(
+            n for n in names if "mtraining" in str(n)
+        )
 
 
 @pytest.mark.parametrize("case", ["msa", "mtraining-cp2-striped"])

@@ -66,11 +66,13 @@ def run(
     step_report: str | None = None,
     profile_step: int | None = None,
     check_finite: bool = False,
+    step_trace: str | None = None,
 ) -> None:
     """The whole training job of ``python -m megatron_mtraining.pretrain`` on a loaded
     config (``load_config``, which the entry point has already read and checked); with
     ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
-    iteration ``profile_step`` (0-based; default the second to last); ``check_finite``
+    iteration ``profile_step`` (0-based; default the second to last), and that step's trace to
+    ``step_trace`` if given; ``check_finite``
     guards every layer against non-finite values (``finite_guard.py``)."""
     STATE.check_finite = check_finite
     from megatron.core.enums import ModelType
@@ -83,7 +85,7 @@ def run(
     container = pretrain_cfg_container_from_args(args)
     _record_memory_history(container)
     if step_report is not None:
-        STATE.step_report = StepReport(step_report, profile_step)
+        STATE.step_report = StepReport(step_report, profile_step, step_trace)
     pretrain(
         container,
         train_valid_test_datasets_provider,

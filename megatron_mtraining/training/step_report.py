@@ -25,6 +25,8 @@ runs) writes a JSON report when the run ends:
   (the autograd sequence number). ``idle_ms``: the step's wall time less the union of its
   kernels' intervals, the time the device waited for the host; ``idle`` lists the longest
   such gaps with the kernels around them and what the host was doing (``idle_gaps``).
+``--step-trace PATH`` also writes the profiled step's trace, the operators, ranges and kernels
+as the profiler linked them.
 
 The annotations cost a few microseconds of host time per module call and are only installed
 with ``--step-report``.
@@ -321,9 +323,10 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
 class StepReport:
     """Times every training iteration and profiles one; ``write`` saves the JSON report."""
 
-    def __init__(self, path: str | Path, profile_step: int | None):
+    def __init__(self, path: str | Path, profile_step: int | None, trace: str | Path | None = None):
         self.path = Path(path)
         self.profile_step = profile_step
+        self.trace = None if trace is None else Path(trace)
         self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
         self.evaluations: list[tuple[int, float]] = []  # (mark it follows, seconds)
         self.evaluation_start = None
@@ -363,6 +366,10 @@ class StepReport:
 
     def _stop_profile(self, now: float) -> None:
         self.profiler.__exit__(None, None, None)
+        if self.trace is not None:
+            # The operators, ranges and kernels as the profiler linked them: what the parts are read from.
+            self.trace.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.trace))
         self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
         self.profile["iteration"] = self.marks[-1][0] + 1
         self.profiler = None
