@@ -102,25 +102,6 @@ def default_lengths(seq_length: int) -> list[int]:
     return [*lengths, seq_length]
 
 
-def _sparse_lengths(lengths: list[int], run_config, cp: int) -> list[int]:
-    """The default lengths the run's attention can be sparse at. A short one where a top-k
-    takes every block (MSA at 64 blocks of 64 below 8192 tokens) would be dense attention,
-    which the config check refuses: it is left out, and said so, rather than failing the
-    evaluation (a length given with --lengths still fails, naming the setting)."""
-    kept = []
-    for n in lengths:
-        try:
-            run_config.attention.validate_for_sequence(n, cp)
-            kept.append(n)
-        except ValueError as err:
-            print(f"[eval] length {n} left out: {err}", flush=True)
-    if not kept:
-        from .training.yaml_config import ConfigError
-
-        raise ConfigError(f"no default length {lengths} fits the attention (accepted: give --lengths)")
-    return kept
-
-
 def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
     """The plan, checked against the run: lengths up to its seq_length that its attention
     and CP layout can split, buckets no more than the shortest length."""
@@ -129,10 +110,8 @@ def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
     seq_length, cp = run_config.value("seq_length"), run_config.value("context_parallel_size")
     if seq_length is None:
         raise ConfigError(f"{run_config.path}: no 'megatron.seq_length' (accepted: the length the model trained at)")
-    lengths = cli.lengths or default_lengths(seq_length)
-    if not cli.lengths:
-        lengths = _sparse_lengths(lengths, run_config, cp)
-    for n in lengths:
+    lengths = []
+    for n in cli.lengths or default_lengths(seq_length):
         if n > seq_length:
             raise ConfigError(
                 f"bad value for --lengths: {n} (accepted: lengths up to megatron.seq_length={seq_length}; "
@@ -141,7 +120,17 @@ def _plan(cli: argparse.Namespace, run_config) -> EvalPlan:
         try:
             run_config.attention.validate_for_sequence(n, cp)
         except ValueError as err:
-            raise ConfigError(f"bad value for --lengths: {n} ({err})") from None
+            if cli.lengths:
+                raise ConfigError(f"bad value for --lengths: {n} ({err})") from None
+            # A default length the attention would be dense at (a top-k taking every block of
+            # a short length, MSA at 64 blocks of 64 at 4096): left out, and said so.
+            print(f"[eval] length {n} left out: {err}", flush=True)
+            continue
+        lengths.append(n)
+    if not lengths:
+        raise ConfigError(
+            f"no default length {default_lengths(seq_length)} fits the attention (accepted: give --lengths)"
+        )
     if cli.buckets > min(lengths):
         raise ConfigError(
             f"bad value for --buckets: {cli.buckets} (accepted: at most the shortest length, {min(lengths)})"

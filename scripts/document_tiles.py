@@ -117,10 +117,9 @@ def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) 
 def bar_live_steps(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
     """Of those steps, the ones some column's document reaches: only they can see a column
     (a chunk of several documents' columns walks the rows between them too)."""
-    first = int(cols.min()) // BAR_ROWS * BAR_ROWS
     if not documents:
-        return -(-(seq - first) // BAR_ROWS)
-    live, done = 0, first
+        return bar_walk(cols, ends, seq, documents)
+    live, done = 0, int(cols.min()) // BAR_ROWS * BAR_ROWS
     for end in sorted(set(ends[cols].tolist())):
         start = max(int(cols[ends[cols] == end].min()) // BAR_ROWS * BAR_ROWS, done)
         live += max(0, -(-(end - start) // BAR_ROWS))
