@@ -49,8 +49,8 @@ that cross a row's start pay the compare where the kernels skip masking: the dQ 
 masks a step whose first key precedes the block's last row's start, the tile dK/dV kernel
 a step of rows whose latest start follows its first key. Bars start at ``BAR_START``
 (the block's columns before that start), look up the diagonals of the block's first
-row's document (``ACT_OFF``), and a column's dK/dV walks the rows up to the end of its
-document (``DOC_END``).
+row's document (``ACT_OFF``), and a column chunk's dK/dV walks the rows up to the end of its
+last column's document (``DOC_END``), skipping the steps that no column's document reaches.
 """
 
 from __future__ import annotations
@@ -453,26 +453,37 @@ def _bar_dkdv_kernel(
         if HAS_QPOS:
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         stop = S
+        col_end = col_pos
         if HAS_DOCS and not HAS_QPOS:  # rows after the document of the chunk's last column see none of it
             stop = tl.load(DOC_END + tl.max(col_pos, 0))
+            col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
         for r0 in range(first, stop, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
-            act_off = r0 * 0
-            look = col_ok
-            if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
-                act_off = tl.load(ACT_OFF + r0 // BLOCK)
-                block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
-                look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
-            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
-            seen = (~in_tile)[:, None]
-            if HAS_DOCS:
-                row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
-                seen = seen & (col_pos[:, None] >= row_first[None, :])
-            dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, seen, True, PRECISION,
-            )  # fmt: skip
+            live = True
+            if HAS_DOCS and not HAS_QPOS:
+                # A chunk of the ascending list can hold several documents' columns, and a step
+                # sees a column only where the column's document reaches it: the steps between
+                # two documents' columns see none and are skipped. (One flat loop: a walk per
+                # document, a loop of data-dependent bounds inside this one, gave wrong dK on
+                # CUDA while Triton's interpreter agreed with fp64.)
+                live = tl.max(((col_pos < r0 + BLOCK_M) & (col_end > r0)).to(tl.int32), 0) > 0
+            if live:
+                rows = r0 + tl.arange(0, BLOCK_M)
+                row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
+                act_off = r0 * 0
+                look = col_ok
+                if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
+                    act_off = tl.load(ACT_OFF + r0 // BLOCK)
+                    block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
+                    look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
+                in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+                seen = (~in_tile)[:, None]
+                if HAS_DOCS:
+                    row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
+                    seen = seen & (col_pos[:, None] >= row_first[None, :])
+                dk, dv = _kv_grads(
+                    dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos,
+                    q_stride, d, d_ok, qk_scale, seen, True, PRECISION,
+                )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk, mask=ok)
