@@ -135,6 +135,13 @@ def _block_step(BLOCKS, trow, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.co
 
 
 @triton.jit
+def _step_start(POS, blk, j, BLOCK: tl.constexpr, STEP: tl.constexpr, HAS_POS: tl.constexpr):
+    """The first position of step ``j`` of block ``blk`` (``_block_step``'s indices), a scalar:
+    the least of the step's ascending positions, without a reduction over them."""
+    return _positions(POS, blk, blk * BLOCK + (j % (BLOCK // STEP)) * STEP, HAS_POS, BLOCK)
+
+
+@triton.jit
 def _tile_keys(TILES, trow, T_MAX, j, KBLK, SK, K_base, V_base, kv_stride, d, d_ok,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
     """Step ``j`` of the row-major kernels' tile loop: (KV block, k, v, key positions, key
@@ -371,7 +378,7 @@ def _dq_kernel(
         )
         masked = j >= split
         if HAS_DOCS:  # a step whose first key precedes a row's document start
-            masked = masked | (tl.min(col_pos, 0) < last_start)
+            masked = masked | (_step_start(KBLK, kb, j, BLOCK, BLOCK_N, HAS_KPOS) < last_start)
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
             _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), row_first, qk_scale, masked,
@@ -547,6 +554,7 @@ def _tile_dkdv_kernel(
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
     own = _global_block(KBLK, kb, HAS_KPOS)
+    first_key = _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
@@ -557,14 +565,22 @@ def _tile_dkdv_kernel(
             BLOCK // BLOCK_M
         )
         for j in range(n_tiles * (BLOCK // BLOCK_M)):
-            _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
+            qb, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = col_ok[:, None]
             masked = j < n_masked
-            if HAS_DOCS:  # masked where a row's document starts after the first key
-                row_first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
+            if HAS_DOCS:
+                # Masked where a row's document starts after the first key. Document starts
+                # ascend with the position, so the step's last row has its latest: one scalar
+                # read decides, and the rows' starts are read only for the steps it masks
+                # (elsewhere every row's start is at or before every key: 0 stands in).
+                last = tl.minimum(_step_start(QBLK, qb, j, BLOCK, BLOCK_M, False) + BLOCK_M, S) - 1
+                crosses = tl.load(DOC_START + _positions(QBLK, qb, last, HAS_QPOS, BLOCK)) > first_key
+                masked = masked | crosses
+                row_first = tl.zeros([BLOCK_M], tl.int32)
+                if crosses:
+                    row_first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
                 seen = seen & (col_pos[:, None] >= row_first[None, :])
-                masked = masked | (tl.max(row_first, 0) > tl.min(col_pos, 0))
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), q_stride, d, d_ok, qk_scale,
