@@ -107,16 +107,16 @@ def in_tile(index, tables, qb: torch.Tensor, col: torch.Tensor, h: int, bs: int)
 
 
 def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
-    """The 64-row steps that ``_bar_dkdv_kernel`` walks for a chunk of ascending columns
-    ``cols``: from its first column's step to the end of its last column's document (the
-    sequence's without documents)."""
+    """The 64-row steps that ``_bar_dkdv_kernel``'s loop takes for a chunk of ascending
+    columns ``cols``: from its first column's step to the end of its last column's document
+    (the sequence's without documents). It computes only the live ones (``bar_live_steps``)."""
     stop = int(ends[cols.max()]) if documents else seq
     return -(-(stop - int(cols.min()) // BAR_ROWS * BAR_ROWS) // BAR_ROWS)
 
 
 def bar_live_steps(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
-    """Of those steps, the ones some column's document reaches: only they can see a column
-    (a chunk of several documents' columns walks the rows between them too)."""
+    """Of those steps, the ones some column's document reaches, which the kernel computes
+    (the others, between two documents' columns, see none: it skips them)."""
     if not documents:
         return bar_walk(cols, ends, seq, documents)
     live, done = 0, int(cols.min()) // BAR_ROWS * BAR_ROWS
@@ -161,7 +161,7 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
             n_live = bar_live_steps(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
             chunks += 1
             chunk_steps += n
-            chunk_computed += n * BAR_ROWS * BAR_CHUNK
+            chunk_computed += n_live * BAR_ROWS * BAR_CHUNK
             longest_chunk = max(longest_chunk, n)
             live_steps += n_live
             longest_live = max(longest_live, n_live)
@@ -178,9 +178,9 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         "fwd/dQ bar computed area": computed,
         "bar attended pairs": useful,
         "bar dK/dV chunks with a column (programs launched)": (chunks, -(-v_max // BAR_CHUNK)),
-        "bar dK/dV row steps (max per chunk)": (chunk_steps, longest_chunk),
+        "bar dK/dV loop steps (max per chunk)": (chunk_steps, longest_chunk),
         "bar dK/dV computed area": chunk_computed,
-        "  of which some column's document reaches (max per chunk), their area": (
+        "  of which some column's document reaches, computed (max per chunk), their area": (
             live_steps,
             longest_live,
             live_steps * BAR_ROWS * BAR_CHUNK,
@@ -203,7 +203,7 @@ def report(name: str, index, bs: int, seq: int) -> dict:
     out["backward: dQ items, tile dK/dV items, bar dK/dV row steps"] = (
         fwd_items,
         out["tiles"],
-        out["bar dK/dV row steps (max per chunk)"][0],
+        out["  of which some column's document reaches, computed (max per chunk), their area"][0],
     )
     out["backward computed area (dQ + tile dK/dV + bar dK/dV)"] = (
         out["computed area"] + out["fwd/dQ bar computed area"] + out["computed area"] + out["bar dK/dV computed area"]

@@ -49,8 +49,8 @@ that cross a row's start pay the compare where the kernels skip masking: the dQ 
 masks a step whose first key precedes the block's last row's start, the tile dK/dV kernel
 a step of rows whose latest start follows its first key. Bars start at ``BAR_START``
 (the block's columns before that start), look up the diagonals of the block's first
-row's document (``ACT_OFF``), and a column's dK/dV walks the rows up to the end of its
-document (``DOC_END``).
+row's document (``ACT_OFF``), and a column chunk's dK/dV walks the rows up to the end of its
+last column's document (``DOC_END``), skipping the steps that no column's document reaches.
 """
 
 from __future__ import annotations
@@ -132,6 +132,13 @@ def _block_step(BLOCKS, trow, T_MAX, j, POS, N, BLOCK: tl.constexpr, STEP: tl.co
     blk = tl.load(BLOCKS + trow * T_MAX + j // (BLOCK // STEP))
     idx = blk * BLOCK + (j % (BLOCK // STEP)) * STEP + tl.arange(0, STEP)
     return blk, idx, idx < N, _positions(POS, blk, idx, HAS_POS, BLOCK)
+
+
+@triton.jit
+def _step_start(POS, blk, j, BLOCK: tl.constexpr, STEP: tl.constexpr, HAS_POS: tl.constexpr):
+    """The first position of step ``j`` of block ``blk`` (``_block_step``'s indices), a scalar:
+    the least of the step's ascending positions, without a reduction over them."""
+    return _positions(POS, blk, blk * BLOCK + (j % (BLOCK // STEP)) * STEP, HAS_POS, BLOCK)
 
 
 @triton.jit
@@ -371,7 +378,7 @@ def _dq_kernel(
         )
         masked = j >= split
         if HAS_DOCS:  # a step whose first key precedes a row's document start
-            masked = masked | (tl.min(col_pos, 0) < last_start)
+            masked = masked | (_step_start(KBLK, kb, j, BLOCK, BLOCK_N, HAS_KPOS) < last_start)
         dq = _dq_step(
             dq, q, do, lse, delta, k, v, col_pos, col_ok,
             _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), row_first, qk_scale, masked,
@@ -453,26 +460,37 @@ def _bar_dkdv_kernel(
         if HAS_QPOS:
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         stop = S
+        col_end = col_pos
         if HAS_DOCS and not HAS_QPOS:  # rows after the document of the chunk's last column see none of it
             stop = tl.load(DOC_END + tl.max(col_pos, 0))
+            col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
         for r0 in range(first, stop, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
-            act_off = r0 * 0
-            look = col_ok
-            if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
-                act_off = tl.load(ACT_OFF + r0 // BLOCK)
-                block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
-                look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
-            in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
-            seen = (~in_tile)[:, None]
-            if HAS_DOCS:
-                row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
-                seen = seen & (col_pos[:, None] >= row_first[None, :])
-            dk, dv = _kv_grads(
-                dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride,
-                d, d_ok, qk_scale, seen, True, PRECISION,
-            )  # fmt: skip
+            live = True
+            if HAS_DOCS and not HAS_QPOS:
+                # A chunk of the ascending list can hold several documents' columns, and a step
+                # sees a column only where the column's document reaches it: the steps between
+                # two documents' columns see none and are skipped. (One flat loop: a walk per
+                # document, a loop of data-dependent bounds inside this one, gave wrong dK on
+                # CUDA while Triton's interpreter agreed with fp64.)
+                live = tl.max(((col_pos < r0 + BLOCK_M) & (col_end > r0)).to(tl.int32), 0) > 0
+            if live:
+                rows = r0 + tl.arange(0, BLOCK_M)
+                row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
+                act_off = r0 * 0
+                look = col_ok
+                if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
+                    act_off = tl.load(ACT_OFF + r0 // BLOCK)
+                    block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
+                    look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
+                in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+                seen = (~in_tile)[:, None]
+                if HAS_DOCS:
+                    row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
+                    seen = seen & (col_pos[:, None] >= row_first[None, :])
+                dk, dv = _kv_grads(
+                    dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos,
+                    q_stride, d, d_ok, qk_scale, seen, True, PRECISION,
+                )  # fmt: skip
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk, mask=ok)
@@ -536,6 +554,7 @@ def _tile_dkdv_kernel(
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
     own = _global_block(KBLK, kb, HAS_KPOS)
+    first_key = _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
@@ -546,14 +565,22 @@ def _tile_dkdv_kernel(
             BLOCK // BLOCK_M
         )
         for j in range(n_tiles * (BLOCK // BLOCK_M)):
-            _, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
+            qb, rows, row_ok, row_pos = _block_step(TILES_T, trow, T_MAX, j, QBLK, S, BLOCK, BLOCK_M, HAS_QPOS)
             sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
             seen = col_ok[:, None]
             masked = j < n_masked
-            if HAS_DOCS:  # masked where a row's document starts after the first key
-                row_first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
+            if HAS_DOCS:
+                # Masked where a row's document starts after the first key. Document starts
+                # ascend with the position, so the step's last row has its latest: one scalar
+                # read decides, and the rows' starts are read only for the steps it masks
+                # (elsewhere every row's start is at or before every key: 0 stands in).
+                last = tl.minimum(_step_start(QBLK, qb, j, BLOCK, BLOCK_M, False) + BLOCK_M, S) - 1
+                crosses = tl.load(DOC_START + _positions(QBLK, qb, last, HAS_QPOS, BLOCK)) > first_key
+                masked = masked | crosses
+                row_first = tl.zeros([BLOCK_M], tl.int32)
+                if crosses:
+                    row_first = tl.load(DOC_START + row_pos, mask=row_ok, other=0)
                 seen = seen & (col_pos[:, None] >= row_first[None, :])
-                masked = masked | (tl.max(row_first, 0) > tl.min(col_pos, 0))
             dk, dv = _kv_grads(
                 dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows,
                 _tile_rows(row_pos, sel, KBLK, kb, BLOCK, RATIO, HAS_ROWSEL, HAS_KPOS), q_stride, d, d_ok, qk_scale,
