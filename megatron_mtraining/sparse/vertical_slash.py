@@ -534,7 +534,7 @@ def build_document_index(
     about two dozen launches, the Triton passes and the small operations around them,
     whatever the number of documents), then one selection for all of them and the dense
     ones (``document_index``: ~40 launches). The bounds were read on the host once, with
-    ``cu_seqlens``."""
+    ``cu_seqlens``, and the longest vertical list is read once, to cut the lists' width."""
 
     def statistics(bounds) -> WindowStatistics:
         windows = ObservationWindows.of_documents(bounds, config.last_q, q.shape[1])
@@ -561,8 +561,8 @@ def document_index(
     lengths = [docs[m][1] - docs[m][0] for m in sparse]
     n_diagonals = [-(-n // bs) for n in lengths]
     local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 1
-    # Each document's own list widths (``_selected``'s bound), so that the shapes are the
-    # per-document build's: the vertical lists concatenated, the slash lists padded to the widest.
+    # Each document's own list widths (``_selected``'s bound): the vertical lists concatenated
+    # (then cut to the longest kept, below), the slash lists padded to the widest.
     vertical_width = sum(min(config.sink_tokens, n) + min(config.vertical_cap, n) for n in lengths)
     slash_width = max(
         [*spans, *(min(local_diagonals, n) + min(config.slash_block_cap, n) for n in n_diagonals)], default=0
@@ -582,6 +582,11 @@ def document_index(
     )
     columns = torch.where(columns != INT32_MAX, columns + starts.view(-1, 1).int(), INT32_MAX)
     vertical = sort_kept(columns.flatten(2), vertical_width)
+    # That width bounds every document's cap at once (56535 entries a head for 24 documents
+    # at 128K) where a head keeps a few hundred columns, and the kernels size their bar K/V
+    # gathers and dK/dV partials by it: cut to the longest list, at the cost of one read on
+    # the host (this build is not graphed; bench_documents times what it saves).
+    vertical = vertical[..., : int((vertical >= 0).sum(-1).max())].contiguous()
     diagonals = _selected_per_document(
         stats.slash, n_blocks, config.slash_topp, config.slash_block_cap, local_diagonals
     )
