@@ -105,7 +105,12 @@ def test_future_keys_far_above_the_visible_ones(rng, kdevice):
     growth = 20 * d**0.5 * torch.arange(s, dtype=torch.float32).view(1, s, 1, 1)
     k = (u * growth + torch.randn(b, s, 1, d, generator=rng)).to(kdevice).requires_grad_()
     v = torch.randn(b, s, 1, d, generator=rng).to(kdevice).requires_grad_()
-    check(q, k, v, DenseIndex(b, 2, s, device=kdevice), rng)
+    # Logits near 1e3 (natural-log units) carry fp32 rounding of ~1e-4, relative error of
+    # every probability on a GPU's exponentials: on an H200, 89 of 15400 seeds missed the
+    # default 2e-5 by up to 1.29x (dV). An exponential that overflows gives inf / NaN.
+    top = float((torch.einsum("bqhd,bkhd->bqhk", q.detach().cpu(), k.detach().cpu()).abs().max()) / d**0.5)
+    tol = max(TOLERANCE[torch.float32], top * 2**-23)
+    check_index_attention(q, k, v, DenseIndex(b, 2, s, device=kdevice), rng, tol, backend="triton")
 
 
 def tiles_and_bars(index: VerticalSlashIndex, positions: bool = False):

@@ -87,6 +87,12 @@ def test_add_rows_is_index_add(d, part_dtype, rng, kdevice):
     target = rows_of(rng, n, d, torch.float32, kdevice)
     order = order_of(rng, n, count, False, kdevice, torch.int64)
     wide = rows_of(rng, count, d + 8, part_dtype, kdevice)
+    if kdevice.type == "cpu" and part_dtype == torch.bfloat16:
+        # Triton's interpreter converts bf16 subnormals to fp32 wrongly (2^-128 to 0, 1e-39 to
+        # 4.4e-39), which shows where the part's subnormal lands on the target's (order[0] == 0:
+        # one seed in 211). A GPU converts them exactly, and its run keeps them.
+        tiny = wide.float().abs() < torch.finfo(part_dtype).smallest_normal
+        wide = torch.where(tiny, wide * 0, wide)
     for part in (wide[:, :d].contiguous(), wide[:, 8:]):
         want = target.clone().index_add_(0, order, part.float())
         add_rows(target, order, part)
