@@ -13,6 +13,7 @@ from megatron_mtraining.context_parallel.recall import (
     distributed_attention_recall,
     distributed_heldout_recall,
     distributed_msa_recall,
+    distributed_window_and_heldout_recall,
 )
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.moba import MoBAPattern
@@ -29,7 +30,7 @@ from megatron_mtraining.sparse import (
     msa_select_blocks,
 )
 from megatron_mtraining.sparse.documents import packed_documents
-from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows
+from megatron_mtraining.sparse.metrics import heldout_recall, heldout_rows, window_and_heldout_recall
 
 B, HQ, HKV, D = 2, 4, 2, 8
 ROWS = 24
@@ -148,6 +149,41 @@ def test_recall_on_the_window_kernels(kind, rng, kdevice, monkeypatch):
     assert (want[0] < 1).any() or (want[1] < 1).any()
 
 
+@pytest.mark.parametrize("kind", ["vertical_slash", "vertical_slash_documents", "moba", "msa", "dense"])
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+def test_window_and_heldout_recall_in_one_pass(kind, path, rng, kdevice, monkeypatch):
+    """Both recalls from one pass over the union of their rows (what the training loop
+    records) against the fp64 dense mass of each set: held-out rows as drawn, and rows that
+    overlap the last window (the union holds them once)."""
+    if path == "reference" and kdevice.type != "cpu":
+        pytest.skip("the reference path runs on the CPU")
+    seq = 200
+    q, k = _inputs(rng, seq)
+    cu = torch.tensor([0, 61, 90, 150, seq], dtype=torch.int32) if kind.endswith("documents") else None
+    pattern = _patterns(q, rng)[kind.removesuffix("_documents")]
+    if cu is not None:
+        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
+        pattern = VerticalSlashPattern(cfg)
+    index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
+    window = torch.arange(seq - ROWS, seq)
+    from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
+
+    calls, kept_sums = [], WindowKernels.kept_sums
+    monkeypatch.setattr(WindowKernels, "kept_sums", lambda *a: calls.append(1) or kept_sums(*a))
+    if path == "kernels":
+        monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+        q, k, index = q.float().to(kdevice), k.float().to(kdevice), index.to(kdevice)
+    tol = 1e-6 if path == "reference" else 1e-5
+    overlapping = torch.cat([torch.arange(40, 56), torch.arange(seq - 10, seq)])  # the last 10 in the window
+    for rows in (_draw(pattern, index, seq, rng), overlapping):
+        got = window_and_heldout_recall(q, k, index, ROWS, rows)
+        qd, kd, idx = q.double().cpu(), k.double().cpu(), index.to(torch.device("cpu"))
+        for g, want in zip(got, (_dense_recall(qd, kd, idx, window), _dense_recall(qd, kd, idx, rows)), strict=True):
+            torch.testing.assert_close(g.cpu(), want.float(), rtol=tol, atol=tol)
+    # One kept-sums pass a call on the kernels (none for a complete index, whose recall is 1).
+    assert len(calls) == (0 if path == "reference" or index.complete else 2)
+
+
 def test_heldout_rows_are_seeded_runs_outside_the_excluded_rows():
     excluded = [(0, 5), (100, 130)]
     rows = heldout_rows(256, excluded, 3, 16, seed=7)
@@ -193,6 +229,9 @@ def _check_distributed_recall(rank, world, seed, seq):
             torch.testing.assert_close(recall, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name} {kind}")
             heldout = distributed_heldout_recall(lq, lk, index, layout, rows)
             torch.testing.assert_close(heldout, expected_heldout, rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {kind}")
+            both = distributed_window_and_heldout_recall(lq, lk, index, layout, ROWS, rows)
+            for got, want in zip(both, (expected, expected_heldout), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {kind} in one pass")
 
 
 # ---------------------------------------------------------------- MSA block and score recall

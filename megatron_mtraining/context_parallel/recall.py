@@ -25,6 +25,7 @@ from ..sparse.metrics import (
     msa_recall_from_parts,
     msa_window_selection,
     recall_from_parts,
+    union_rows,
 )
 from ..sparse.msa import MSAConfig
 from ..sparse.validation import check_index_qk, check_qk, check_softmax_scale, fail
@@ -47,7 +48,7 @@ def distributed_attention_recall(
     top-k indices built under CP, each rank's own rows suffice)."""
     check_qk(q, k)
     check_recall_rows(num_rows, layout.seq_len)
-    return _recall_of_rows(q, k, index, layout, group, None, num_rows, softmax_scale)
+    return _recall_of_rows(q, k, index, layout, group, None, num_rows, softmax_scale).mean(-1)
 
 
 @torch.no_grad()
@@ -65,16 +66,39 @@ def distributed_heldout_recall(
     :func:`distributed_attention_recall` scores the window."""
     check_qk(q, k)
     check_rows(rows, layout.seq_len)
-    return _recall_of_rows(q, k, index, layout, group, rows, len(rows), softmax_scale)
+    return _recall_of_rows(q, k, index, layout, group, rows, len(rows), softmax_scale).mean(-1)
+
+
+@torch.no_grad()
+def distributed_window_and_heldout_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    layout: ContextParallelLayout,
+    num_rows: int,
+    rows: torch.Tensor,
+    group=None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``window_and_heldout_recall`` from this rank's q/k shards: the two recalls of
+    :func:`distributed_attention_recall` and :func:`distributed_heldout_recall` from one
+    gather of the union of their rows and one pass (and one set of reductions) over it."""
+    check_qk(q, k)
+    check_recall_rows(num_rows, layout.seq_len)
+    check_rows(rows, layout.seq_len)
+    union, window_at, rows_at = union_rows(layout.seq_len, num_rows, rows)
+    per_row = _recall_of_rows(q, k, index, layout, group, union, len(union), softmax_scale)
+    return per_row[..., window_at].mean(-1), per_row[..., rows_at].mean(-1)
 
 
 def _recall_of_rows(q, k, index, layout, group, rows, num_rows, softmax_scale) -> torch.Tensor:
-    """The recall of ``rows`` (None: the last ``num_rows``): the rows' queries gathered from
-    their holders, the softmax statistics and kept mass reduced over the ranks' keys."""
+    """The recall of each of ``rows`` (None: the last ``num_rows``), ``[B, Hq, rows]``: the
+    rows' queries gathered from their holders, the softmax statistics and kept mass reduced
+    over the ranks' keys."""
     seq = layout.seq_len
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     if index.complete:  # the same answer on every rank, with no collective
-        return torch.ones(q.shape[0], q.shape[2], dtype=torch.float32, device=q.device)
+        return torch.ones(q.shape[0], q.shape[2], num_rows, dtype=torch.float32, device=q.device)
     tokens = layout.token_positions(dist.get_rank(group), q.device)  # cached: no copy per call
     positions = tokens.values
     if rows is None:

@@ -27,7 +27,7 @@ def attention_recall(
     falls on keys the index attends, ``[B, Hq]`` float32 (1.0 = nothing lost); with the
     index's packed documents, the dense mass within each row's document."""
     check_recall_rows(num_rows, q.shape[1])
-    return _recall(q, k, index, softmax_scale, num_rows=num_rows)
+    return _recall(q, k, index, softmax_scale, num_rows=num_rows).mean(-1)
 
 
 @torch.no_grad()
@@ -42,17 +42,47 @@ def heldout_recall(
     host, as :func:`heldout_rows` draws them) rather than of the last ones, ``[B, Hq]``
     float32: drawn from rows that did not build the index, it is the out-of-sample recall."""
     check_rows(rows, q.shape[1])
-    return _recall(q, k, index, softmax_scale, rows=rows)
+    return _recall(q, k, index, softmax_scale, rows=rows).mean(-1)
+
+
+@torch.no_grad()
+def window_and_heldout_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    num_rows: int,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``attention_recall`` of the last ``num_rows``, ``heldout_recall`` of ``rows``), from
+    one pass of the window statistics over the union of the two sets of rows instead of a
+    pass each: a row's softmax statistics and kept mass are its own, so each figure equals
+    its own call's (to the order of fp32 sums on the kernels)."""
+    check_recall_rows(num_rows, q.shape[1])
+    check_rows(rows, q.shape[1])
+    union, window_at, rows_at = union_rows(q.shape[1], num_rows, rows)
+    per_row = _recall(q, k, index, softmax_scale, rows=union)
+    return per_row[..., window_at].mean(-1), per_row[..., rows_at].mean(-1)
+
+
+def union_rows(seq: int, num_rows: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the ascending union of the last ``num_rows`` positions and ``rows``, on the host; the
+    places of the former in it; those of the latter)."""
+    window = torch.arange(seq - num_rows, seq)
+    union = torch.cat([rows, window]).unique()  # sorted
+    return union, torch.searchsorted(union, window), torch.searchsorted(union, rows)
 
 
 def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 0) -> torch.Tensor:
-    """The recall of the rows at ``rows`` (host positions), else of the last ``num_rows``."""
+    """The recall of each row at ``rows`` (host positions), else of the last ``num_rows``,
+    ``[B, Hq, rows]``."""
     check_qk(q, k)
     bsz, seq, hq, d = q.shape
     index.check_compatible(bsz, hq, seq, k.shape[2], q.device)
     scale = check_softmax_scale(softmax_scale, d)
+    n_rows = num_rows if rows is None else len(rows)
     if index.complete:
-        return torch.ones(bsz, hq, dtype=torch.float32, device=q.device)
+        return torch.ones(bsz, hq, n_rows, dtype=torch.float32, device=q.device)
     q_rows = q[:, seq - num_rows :] if rows is None else q[:, rows.to(q.device, non_blocking=True)]
     return recall_from_parts(q_rows, k, None, index, scale, rows)
 
@@ -107,8 +137,9 @@ def recall_from_parts(
     all_reduce_sum=single_device,
     host_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention_recall`` from the queries at positions ``rows`` (ascending int64 on the
-    host; None: the last ``R`` of ``index.seq_len``, the window) and *some* of the keys,
+    """Per row, ``[B, Hq, R]`` in the rows' order, the recall of the queries at positions
+    ``rows`` (ascending int64 on the host; None: the last ``R`` of ``index.seq_len``, the
+    window) from *some* of the keys,
     given with their global positions (None: every position, in order), on the device and
     on the host (``host_positions``); ``all_reduce_*`` combine the partial softmax
     statistics across the holders of the other keys (identity on one device). ``index``
@@ -139,7 +170,7 @@ def recall_from_parts(
         attended = _listed_attended(index, rows, column, bsz, hq, n_rows, n_keys)[..., :n_keys]
     total, kept = all_reduce_sum(torch.stack(parts.kept_sums(row_max, attended)))
     share = kept / total  # [M, B, Hq, longest window]: each window's rows, in the rows' order
-    return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).mean(-1).float()
+    return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).float()
 
 
 def _block_attended(

@@ -14,7 +14,8 @@ metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
   same on every CP rank, so each rank records ``1 / cp_size`` of it. For ``mtraining``
   those are the queries whose attention built the index: an in-sample figure.
 * ``index_recall_heldout``: the same share for 64 sampled queries that did not build the
-  index (``sparse.heldout_recall`` / ``distributed_heldout_recall``): 4 runs of 16
+  index (``sparse.heldout_recall`` / ``distributed_heldout_recall``; measured with the
+  last queries' in one pass over both sets of rows, ``window_and_heldout_recall``): 4 runs of 16
   consecutive rows drawn uniformly from the sequence outside the pattern's
   ``building_rows``, seeded by the training iteration (the same rows on every rank and in
   every layer of a step, and again on a resumed run); recorded like ``index_recall``.
@@ -53,7 +54,11 @@ import torch.distributed as dist
 
 from ..context_parallel import RingStats, imbalance_degrees, ring_attention
 from ..context_parallel.distributed_index import build_index
-from ..context_parallel.recall import distributed_attention_recall, distributed_heldout_recall, distributed_msa_recall
+from ..context_parallel.recall import (
+    distributed_attention_recall,
+    distributed_msa_recall,
+    distributed_window_and_heldout_recall,
+)
 from ..megatron.core_attention import SparseCoreAttention
 from ..megatron.msa_loss import AttentionMetricsTracker, get_attention_metrics_tracker
 from ..megatron.profiler_ranges import part_range
@@ -61,7 +66,7 @@ from ..patterns.base import FRACTION_METRIC, HELDOUT_RECALL_METRIC, RECALL_METRI
 from ..patterns.msa import BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC
 from ..sparse import attention_recall, msa_recall
 from ..sparse.documents import packed_documents
-from ..sparse.metrics import heldout_recall, heldout_rows
+from ..sparse.metrics import heldout_rows, window_and_heldout_recall
 
 RECALL_ROWS = 64
 # The held-out recall's sample: as many rows as the window's, in runs of 16 so that each run
@@ -213,15 +218,21 @@ class MeasuredCoreAttention(SparseCoreAttention):
         scale, seq = self.softmax_scale, q.shape[1] if layout is None else layout.seq_len
         building = self.pattern.building_rows(seq, index.documents)
         rows = _heldout_rows(seq, tuple(building), flag.seed)
+        # Both from one pass over the union of their rows where there are held-out rows.
+        window, heldout = min(RECALL_ROWS, seq), None
         if layout is None:
-            recall = attention_recall(q, k, index, min(RECALL_ROWS, seq), scale)
-            heldout = heldout_recall(q, k, index, rows, scale) if len(rows) else None
+            if len(rows):
+                recall, heldout = window_and_heldout_recall(q, k, index, window, rows, scale)
+            else:
+                recall = attention_recall(q, k, index, window, scale)
             share, group = flag.weight, None
         else:
-            recall = distributed_attention_recall(q, k, index, layout, self.cp_group, min(RECALL_ROWS, seq), scale)
-            heldout = None
             if len(rows):
-                heldout = distributed_heldout_recall(q, k, index, layout, rows, self.cp_group, scale)
+                recall, heldout = distributed_window_and_heldout_recall(
+                    q, k, index, layout, window, rows, self.cp_group, scale
+                )
+            else:
+                recall = distributed_attention_recall(q, k, index, layout, self.cp_group, window, scale)
             share, group = flag.weight / layout.cp_size, self.cp_group
         self._record(RECALL_METRIC, recall.mean() * share, group)
         if heldout is not None:  # None: every run of rows built the index (a short sequence)
