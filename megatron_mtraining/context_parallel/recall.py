@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..sparse.index import BlockTopKIndex, DenseIndex, SparseIndex
 from ..sparse.metrics import (
+    RowUnion,
     check_recall_rows,
     check_rows,
     document_starts,
@@ -25,7 +26,6 @@ from ..sparse.metrics import (
     msa_recall_from_parts,
     msa_window_selection,
     recall_from_parts,
-    union_rows,
 )
 from ..sparse.msa import MSAConfig
 from ..sparse.validation import check_index_qk, check_qk, check_softmax_scale, fail
@@ -85,10 +85,8 @@ def distributed_window_and_heldout_recall(
     gather of the union of their rows and one pass (and one set of reductions) over it."""
     check_qk(q, k)
     check_recall_rows(num_rows, layout.seq_len)
-    check_rows(rows, layout.seq_len)
-    union, window_at, rows_at = union_rows(layout.seq_len, num_rows, rows)
-    per_row = _recall_of_rows(q, k, index, layout, group, union, len(union), softmax_scale)
-    return per_row[..., window_at].mean(-1), per_row[..., rows_at].mean(-1)
+    union = RowUnion.of(layout.seq_len, num_rows, tuple(check_rows(rows, layout.seq_len)))
+    return union.split(_recall_of_rows(q, k, index, layout, group, union.rows, len(union.rows), softmax_scale))
 
 
 def _recall_of_rows(q, k, index, layout, group, rows, num_rows, softmax_scale) -> torch.Tensor:

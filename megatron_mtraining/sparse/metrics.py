@@ -3,8 +3,10 @@ pattern, and MSA's block and score recall."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -59,18 +61,40 @@ def window_and_heldout_recall(
     pass each: a row's softmax statistics and kept mass are its own, so each figure equals
     its own call's (to the order of fp32 sums on the kernels)."""
     check_recall_rows(num_rows, q.shape[1])
-    check_rows(rows, q.shape[1])
-    union, window_at, rows_at = union_rows(q.shape[1], num_rows, rows)
-    per_row = _recall(q, k, index, softmax_scale, rows=union)
-    return per_row[..., window_at].mean(-1), per_row[..., rows_at].mean(-1)
+    union = RowUnion.of(q.shape[1], num_rows, tuple(check_rows(rows, q.shape[1])))
+    return union.split(_recall(q, k, index, softmax_scale, rows=union.rows))
 
 
-def union_rows(seq: int, num_rows: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the ascending union of the last ``num_rows`` positions and ``rows``, on the host; the
-    places of the former in it; those of the latter)."""
-    window = torch.arange(seq - num_rows, seq)
-    union = torch.cat([rows, window]).unique()  # sorted
-    return union, torch.searchsorted(union, window), torch.searchsorted(union, rows)
+@dataclass(frozen=True)
+class RowUnion:
+    """The ascending union of the last ``num_rows`` positions (the window) and other rows,
+    for one recall pass over both. Per-row results come back in the union's order, where the
+    window is the last ``num_rows`` and the other rows a few runs of consecutive places:
+    :meth:`split` takes them by slices, with no index tensor to copy to the device."""
+
+    rows: torch.Tensor  # int64 on the host (pinned where there is a GPU, so that copying it waits for nothing)
+    num_rows: int
+    runs: tuple[slice, ...]  # the other rows' places, in runs
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def of(seq: int, num_rows: int, rows: tuple[int, ...]) -> RowUnion:
+        """Cached: every layer of a training step asks for the same union."""
+        union = sorted(set(rows).union(range(seq - num_rows, seq)))
+        place = {r: i for i, r in enumerate(union)}
+        runs: list[slice] = []
+        for i in (place[r] for r in rows):
+            if runs and runs[-1].stop == i:
+                runs[-1] = slice(runs[-1].start, i + 1)
+            else:
+                runs.append(slice(i, i + 1))
+        tensor = torch.tensor(union, dtype=torch.int64)
+        return RowUnion(tensor.pin_memory() if torch.cuda.is_available() else tensor, num_rows, tuple(runs))
+
+    def split(self, per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the window's mean, the other rows' mean) of ``per_row [..., len(rows)]``."""
+        window = per_row[..., per_row.shape[-1] - self.num_rows :]
+        return window.mean(-1), torch.cat([per_row[..., run] for run in self.runs], -1).mean(-1)
 
 
 def _recall(q, k, index: SparseIndex, softmax_scale, rows=None, num_rows: int = 0) -> torch.Tensor:
@@ -114,8 +138,9 @@ def check_recall_rows(num_rows: int, seq: int) -> None:
         fail("num_rows", num_rows, f"at most the sequence length {seq}")
 
 
-def check_rows(rows, seq: int) -> None:
-    """Query positions for the recall: 1-D int64 on the host, ascending, in the sequence."""
+def check_rows(rows, seq: int) -> list[int]:
+    """Query positions for the recall: 1-D int64 on the host, ascending, in the sequence;
+    their values."""
     accepted = f"a 1-D int64 tensor on the host of ascending positions in [0, {seq}), at least one"
     if not isinstance(rows, torch.Tensor):
         fail("rows", type(rows).__name__, accepted)
@@ -124,6 +149,7 @@ def check_rows(rows, seq: int) -> None:
     values = rows.tolist()  # one read of host memory, which waits for nothing
     if values[0] < 0 or values[-1] >= seq or any(b <= a for a, b in itertools.pairwise(values)):
         fail("rows", values, accepted)
+    return values
 
 
 def recall_from_parts(
