@@ -133,7 +133,7 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
     n_q = tables.tiles.shape[2]
     qb = torch.arange(n_q)
     steps = computed = useful = walked = walked_in_tile = walked_unseen = 0
-    chunks = chunk_steps = chunk_computed = live_steps = 0
+    chunks = chunk_steps = live_steps = 0
     longest_chunk = longest_live = 0
     v_max = tables.vertical.shape[-1]
     for h in range(tables.vertical.shape[1]):
@@ -161,7 +161,6 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
             n_live = bar_live_steps(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
             chunks += 1
             chunk_steps += n
-            chunk_computed += n_live * BAR_ROWS * BAR_CHUNK
             longest_chunk = max(longest_chunk, n)
             live_steps += n_live
             longest_live = max(longest_live, n_live)
@@ -179,12 +178,8 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         "bar attended pairs": useful,
         "bar dK/dV chunks with a column (programs launched)": (chunks, -(-v_max // BAR_CHUNK)),
         "bar dK/dV loop steps (max per chunk)": (chunk_steps, longest_chunk),
-        "bar dK/dV computed area": chunk_computed,
-        "  of which some column's document reaches, computed (max per chunk), their area": (
-            live_steps,
-            longest_live,
-            live_steps * BAR_ROWS * BAR_CHUNK,
-        ),
+        "  of which some column's document reaches, computed (max per chunk)": (live_steps, longest_live),
+        "bar dK/dV computed area": live_steps * BAR_ROWS * BAR_CHUNK,
         "bar K/V gathers per call, MiB (each of K and V)": 1 * HQ * v_max * D * 2 / 2**20,
         "bar dK/dV partials buffer, MiB": 2 * HQ * v_max * D * 4 / 2**20,
     }
@@ -203,7 +198,7 @@ def report(name: str, index, bs: int, seq: int) -> dict:
     out["backward: dQ items, tile dK/dV items, bar dK/dV row steps"] = (
         fwd_items,
         out["tiles"],
-        out["  of which some column's document reaches, computed (max per chunk), their area"][0],
+        out["  of which some column's document reaches, computed (max per chunk)"][0],
     )
     out["backward computed area (dQ + tile dK/dV + bar dK/dV)"] = (
         out["computed area"] + out["fwd/dQ bar computed area"] + out["computed area"] + out["bar dK/dV computed area"]
