@@ -168,18 +168,22 @@ def test_window_and_heldout_recall_in_one_pass(kind, path, rng, kdevice, monkeyp
     window = torch.arange(seq - ROWS, seq)
     from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels
 
+    overlapping = torch.cat([torch.arange(40, 56), torch.arange(seq - 10, seq)])  # the last 10 in the window
+    # The fp64 references, of the fp64 inputs, before the kernels' path takes them in fp32.
+    cases = [
+        (rows, _dense_recall(q, k, index, rows).float()) for rows in (_draw(pattern, index, seq, rng), overlapping)
+    ]
+    want_window = _dense_recall(q, k, index, window).float()
     calls, kept_sums = [], WindowKernels.kept_sums
     monkeypatch.setattr(WindowKernels, "kept_sums", lambda *a: calls.append(1) or kept_sums(*a))
     if path == "kernels":
         monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
         q, k, index = q.float().to(kdevice), k.float().to(kdevice), index.to(kdevice)
     tol = 1e-6 if path == "reference" else 1e-5
-    overlapping = torch.cat([torch.arange(40, 56), torch.arange(seq - 10, seq)])  # the last 10 in the window
-    for rows in (_draw(pattern, index, seq, rng), overlapping):
+    for rows, want_rows in cases:
         got = window_and_heldout_recall(q, k, index, ROWS, rows)
-        qd, kd, idx = q.double().cpu(), k.double().cpu(), index.to(torch.device("cpu"))
-        for g, want in zip(got, (_dense_recall(qd, kd, idx, window), _dense_recall(qd, kd, idx, rows)), strict=True):
-            torch.testing.assert_close(g.cpu(), want.float(), rtol=tol, atol=tol)
+        for g, want in zip(got, (want_window, want_rows), strict=True):
+            torch.testing.assert_close(g.cpu(), want, rtol=tol, atol=tol)
     # One kept-sums pass a call on the kernels (none for a complete index, whose recall is 1).
     assert len(calls) == (0 if path == "reference" or index.complete else 2)
 
