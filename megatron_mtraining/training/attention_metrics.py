@@ -112,10 +112,10 @@ def collect_evaluation_metrics(config, tracker: AttentionMetricsTracker, on_trai
 
 @functools.lru_cache(maxsize=4)
 def _heldout_rows(seq: int, excluded: tuple[tuple[int, int], ...], seed: int) -> torch.Tensor:
-    """The held-out recall's rows, drawn once per step for every layer; pinned where there is
-    a GPU, so that copying them there does not wait for the device."""
-    rows = heldout_rows(seq, excluded, HELDOUT_RUNS, HELDOUT_RUN_ROWS, seed)
-    return rows.pin_memory() if torch.cuda.is_available() else rows
+    """The held-out recall's rows, drawn once per step for every layer. They stay in host
+    memory: the recall copies the union of them and the window's rows to the device
+    (``RowUnion``, pinned there), never these."""
+    return heldout_rows(seq, excluded, HELDOUT_RUNS, HELDOUT_RUN_ROWS, seed)
 
 
 class MeasuredCoreAttention(SparseCoreAttention):
