@@ -554,7 +554,8 @@ def _tile_dkdv_kernel(
             bh = b * H + kvh * group + g
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
     own = _global_block(KBLK, kb, HAS_KPOS)
-    first_key = _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS)
+    if HAS_DOCS:
+        first_key = _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS)
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
