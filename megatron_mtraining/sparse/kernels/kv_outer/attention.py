@@ -85,17 +85,15 @@ short programs of many warps keep more loads in flight. Plain launch parameters,
 feature: ``scripts/compile_kernels.py`` checks that they fit an A100. The KL's launches of
 these kernels (``msa_kl.kv_loss``) keep their own settings."""
 OVERRIDES: dict[str, PassConfig | RowConfig] = {}
-# Query chunks (the dQ pass runs on the backward's). The backward's are what peak memory
-# allows: with its fp32 dK/dV sums (0.5x q with 8 query heads per KV head), its dQ slots
-# (0.16x q: ~650 tokens a chunk at k=16 with fp32 slots, ~1300 with bf16 inputs' bf16 ones)
-# and the dK/dV partials of split groups (half that), forward + backward at 128K
-# tokens (Qwen2.5-3B attention, bf16) peak at 1.19x the memory of q, k, v, o and their
-# gradients (docs/benchmarks.md, "KV-outer kernels for top-k indexes"). Each backward launch
-# then has little work, and is as long as its longest program: the partials buy parallelism
-# where a chunk's tokens chose few blocks. The forward runs before the gradients exist: its
-# output slots may take twice q's memory, so that its launches are few and full (measured
-# faster than smaller slots, same section).
-CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(buffer_share=0.16, min_chunk=256)}
+# Query chunks (the dQ pass runs on the backward's). Each backward launch is as long as its
+# longest program, so short chunks pay a tail per launch: at 128K, slots of q's size (16 chunks)
+# ran the backward a quarter faster than 0.16x q (101 chunks), for a few hundred MiB more at the
+# kernel's peak and none at the training step's, whose peak lies elsewhere (docs/benchmarks.md,
+# "The KV-outer backward's chunks"). The kernel alone then exceeds the 1.2x of q, k, v, o and
+# their gradients that 0.16 kept: training is what the kernels serve. The forward runs before
+# the gradients exist: its output slots may take twice q's memory, so that its launches are
+# few and full (measured faster than smaller slots, "KV-outer kernels for top-k indexes").
+CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(buffer_share=1.0, min_chunk=256)}
 # The backward's dK/dV partials of split groups (a whole key block each), as a share of its
 # dQ slots' memory; a chunk whose splits would need more takes longer items.
 PARTIAL_SHARE = 0.5
