@@ -3,6 +3,8 @@ build the index) against fp64 dense attention under the index's own mask, MSA's 
 score recall (``msa_recall``) against an fp64 brute force, and their context-parallel forms
 against the same references (the MSA figures: the single-device ones) on gloo processes."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,6 +67,16 @@ def _dense_recall(q, k, index, rows):
         allowed &= torch.arange(seq).view(1, -1) >= starts.view(-1, 1)
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)[:, :, rows]
     return (probs * index.to_dense_mask(seq)[:, :, rows]).sum(-1).mean(-1)
+
+
+def _row_tiles(monkeypatch, rows: int | None) -> None:
+    """Row tiles of ``rows`` rows in the window-statistics kernels (None: as launched). Small
+    tiles split a window's (row, head) pairs over several, so the tiles of a shorter window's
+    padding rows, which skip their keys, are exercised."""
+    if rows is not None:
+        from megatron_mtraining.sparse.kernels.index_build import window_stats
+
+        monkeypatch.setattr(window_stats, "LAUNCH", dataclasses.replace(window_stats.LAUNCH, block_m=rows))
 
 
 def _draw(pattern, index, seq, gen):
@@ -150,13 +162,15 @@ def test_recall_on_the_window_kernels(kind, rng, kdevice, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["vertical_slash", "vertical_slash_documents", "moba", "msa", "dense"])
-@pytest.mark.parametrize("path", ["reference", "kernels"])
+@pytest.mark.parametrize("path", ["reference", "kernels", "kernels-16-row-tiles"])
 def test_window_and_heldout_recall_in_one_pass(kind, path, rng, kdevice, monkeypatch):
     """Both recalls from one pass over the union of their rows (what the training loop
     records) against the fp64 dense mass of each set: held-out rows as drawn, and rows that
-    overlap the last window (the union holds them once)."""
+    overlap the last window (the union holds them once). The held-out runs are shorter than
+    the window, so with 16-row tiles whole tiles of their windows are padding."""
     if path == "reference" and kdevice.type != "cpu":
         pytest.skip("the reference path runs on the CPU")
+    _row_tiles(monkeypatch, 16 if path.endswith("row-tiles") else None)
     seq = 200
     q, k = _inputs(rng, seq)
     cu = torch.tensor([0, 61, 90, 150, seq], dtype=torch.int32) if kind.endswith("documents") else None
@@ -176,7 +190,7 @@ def test_window_and_heldout_recall_in_one_pass(kind, path, rng, kdevice, monkeyp
     want_window = _dense_recall(q, k, index, window).float()
     calls, kept_sums = [], WindowKernels.kept_sums
     monkeypatch.setattr(WindowKernels, "kept_sums", lambda *a: calls.append(1) or kept_sums(*a))
-    if path == "kernels":
+    if path != "reference":
         monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
         q, k, index = q.float().to(kdevice), k.float().to(kdevice), index.to(kdevice)
     tol = 1e-6 if path == "reference" else 1e-5
@@ -365,11 +379,13 @@ def test_msa_recall_within_packed_documents(phase, rng):
 
 
 @pytest.mark.parametrize("phase,packed", [("warmup", False), ("sparse", True)], ids=["warmup", "sparse-documents"])
-def test_msa_recall_on_the_window_kernels(phase, packed, rng, kdevice, monkeypatch):
+@pytest.mark.parametrize("row_tile", [None, 16])
+def test_msa_recall_on_the_window_kernels(phase, packed, row_tile, rng, kdevice, monkeypatch):
     """MSA's block masses on the window-statistics kernels (fp32 inputs, as on a GPU; the
     row maxima, then each row's sums per key block) against the fp64 brute force, with
     packed documents: one ending inside the window, whose rows see more blocks than top-k,
-    and a short last one, whose rows see fewer."""
+    and a short last one, whose rows see fewer (with 16-row tiles, tiles of padding)."""
+    _row_tiles(monkeypatch, row_tile)
     seq = 200
     for _ in range(20):  # redraw an input within rounding of a tie
         q, k, q_idx, k_idx = _msa_inputs(rng, seq)

@@ -163,12 +163,16 @@ def _row_stats_kernel(
     n_blocks]`` (MSA's block recall, ``WindowKernels.block_sums``), each (row, block) by the
     one item of the row's document that holds the block.
 
-    A document's rows are (head of the group, window row), ``G x W`` of them (rows past its
-    window, padding, see no key); axis 0 numbers (item, row tile), the row tiles of an item
-    neighbours, so they share its keys in L2, and items go on axis 0 rather than 1 whose
-    65535 programs a document's key blocks can outnumber."""
+    A document's rows are (window row, head of the group), ``W x G`` of them, the heads
+    minor: the rows past its window (padding, where its window is shorter than the longest,
+    ``W``) are the last ones, and a tile of them only skips its key loop, so a short window
+    costs its own rows (a held-out run of 16 rows beside a window of 64 did the work of 64).
+    Axis 0 numbers (item, row tile), the row tiles of an item neighbours, so they share its
+    keys in L2, and items go on axis 0 rather than 1 whose 65535 programs a document's key
+    blocks can outnumber."""
     tiles = tl.cdiv(G * W, BLOCK_M)
-    i = tl.program_id(0) % tiles * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.program_id(0) % tiles * BLOCK_M
+    i = tile + tl.arange(0, BLOCK_M)
     item = tl.program_id(0) // tiles
     bk = tl.program_id(1)
     b = bk // HKV
@@ -186,9 +190,10 @@ def _row_stats_kernel(
     rows = _field(DOCS, n_docs, _ROWS, m)
     row0 = _field(DOCS, n_docs, _ROW0, m)
     in_document = i < G * W
-    r = i % W
+    r = i // G
     row_ok = in_document & (r < rows)
-    heads = kvh * G + i // W
+    heads = kvh * G + i % G
+    last = tl.where(tile < rows * G, last, first)  # a tile of padding rows sees no key
     q_ptrs, d_ok = _query_ptrs(Q, b, heads, n_rows, row0, HQ, HEAD_DIM, D_PAD)
     q = tl.load(q_ptrs + (r * HQ * HEAD_DIM)[:, None], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     row_pos = tl.where(row_ok, end - rows + r, -1)
