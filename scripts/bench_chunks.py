@@ -21,6 +21,8 @@ The default shares are those of docs/benchmarks.md, "The KV-outer backward's chu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 
@@ -44,11 +46,15 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def with_share(chunks: dict, name: str, share: float):
-    """``chunks[name]`` (a ``CHUNKS`` table) at ``share`` of q's bytes; returns the entry it replaced."""
+@contextlib.contextmanager
+def share_of(chunks: dict, name: str, share: float):
+    """``chunks[name]`` (a ``CHUNKS`` table's entry) at ``share`` of q's bytes inside the block."""
     old = chunks[name]
-    chunks[name] = kv.Streaming(buffer_share=share, min_chunk=old.min_chunk)
-    return old
+    chunks[name] = dataclasses.replace(old, buffer_share=share)
+    try:
+        yield
+    finally:
+        chunks[name] = old
 
 
 def attention_rows(seq: int, shares: list[float]) -> list[dict]:
@@ -67,14 +73,11 @@ def attention_rows(seq: int, shares: list[float]) -> list[dict]:
 
     rows = []
     for share in shares:
-        old = with_share(kv.CHUNKS, "bwd", share)
-        try:
+        with share_of(kv.CHUNKS, "bwd", share):
             extra = peak_extra_mib(backward)
             ms = bk.timed(backward, 400)
             kernels = bk.device_times(backward, calls=3)
             chunk = kv.query_chunk("bwd", q, index.blocks.shape[-1])
-        finally:
-            kv.CHUNKS["bwd"] = old
         row = {"part": "attention-bwd", "share": share, "chunk": chunk, "chunks": -(-seq // chunk), "ms": ms,
                "kernels_ms": {key: t for t, _, key in kernels}, "peak_extra_mib": extra}  # fmt: skip
         rows.append(row)
@@ -91,12 +94,9 @@ def kl_rows(seq: int, shares: list[float]) -> list[dict]:
     rows = []
     for part in ("lse", "bwd"):
         for share in shares:
-            old = with_share(kv_loss.CHUNKS, part, share)
-            try:
+            with share_of(kv_loss.CHUNKS, part, share):
                 extra = peak_extra_mib(calls["kv-" + part])
                 ms = bm.events_ms(calls["kv-" + part], 7)
-            finally:
-                kv_loss.CHUNKS[part] = old
             rows.append({"part": f"kl-{part}", "share": share, "ms": ms, "peak_extra_mib": extra})
             print(f"kl {part} share {share:5.2f}: {ms:7.2f} ms  peak +{extra:6.0f} MiB", flush=True)
     return rows
