@@ -26,7 +26,8 @@ where the index build keeps its tables and the forward and backward share them).
 ``--kernels`` also prints, for the vertical-slash rows (the whole-sequence lists unmasked and
 under the documents' mask, the like-for-like pair, and the per-document index), each kernel's
 device time in the forward and in the backward (torch profiler), side by side: where the
-mask's cost lands, and the per-document index's.
+mask's cost lands, and the per-document index's; and each index build's kernels, whose
+device time against the build's median says how much of the build waits on the host.
 
 The q/k carry RoPE over a shared mean direction, so vertical-slash statistics are local as in
 trained models. Prints a table and writes ``DIR/bench_documents.json``.
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import device_times  # noqa: E402
+from bench_kernels import device_times, profile_kernels  # noqa: E402
 
 from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds  # noqa: E402
 from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention  # noqa: E402
@@ -232,6 +233,12 @@ def main() -> None:
         rows[-1]["index_build_ms"] = builds[name]
         split_indexes["unmasked" if bounds is None else "per-document index"] = index
         print(f"{'':<40} index build {builds[name]:.2f} ms (its tables included: it keeps them)")
+        if args.kernels:  # device time against the build's median: the rest is the host's
+            rows[-1]["index_build_device_ms"] = profile_kernels(
+                lambda b=bounds: build_vertical_slash_index(q, k, config, scale, cu_seqlens=b),
+                f"{name} index build, GPU time per kernel",
+                top=20,
+            )
         if bounds is not None:
             same, sparse = documents_alone_agree(q, k, config, scale, index)
             rows[-1]["documents_equal_alone"] = [same, sparse]

@@ -496,7 +496,7 @@ def kernel_times(q, k, v, index, seq, extra, name="vertical-slash", backend="tri
     extra.setdefault("bwd_kernel_ms", {})[seq if name == "vertical-slash" else f"{seq} {name}"] = {
         key: ms for ms, _, key in times
     }
-    print(f"    {name} bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:8]))
+    print(f"    {name} bwd kernels: " + ", ".join(f"{key[:40]} {n}x {ms:.2f} ms" for ms, n, key in times[:14]))
 
 
 class _Recorded:
