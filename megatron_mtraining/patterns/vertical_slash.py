@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..context_parallel.distributed_index import all_reduce_fn, gather_rows, gather_window, rank_positions
 from ..sparse.documents import Documents, packed_documents
+from ..sparse.host_tables import to_device
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.vertical_slash import (
     ObservationWindows,
@@ -78,7 +79,7 @@ class VerticalSlashPattern(Pattern):
         def statistics(bounds):
             # Each document's keys among this rank's, found on the host copy of the positions.
             windows = ObservationWindows.of_documents(bounds, config.last_q, documents.seq_len, held.host)
-            rows = torch.tensor(windows.row_positions()).to(q.device, non_blocking=True)
+            rows = to_device(torch.tensor(windows.row_positions()), q.device)
             return document_statistics_from_parts(
                 gather_rows(q, held.values, rows, group), k.detach(), held.values, windows, config, scale, reduce_max,
                 reduce_sum,

@@ -46,6 +46,7 @@ import torch
 from .cuda_graphs import GraphedCalls, graphs_enabled
 from .dispatch import backend_choice, index_kernels
 from .documents import Documents, packed_documents
+from .host_tables import to_device
 from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
 from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (
@@ -290,8 +291,8 @@ def _from_mass(parts, mass: tuple, all_reduce_sum=single_device) -> WindowStatis
     )
     if len(set(windows.rows)) == 1:  # a scalar: no copy to the device (the graphed build's case)
         return WindowStatistics(*((t / windows.rows[0]).float() for t in stacked))
-    rows = torch.tensor(windows.rows).view(-1, 1)
-    return WindowStatistics(*((t / rows.to(t.device, t.dtype, non_blocking=True)).float() for t in stacked))
+    rows = to_device(torch.tensor(windows.rows).view(-1, 1), vertical.device)  # integers: each t divides in its dtype
+    return WindowStatistics(*((t / rows).float() for t in stacked))
 
 
 def _one_window(stats: WindowStatistics) -> WindowStatistics:
@@ -410,7 +411,7 @@ def _pool_diagonals(token_slash: torch.Tensor, block_size: int, ends: list[int] 
     pooled = (blocks * (block_size - t)).sum(-1)
     spill = (blocks * t).sum(-1)  # goes to diagonal d + 1, unless d is its document's last
     ends = [n_blocks - 1] if ends is None else ends
-    pooled[..., 1:] += spill.index_fill(-1, torch.tensor(ends, device=spill.device), 0.0)[..., :-1]
+    pooled[..., 1:] += spill.index_fill(-1, to_device(torch.tensor(ends), spill.device), 0.0)[..., :-1]
     pooled[..., ends] += spill[..., ends]  # no diagonal beyond a document's last: keep the mass
     return pooled / block_size
 
@@ -538,7 +539,7 @@ def build_document_index(
 
     def statistics(bounds) -> WindowStatistics:
         windows = ObservationWindows.of_documents(bounds, config.last_q, q.shape[1])
-        rows = torch.tensor(windows.row_positions()).to(q.device, non_blocking=True)
+        rows = to_device(torch.tensor(windows.row_positions()), q.device)
         return document_statistics_from_parts(q.index_select(1, rows), k, None, windows, config, scale)
 
     return document_index(documents, config, q.shape[0], q.shape[2], q.device, statistics)
@@ -568,7 +569,7 @@ def document_index(
         [*spans, *(min(local_diagonals, n) + min(config.slash_block_cap, n) for n in n_diagonals)], default=0
     )
     j = torch.arange(slash_width, device=device, dtype=torch.int32)
-    span_of = torch.tensor(spans, dtype=torch.int32).to(device, non_blocking=True)
+    span_of = to_device(torch.tensor(spans, dtype=torch.int32), device)
     # Dense documents: every diagonal of the blocks they touch (sparse ones are written over).
     slash = torch.where(j < span_of.view(-1, 1), j, -1).expand(batch, heads, -1, -1).contiguous()
     if not sparse:
@@ -576,23 +577,24 @@ def document_index(
         return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
     stats = statistics([docs[m] for m in sparse])
     host = torch.tensor([[docs[m][0] for m in sparse], lengths, n_diagonals], dtype=torch.int64)
-    starts, n_keys, n_blocks = host.to(device, non_blocking=True).unbind(0)
+    starts, n_keys, n_blocks = to_device(host, device).unbind(0)
     columns = _selected_per_document(
         stats.vertical, n_keys, config.vertical_topp, config.vertical_cap, config.sink_tokens
     )
     columns = torch.where(columns != INT32_MAX, columns + starts.view(-1, 1).int(), INT32_MAX)
     vertical = sort_kept(columns.flatten(2), vertical_width)
-    # That width bounds every document's cap at once (56535 entries a head for 24 documents
-    # at 128K) where a head keeps a few hundred columns, and the kernels size their bar K/V
-    # gathers and dK/dV partials by it: cut to the longest list, at the cost of one read on
-    # the host (this build is not graphed; bench_documents times what it saves).
-    vertical = vertical[..., : int((vertical >= 0).sum(-1).max())].contiguous()
     diagonals = _selected_per_document(
         stats.slash, n_blocks, config.slash_topp, config.slash_block_cap, local_diagonals
     )
     diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
-    slash.index_copy_(2, torch.tensor(sparse).to(device, non_blocking=True), diagonals)
+    slash.index_copy_(2, to_device(torch.tensor(sparse), device), diagonals)
+    # The vertical width bounds every document's cap at once (56535 entries a head for 24
+    # documents at 128K) where a head keeps a few hundred columns, and the kernels size their
+    # bar K/V gathers and dK/dV partials by it: cut to the longest list, at the cost of one
+    # read on the host (this build is not graphed; bench_documents times what it saves). The
+    # read comes last, so that every other launch of the build is queued before the host waits.
+    vertical = vertical[..., : int((vertical >= 0).sum(-1).max())].contiguous()
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
 
 
@@ -606,7 +608,7 @@ def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch
     n = torch.tensor(lengths).view(-1, 1)
     t = torch.arange(max(lengths))
     where = torch.where(t < n, torch.tensor(starts).view(-1, 1) + t, flat.shape[-1] - 1)
-    return flat[..., where.to(flat.device, non_blocking=True)]
+    return flat[..., to_device(where, flat.device)]
 
 
 def _selected_per_document(scores: torch.Tensor, n_valid: torch.Tensor, p: float, cap: int, forced: int):

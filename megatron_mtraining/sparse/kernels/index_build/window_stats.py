@@ -60,6 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...host_tables import to_device
+
 LOG2E = 1.4426950408889634
 
 
@@ -85,21 +87,6 @@ class StatsLaunch:
 
 # Tests shrink the tiles so that tiny inputs span several of each in Triton's interpreter.
 LAUNCH = StatsLaunch()
-
-# The host sources of tables copied while a CUDA graph is being captured (Megatron's CUDA
-# graphs take in an eager build): the graph copies from its source again at every replay, so
-# the source is pinned (a capture copies from no other host memory) and kept for the process.
-# A few hundred integers a capture, and a model captures a graph a layer once.
-_CAPTURED_SOURCES: list[torch.Tensor] = []
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``, copied without a wait, during a capture too."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        host = host.pin_memory()
-        _CAPTURED_SOURCES.append(host)
-    return host.to(device, non_blocking=True)
-
 
 # The rows of the documents table (``WindowKernels.tables``), one entry per document: its
 # first position, length, window rows, first window row, first and end local key, and its
@@ -409,7 +396,7 @@ class WindowKernels:
                  *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0, block0,
                  [a // block_size for a, _ in windows.bounds]]  # fmt: skip
         # One copy to the device: the table, then the chunks' offsets for the row passes' reduction.
-        flat = _to_device(torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32), dev)
+        flat = to_device(torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32), dev)
         self.tables, self.chunk_offsets = (
             flat[: len(table) * self.n_docs].view(len(table), -1),
             flat[-self.n_docs - 1 :],
