@@ -252,6 +252,15 @@ def varlen_library_rows(seq, q, k, v, index, rows, cudnn, rep, pattern, area, la
     rows[-1]["error_vs_union"] = errors
     # Where the forward's time goes: the library's kernels against the layout's sorts, gathers and merges.
     rows[-1]["fwd_kernel_ms"] = profile_kernels(lambda: run(q, k, v), f"{name} forward, GPU time per kernel")
+    # Where the device waits on the host, in the forward and in the backward.
+    out = run(q, k, v)
+    grad = torch.randn_like(out)
+    rows[-1]["idle"] = {
+        "forward": idle_report(lambda: run(q, k, v), f"{name} forward"),
+        "backward": idle_report(
+            lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), f"{name} backward"
+        ),
+    }
     return True
 
 
@@ -455,6 +464,39 @@ def device_times(fn, calls: int = 1) -> list[tuple[float, int, str]]:
         ),
         reverse=True,
     )
+
+
+def idle_report(fn, title: str, top: int = 6) -> dict:
+    """Where the device waited in one call of ``fn`` (after a warm call): the step report's
+    idle gaps (``training.step_report.idle_gaps``: each gap with the kernels around it and the
+    runtime calls the host made meanwhile), printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_mtraining.training.step_report import GAP_HOST_EVENTS, idle_gaps
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    cpu = torch.autograd.DeviceType.CPU
+    device = [
+        (e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type() != cpu and not e.is_user_annotation()
+    ]
+    host = [
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in events
+        if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
+    ]
+    report = idle_gaps(device, host, top)
+    span = (max(e for _, e, _ in device) - min(s for s, _, _ in device)) / 1e6 if device else 0.0
+    print(f"    {title}: {span:.3f} ms from first to last device event, {report['gaps_ms']:.3f} ms idle in "
+          f"{report['gaps']} gaps, {report['events']} events")  # fmt: skip
+    for gap in report["longest"]:
+        print(f"      {gap['ms']:7.3f} ms at {gap['at_ms']:8.3f}  after {gap['after'][:40]}  before {gap['before'][:40]}"
+              f"  host: {', '.join(gap['host'])[:160]}")  # fmt: skip
+    return report
 
 
 def profile_kernels(fn, title: str, calls: int = 5, top: int = 12) -> float:
