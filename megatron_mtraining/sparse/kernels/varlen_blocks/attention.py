@@ -42,6 +42,7 @@ library's ``max_q``) are read on the host once per forward.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ REQUIREMENTS = (
 # a slot) in two sorts, with the sort's temporaries (int32 keys, int64 indices, their copies)
 # bounded near 400 MiB whatever the length.
 SORT_ENTRIES = 1 << 24
+# Selection slots per library call (``_calls``).
+SLOTS_PER_CALL = 1
 
 
 def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
@@ -152,6 +155,45 @@ def layout(index: BlockTopKIndex, hq: int, hkv: int) -> Layout:
     return Layout(key_cu[: b * n + 1], key_cu, min(bs, s), slots, own)
 
 
+@dataclass
+class _Call:
+    """One library call over several slots' rows (``SLOTS_PER_CALL``): the slots' rows one
+    run after another, each slot's segments reading its own copy of the keys, so that no two
+    segments of the call write one key's gradient."""
+
+    order: torch.Tensor  # [rows] int32: the slots' orders, one after another
+    cu_q: torch.Tensor  # [copies * segments + 1] int32
+    cu_k: torch.Tensor  # [copies * segments + 1] int32, over ``copies`` copies of the keys
+    max_q: int
+    copies: int
+    runs: list[tuple[int, int]]  # each slot's rows [a, b) among the call's
+
+
+def _calls(plan: Layout, keys: int, per_call: int) -> list[_Call]:
+    """The slots of ``plan`` in calls of ``per_call`` slots (the last may have fewer); ``keys``:
+    the rows of the KV-head-major keys."""
+    calls = []
+    for i in range(0, len(plan.slots), per_call):
+        group = plan.slots[i : i + per_call]
+        counts = [slot.order.shape[0] for slot in group]
+        starts = list(itertools.accumulate([0, *counts[:-1]]))
+        copies = len(group)
+        key_cu = plan.key_cu
+        cu_q = [slot.cu_q[:-1] + start for slot, start in zip(group, starts, strict=True)]
+        cu_k = [key_cu[:-1] + c * keys for c in range(copies)]
+        calls.append(
+            _Call(
+                order=group[0].order if copies == 1 else torch.cat([slot.order for slot in group]),
+                cu_q=torch.cat([*cu_q, group[-1].cu_q[-1:] + starts[-1]]),
+                cu_k=torch.cat([*cu_k, key_cu[-1:] + (copies - 1) * keys]),
+                max_q=max(slot.max_q for slot in group),
+                copies=copies,
+                runs=[(a, a + n) for a, n in zip(starts, counts, strict=True)],
+            )
+        )
+    return calls
+
+
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor, order):
     """Merges the partial result ``part [n, D]`` / ``part_lse [n]`` over disjoint keys into rows
     ``order`` of the running ``out [rows, D]`` / ``lse [rows]``, in place, by their LSEs."""
@@ -200,6 +242,12 @@ def _kv_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, 1, x.shape[-1])
 
 
+def _copies(x: torch.Tensor, slot_calls: list[_Call]) -> torch.Tensor:
+    """``x`` once for each key copy the widest call reads, one after another."""
+    copies = max((call.copies for call in slot_calls), default=1)
+    return x if copies == 1 else x.repeat(copies, 1, 1)
+
+
 def _transposed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x [B, S1, S2, D]`` as a contiguous ``[B, S2, S1, D]`` of ``dtype``, in one copy."""
     b, s1, s2, d = x.shape
@@ -228,15 +276,22 @@ class VarlenBlockAttention(torch.autograd.Function):
             out.masked_fill_(~plan.own.unsqueeze(-1), 0)
             lse.masked_fill_(~plan.own, float("-inf"))
         k_major, v_major = _kv_major(k), _kv_major(v)
+        keys = k_major.shape[0]
+        slot_calls = _calls(plan, keys, SLOTS_PER_CALL)
+        k_copies, v_copies = (_copies(t, slot_calls) for t in (k_major, v_major))
         q_rows = q.view(-1, d)
-        for slot in plan.slots:
-            segments = (slot.cu_q, plan.key_cu, slot.max_q, length, False, scale)
-            (rows,) = _gather(slot.order, q_rows)
-            part, part_lse = calls.forward(rows.unsqueeze(1), k_major, v_major, *segments)
-            _merge_into(out, lse, part.view(-1, d), part_lse.view(-1), slot.order)
+        for call in slot_calls:
+            (rows,) = _gather(call.order, q_rows)
+            part, part_lse = calls.forward(
+                rows.unsqueeze(1), k_copies[: call.copies * keys], v_copies[: call.copies * keys], call.cu_q,
+                call.cu_k, call.max_q, length, False, scale,
+            )  # fmt: skip
+            part, part_lse = part.view(-1, d), part_lse.view(-1)
+            for a, z in call.runs:
+                _merge_into(out, lse, part[a:z], part_lse[a:z], call.order[a:z])
         out = out.view(b, s, hq, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.index, ctx.plan, ctx.scale = index, plan, scale
+        ctx.index, ctx.plan, ctx.slot_calls, ctx.scale = index, plan, slot_calls, scale
         ctx.set_materialize_grads(False)
         return out, _transposed(lse.view(b, s, hq, 1), torch.float32).view(b, hq, s)
 
@@ -266,16 +321,22 @@ class VarlenBlockAttention(torch.autograd.Function):
         dq = dq.view(-1, d).to(dt)
         dk_major, dv_major = (_transposed(t.view(b, s, hkv, d), dt).view(-1, 1, d) for t in (dk, dv))
         k_major, v_major = _kv_major(k), _kv_major(v)
+        keys = k_major.shape[0]
+        k_copies, v_copies = (_copies(t, ctx.slot_calls) for t in (k_major, v_major))
         dout_rows, q_rows, out_rows = dout.view(-1, d), q.view(-1, d), out.view(-1, d)
-        for slot in plan.slots:
-            dout_g, q_g, out_g, lse_g = _gather(slot.order, dout_rows, q_rows, out_rows, lse)
+        for call in ctx.slot_calls:
+            dout_g, q_g, out_g, lse_g = _gather(call.order, dout_rows, q_rows, out_rows, lse)
+            n = call.copies * keys
             dq_part, dk_part, dv_part = calls.backward(
-                dout_g.unsqueeze(1), q_g.unsqueeze(1), k_major, v_major, out_g.unsqueeze(1), lse_g.unsqueeze(0),
-                slot.cu_q, plan.key_cu, slot.max_q, length, False, scale,
+                dout_g.unsqueeze(1), q_g.unsqueeze(1), k_copies[:n], v_copies[:n], out_g.unsqueeze(1),
+                lse_g.unsqueeze(0), call.cu_q, call.cu_k, call.max_q, length, False, scale,
             )  # fmt: skip
-            _add_into(dq, slot.order, dq_part.view(-1, d))  # each row once a slot: nothing added twice
-            dk_major += dk_part
-            dv_major += dv_part
+            dq_part = dq_part.view(-1, d)
+            for a, z in call.runs:  # each row once a slot: nothing added twice
+                _add_into(dq, call.order[a:z], dq_part[a:z])
+            for c in range(call.copies):
+                dk_major += dk_part[c * keys : (c + 1) * keys]
+                dv_major += dv_part[c * keys : (c + 1) * keys]
         dk, dv = (_transposed(t.view(b, hkv, s, d), k.dtype) for t in (dk_major, dv_major))
         return dq.view(b, s, hq, d).to(q.dtype), dk, dv, None, None
 
