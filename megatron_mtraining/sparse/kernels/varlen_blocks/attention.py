@@ -6,18 +6,20 @@ chose. So the work is, with no row computed against a block it did not choose:
 
 * the diagonal: one causal varlen call whose segments are the blocks, each block's rows against
   its own keys (q, k, v as they lie, the library's GQA);
-* the rest: one call per selection slot ``j`` (each row's ``j``-th chosen block), over the rows
-  whose ``j``-th block is an earlier one, sorted into one segment per (batch, KV head, block)
-  that attends that block's keys with no mask. The rows of every query head of a GQA group
-  share their KV head's segments, so K and V are laid out KV-head-major (a block's keys one
-  contiguous run, one head) and nothing is repeated per query head.
+* the rest: per selection slot ``j`` (each row's ``j``-th chosen block), the rows whose
+  ``j``-th block is an earlier one, sorted into one segment per (batch, KV head, block) that
+  attends that block's keys with no mask. The rows of every query head of a GQA group share
+  their KV head's segments, so K and V are laid out KV-head-major (a block's keys one
+  contiguous run, one head) and nothing is repeated per query head. ``SLOTS_PER_CALL`` slots
+  share a call (``_calls``), each slot's segments over its own copy of the keys (a few MiB),
+  so that no two segments of a call write one key's gradient.
 
-A row appears at most once per slot, so one call's partial results merge by their LSEs straight
+A row appears at most once per slot, so a slot's partial results merge by their LSEs straight
 into the rows the sort names (``order``), in place in the running result (kept in row order,
 ``[B*S*Hq, D]`` and ``[B*S*Hq]``): on CUDA one Triton launch per slot reads the partial rows,
 the running rows they name, and writes the merge back; no row is written twice, so nothing is
-added by atomics and no inverse permutation is built. A call per slot, rather than one for all,
-gathers at most one copy of q at a time, where all slots at once would gather ``topk - 1``
+added by atomics and no inverse permutation is built. A call of a few slots, rather than one
+for all, gathers a few copies of q at a time, where all slots at once would gather ``topk - 1``
 copies.
 
 The backward runs each piece's library backward with its rows' *merged* output and LSE: then
@@ -31,8 +33,8 @@ gradient takes it: the block-bar Triton kernels on CUDA, the PyTorch reference e
 Every launch of the layer is a cost of its own: at 128K tokens the GPU waited on the host between
 the small ones (issue 21). So the layout (``layout``) is built for all slots at once on the
 device, in a fixed number of operations whatever ``topk`` (one sort per ``SORT_ENTRIES`` keys),
-and a slot costs the forward one gather, the library call and one merge, the backward one
-gather, the library call and three adds. On CUDA the rows move on ``shared.rows``: a slot's
+and a call costs the forward one gather, the library call and a merge per slot, the backward
+one gather, the library call and three adds per slot. On CUDA the rows move on ``shared.rows``: a slot's
 rows of dO, q, O and the LSE in one launch (``gather_rows``: PyTorch's indexing takes one a
 source and reads the index each time), and dQ's sum in one launch that converts the part as it
 adds (``add_rows``, with no atomics: a slot names a row once); elsewhere PyTorch's indexing and
@@ -62,8 +64,12 @@ REQUIREMENTS = (
 # a slot) in two sorts, with the sort's temporaries (int32 keys, int64 indices, their copies)
 # bounded near 400 MiB whatever the length.
 SORT_ENTRIES = 1 << 24
-# Selection slots per library call (``_calls``).
-SLOTS_PER_CALL = 1
+# Selection slots per library call (``_calls``). cuDNN's backward gives each program a key tile
+# and walks that tile's segment rows, so a slot's few long segments (the blocks most rows
+# choose) ran on a few programs with the GPU left idle beside them; a second slot's segments
+# fill it (docs/benchmarks.md, "MoBA's varlen calls two slots at a time"). Each slot more in a
+# call holds one more gathered copy of the rows (q, dO, O) and of cuDNN's dQ accumulator.
+SLOTS_PER_CALL = 2
 
 
 def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
@@ -170,25 +176,35 @@ class _Call:
 
 
 def _calls(plan: Layout, keys: int, per_call: int) -> list[_Call]:
-    """The slots of ``plan`` in calls of ``per_call`` slots (the last may have fewer); ``keys``:
-    the rows of the KV-head-major keys."""
+    """The slots of ``plan`` in calls of at most ``per_call`` slots; ``keys``: the rows of the
+    KV-head-major keys. The slots are dealt to the calls largest first, back and forth (the
+    largest with the smallest for two a call), so that the calls' rows, and with them the
+    memory a call holds, come out even."""
+    n_calls = -(-len(plan.slots) // per_call)
+    groups: list[list[_Slot]] = [[] for _ in range(n_calls)]
+    for i, slot in enumerate(sorted(plan.slots, key=lambda slot: -slot.order.shape[0])):
+        lap, at = divmod(i, n_calls)
+        groups[n_calls - 1 - at if lap % 2 else at].append(slot)
     calls = []
-    for i in range(0, len(plan.slots), per_call):
-        group = plan.slots[i : i + per_call]
+    for group in groups:
         counts = [slot.order.shape[0] for slot in group]
         starts = list(itertools.accumulate([0, *counts[:-1]]))
-        copies = len(group)
-        key_cu = plan.key_cu
-        cu_q = [slot.cu_q[:-1] + start for slot, start in zip(group, starts, strict=True)]
-        cu_k = [key_cu[:-1] + c * keys for c in range(copies)]
+        runs = [(a, a + n) for a, n in zip(starts, counts, strict=True)]
+        max_q = max(slot.max_q for slot in group)
+        if len(group) == 1:
+            calls.append(_Call(group[0].order, group[0].cu_q, plan.key_cu, max_q, 1, runs))
+            continue
+        # Each slot's (and key copy's) bounds past those before it; the first's as they are.
+        cu_q = [group[0].cu_q[:-1], *(slot.cu_q[:-1] + a for slot, (a, _) in zip(group[1:], runs[1:], strict=True))]
+        cu_k = [plan.key_cu[:-1], *(plan.key_cu[:-1] + c * keys for c in range(1, len(group)))]
         calls.append(
             _Call(
-                order=group[0].order if copies == 1 else torch.cat([slot.order for slot in group]),
+                order=torch.cat([slot.order for slot in group]),
                 cu_q=torch.cat([*cu_q, group[-1].cu_q[-1:] + starts[-1]]),
-                cu_k=torch.cat([*cu_k, key_cu[-1:] + (copies - 1) * keys]),
-                max_q=max(slot.max_q for slot in group),
-                copies=copies,
-                runs=[(a, a + n) for a, n in zip(starts, counts, strict=True)],
+                cu_k=torch.cat([*cu_k, plan.key_cu[-1:] + (len(group) - 1) * keys]),
+                max_q=max_q,
+                copies=len(group),
+                runs=runs,
             )
         )
     return calls
