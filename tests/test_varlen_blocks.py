@@ -80,37 +80,41 @@ def test_moba_matches_fp64_dense(shape, dtype, rng, library_calls):
     index = moba_index(q, k, chunk, topk)
     tol = FP64_TOL if dtype == torch.float64 else TOLERANCE[dtype]
     check_index_attention(q, k, v, index, rng, tol, backend="varlen_blocks", grads=("out",))
-    # The diagonal, then a call per SLOTS_PER_CALL slots that send some row to an earlier
-    # chunk; as many backward calls.
+    # The diagonal, then one call for every slot that sends some row to an earlier chunk (tiny
+    # slots: together within CALL_ROWS); as many backward calls.
     n = -(-s // chunk)
-    calls = 1 + -(-min(topk - 1, n - 1) // varlen_attention.SLOTS_PER_CALL)
+    calls = 1 + (min(topk - 1, n - 1) > 0)
     assert library_calls == {"forward": calls, "backward": calls}
 
 
-@pytest.mark.parametrize("per_call", [1, 2, 3, 11])
-def test_slots_share_calls_exactly(per_call, rng, library_calls, monkeypatch):
-    """Any number of slots a call (each slot's segments over its own copy of the keys) gives
-    fp64 dense attention, and the slots are dealt so that the calls' rows come out even."""
-    monkeypatch.setattr(varlen_attention, "SLOTS_PER_CALL", per_call)
+@pytest.mark.parametrize("call_rows", [1, 1000, 3000, 1 << 22], ids=["alone", "1000", "3000", "all"])
+def test_slots_share_calls_exactly(call_rows, rng, library_calls, monkeypatch):
+    """Slots sharing calls (each slot's segments over its own copy of the keys) give fp64
+    dense attention whatever the bound on a call's rows; a call holds more than one slot only
+    within the bound, the largest slot left opening it and the smallest joining."""
+    monkeypatch.setattr(varlen_attention, "CALL_ROWS", call_rows)
     q, k, v = make_inputs(rng, (1, 200, 8, 1, 16), torch.float64, "cpu")
-    index = moba_index(q, k, 16, 12)  # 13 chunks: 11 slots
+    index = moba_index(q, k, 16, 12)  # 13 chunks: 11 slots of up to 1600 rows
     check_index_attention(q, k, v, index, rng, FP64_TOL, backend="varlen_blocks", grads=("out",))
-    n_calls = -(-11 // per_call)
-    assert library_calls == {"forward": 1 + n_calls, "backward": 1 + n_calls}
     plan = varlen_attention.layout(index, 8, 1)
-    calls = varlen_attention._calls(plan, 200, per_call)
+    calls = varlen_attention._calls(plan, 200, call_rows)
+    assert library_calls == {"forward": 1 + len(calls), "backward": 1 + len(calls)}
     counts = sorted(slot.order.shape[0] for slot in plan.slots)
-    rows = [call.order.shape[0] for call in calls]
-    assert len(calls) == n_calls and sum(call.copies for call in calls) == 11
-    assert max(call.copies for call in calls) <= per_call and sum(rows) == sum(counts)
-    for call in calls:  # each call's segments cut its rows and its copies of the 200 keys
-        assert call.cu_q[-1] == call.order.shape[0] and call.cu_k[-1] == call.copies * 200
+    assert len(counts) == 11 and sum(call.copies for call in calls) == 11
+    assert sum(call.order.shape[0] for call in calls) == sum(counts)
+    if call_rows in (1, 1 << 22):  # every slot alone, or all in one call
+        assert len(calls) == (11 if call_rows == 1 else 1)
+    for call in calls:
+        rows = call.order.shape[0]
+        assert call.copies == 1 or rows <= call_rows
+        # Its segments cut its rows and its copies of the 200 keys, a run of rows per slot.
+        assert call.cu_q[-1] == rows and call.cu_k[-1] == call.copies * 200
         bounds = [a for a, _ in call.runs] + [call.runs[-1][1]]
-        assert len(call.runs) == call.copies and bounds[0] == 0 and bounds[-1] == call.order.shape[0]
+        assert len(call.runs) == call.copies and bounds[0] == 0 and bounds[-1] == rows
         assert all(z == a for (_, z), (a, _) in zip(call.runs[:-1], call.runs[1:], strict=True))
-    # Dealt largest first, back and forth: no call holds more rows than the largest slots
-    # dealt alone would put in one, nor differs from another by more than the largest slot.
-    assert max(rows) - min(rows) <= counts[-1]
+    # Greedy: each call's first slot is the largest not in an earlier call.
+    firsts = [call.runs[0][1] for call in calls]
+    assert firsts == sorted(firsts, reverse=True) and firsts[0] == counts[-1]
 
 
 @pytest.mark.parametrize("hs", [1, 2, 4], ids=["shared", "per-kv-head", "per-query-head"])
@@ -298,9 +302,9 @@ class _Launches(TorchDispatchMode):
 # Launches of a forward + backward: a fixed number (the layout's 38, the copies of the keys
 # 4), then per slot with rows the forward's merge, the backward's dQ add (the part's cast in
 # it) and dK's and dV's adds, and its share of its call's: the forward's gather and call, the
-# backward's gather (dO, q, O and the LSE in one) and call, and the call's bounds. Measured at
-# one slot a call: 52 + 8 a slot; at two: 60 for one slot, then 75, 83, 113 and 197 for 2, 3, 6
-# and 15.
+# backward's gather (dO, q, O and the LSE in one) and call, and the call's bounds. Measured
+# with a slot a call: 52 + 8 a slot; all in one call (these tiny slots, within CALL_ROWS): 60,
+# 75, 81, 99 and 153 for 1, 2, 3, 6 and 15 slots.
 FIXED_LAUNCHES, SLOT_LAUNCHES = 56, 10
 
 
@@ -383,7 +387,7 @@ def test_the_row_kernels_change_no_bit(dtype, rng, monkeypatch):
     monkeypatch.setattr(varlen_attention, "_triton_rows", lambda t: True)
     got = run()
     slots = min(topk - 1, -(-s // chunk) - 1)
-    calls = -(-slots // varlen_attention.SLOTS_PER_CALL)  # a gather a call each way, an add a slot
+    calls = 1 if slots else 0  # tiny slots share one call: a gather each way, an add a slot
     assert launches == {"gather_rows": 2 * calls, "add_rows": slots}
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):

@@ -10,9 +10,9 @@ chose. So the work is, with no row computed against a block it did not choose:
   ``j``-th block is an earlier one, sorted into one segment per (batch, KV head, block) that
   attends that block's keys with no mask. The rows of every query head of a GQA group share
   their KV head's segments, so K and V are laid out KV-head-major (a block's keys one
-  contiguous run, one head) and nothing is repeated per query head. ``SLOTS_PER_CALL`` slots
-  share a call (``_calls``), each slot's segments over its own copy of the keys (a few MiB),
-  so that no two segments of a call write one key's gradient.
+  contiguous run, one head) and nothing is repeated per query head. Slots share a call up to
+  ``CALL_ROWS`` rows (``_calls``), each slot's segments over its own copy of the keys (a few
+  MiB), so that no two segments of a call write one key's gradient.
 
 A row appears at most once per slot, so a slot's partial results merge by their LSEs straight
 into the rows the sort names (``order``), in place in the running result (kept in row order,
@@ -64,12 +64,14 @@ REQUIREMENTS = (
 # a slot) in two sorts, with the sort's temporaries (int32 keys, int64 indices, their copies)
 # bounded near 400 MiB whatever the length.
 SORT_ENTRIES = 1 << 24
-# Selection slots per library call (``_calls``). cuDNN's backward gives each program a key tile
-# and walks that tile's segment rows, so a slot's few long segments (the blocks most rows
-# choose) ran on a few programs with the GPU left idle beside them; a second slot's segments
-# fill it (docs/benchmarks.md, "MoBA's varlen calls two slots at a time"). Each slot more in a
-# call holds one more gathered copy of the rows (q, dO, O) and of cuDNN's dQ accumulator.
-SLOTS_PER_CALL = 2
+# Gathered rows a call of several selection slots may hold (``_calls``). cuDNN's backward gives
+# each program a key tile and walks that tile's segment rows, so a slot's few long segments
+# (the blocks most rows choose) ran on a few programs with the GPU idle beside them; a second
+# slot's segments fill it (docs/benchmarks.md, "MoBA's varlen calls two slots at a time"). Each
+# slot more holds its gathered rows (q, dO, O) and cuDNN's dQ accumulator for them, so a call
+# takes a second slot only within this bound: two at 128K tokens of 16 heads, one a call from
+# 256K on, where a slot's rows alone pass it and the memory stays what one slot needs.
+CALL_ROWS = 1 << 22
 
 
 def unsupported(q: torch.Tensor, index: SparseIndex) -> str | None:
@@ -163,7 +165,7 @@ def layout(index: BlockTopKIndex, hq: int, hkv: int) -> Layout:
 
 @dataclass
 class _Call:
-    """One library call over several slots' rows (``SLOTS_PER_CALL``): the slots' rows one
+    """One library call over several slots' rows (``CALL_ROWS``): the slots' rows one
     run after another, each slot's segments reading its own copy of the keys, so that no two
     segments of the call write one key's gradient."""
 
@@ -175,16 +177,19 @@ class _Call:
     runs: list[tuple[int, int]]  # each slot's rows [a, b) among the call's
 
 
-def _calls(plan: Layout, keys: int, per_call: int) -> list[_Call]:
-    """The slots of ``plan`` in calls of at most ``per_call`` slots; ``keys``: the rows of the
-    KV-head-major keys. The slots are dealt to the calls largest first, back and forth (the
-    largest with the smallest for two a call), so that the calls' rows, and with them the
-    memory a call holds, come out even."""
-    n_calls = -(-len(plan.slots) // per_call)
-    groups: list[list[_Slot]] = [[] for _ in range(n_calls)]
-    for i, slot in enumerate(sorted(plan.slots, key=lambda slot: -slot.order.shape[0])):
-        lap, at = divmod(i, n_calls)
-        groups[n_calls - 1 - at if lap % 2 else at].append(slot)
+def _calls(plan: Layout, keys: int, call_rows: int) -> list[_Call]:
+    """The slots of ``plan`` in calls of at most ``call_rows`` rows (a slot of more runs alone);
+    ``keys``: the rows of the KV-head-major keys. The largest slot left opens each call and
+    the smallest left join it while they fit, so that the calls' rows come out even."""
+    left = sorted(plan.slots, key=lambda slot: -slot.order.shape[0])
+    groups: list[list[_Slot]] = []
+    while left:
+        group = [left.pop(0)]
+        rows = group[0].order.shape[0]
+        while left and rows + left[-1].order.shape[0] <= call_rows:
+            group.append(left.pop())
+            rows += group[-1].order.shape[0]
+        groups.append(group)
     calls = []
     for group in groups:
         counts = [slot.order.shape[0] for slot in group]
@@ -293,7 +298,7 @@ class VarlenBlockAttention(torch.autograd.Function):
             lse.masked_fill_(~plan.own, float("-inf"))
         k_major, v_major = _kv_major(k), _kv_major(v)
         keys = k_major.shape[0]
-        slot_calls = _calls(plan, keys, SLOTS_PER_CALL)
+        slot_calls = _calls(plan, keys, CALL_ROWS)
         k_copies, v_copies = (_copies(t, slot_calls) for t in (k_major, v_major))
         q_rows = q.view(-1, d)
         for call in slot_calls:
