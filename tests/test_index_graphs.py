@@ -15,12 +15,14 @@ import weakref
 
 import pytest
 import torch
+from documents_reference import random_boundaries
 
 from megatron_mtraining.sparse import (
     VerticalSlashConfig,
     VerticalSlashIndex,
     build_vertical_slash_index,
     cuda_graphs,
+    host_tables,
     sparse_attention,
     vertical_slash,
 )
@@ -142,6 +144,74 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, block_mass=16))
     build()
     assert len(set(keys)) == 5
+
+
+def document_bounds(rng, seq: int) -> torch.Tensor:
+    """Packed documents, some shorter than ``DOC_CFG.dense_below`` (dense, no statistics)."""
+    return random_boundaries(rng, seq, DOC_CFG.block_size)
+
+
+DOC_CFG = dataclasses.replace(CFG, dense_below=100)
+
+
+def eager_documents(q, k, cu):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cuda_graphs.GRAPHS_ENV, "0")
+        return build_vertical_slash_index(q, k, DOC_CFG, cu_seqlens=cu)
+
+
+def assert_same_lists(got: VerticalSlashIndex, want: VerticalSlashIndex):
+    assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)
+    assert got.documents.bounds == want.documents.bounds
+
+
+def test_document_build_keys_its_graph_by_the_bounds(rng, monkeypatch):
+    """The per-document build's graph key holds the documents' bounds (the captured code
+    copies tables made from them) beside what the whole sequence's key holds: builds of one
+    packing share a key whatever q and k, another packing takes another; each equals the
+    eager build, its vertical lists cut after the graph. On CPU: the cache records keys and
+    runs the build eagerly (the statistics kernels in Triton's interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
+
+    keys = []
+
+    class Recorder:
+        def call(self, key, fn, inputs):
+            keys.append(key)
+            return fn(*inputs(None))
+
+    monkeypatch.setattr(vertical_slash, "_DOCUMENT_GRAPHS", Recorder())
+    monkeypatch.setattr(vertical_slash, "graphs_enabled", lambda *tensors: True)
+    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2))
+    seq = 700
+    packings = [document_bounds(rng, seq) for _ in range(2)]
+    for cu in (packings[0], packings[0], packings[1]):
+        q, k = qk(rng, seq=seq, heads=(4, 2), d=16, device="cpu", dtype=torch.float32)
+        got = build_vertical_slash_index(q, k, DOC_CFG, cu_seqlens=cu)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(vertical_slash, "graphs_enabled", lambda *tensors: False)
+            assert_same_lists(got, build_vertical_slash_index(q, k, DOC_CFG, cu_seqlens=cu))
+        widest = int((got.vertical >= 0).sum(-1).max())
+        assert got.vertical.shape[-1] == widest  # cut to the longest list
+    assert len(keys) == 3 and keys[0] == keys[1] != keys[2]
+    assert keys[0][-1] == tuple(packings[0].tolist())
+
+
+def test_graphs_keep_the_sources_of_their_captures():
+    """Host tables copied during a capture are kept by the graph being captured (and go
+    with it), not by the process; those of a capture that is not this package's stay."""
+    outside = torch.zeros(2)
+    host_tables._CAPTURED_SOURCES.append(outside)
+    try:
+        with host_tables.sources_of_capture() as kept:
+            inside = torch.ones(3)
+            host_tables._CAPTURED_SOURCES.append(inside)
+        assert kept == [inside] and host_tables._CAPTURED_SOURCES[-1] is outside
+    finally:
+        host_tables._CAPTURED_SOURCES.remove(outside)
 
 
 def test_mass_pass_rewrites_its_buffers_without_clearing(rng, monkeypatch):
@@ -423,6 +493,32 @@ def test_sparse_attention_uses_the_kept_tables(rng, graphs, monkeypatch):
     monkeypatch.undo()
     want_out, want_lse = sparse_attention(q, k, v, eager(q, k)[0])
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.gpu
+@gpu
+def test_graphed_document_build_equals_eager_call_after_call(rng, monkeypatch):
+    """Two packings interleaved, fresh random inputs each call (as a step's layers, then the
+    next step's): each graphed per-document build equals the eager one bit for bit, earlier
+    results stay intact, and the graphs keep their captures' host tables, the process none."""
+    cache = cuda_graphs.GraphedCalls(size=2)
+    monkeypatch.setattr(vertical_slash, "_DOCUMENT_GRAPHS", cache)
+    monkeypatch.delenv(cuda_graphs.GRAPHS_ENV, raising=False)
+    monkeypatch.delenv("MTRAINING_ATTENTION_BACKEND", raising=False)
+    seq = 4096
+    packings = [document_bounds(rng, seq).cuda() for _ in range(2)]
+    sources = len(host_tables._CAPTURED_SOURCES)
+    kept = []
+    for cu in (packings[0], packings[0], packings[1], packings[0], packings[1]):
+        q, k = qk(rng, seq=seq)
+        got = build_vertical_slash_index(q, k, DOC_CFG, cu_seqlens=cu)
+        assert_same_lists(got, eager_documents(q, k, cu))
+        assert kept_tables(got) is not None
+        kept.append((got, got.vertical.clone(), got.slash.clone()))
+    for got, vertical, slash in kept:
+        assert torch.equal(got.vertical, vertical) and torch.equal(got.slash, slash)
+    assert len(cache.graphs) == 2 and all(graph.sources for graph in cache.graphs.values())
+    assert len(host_tables._CAPTURED_SOURCES) == sources
 
 
 @pytest.mark.gpu

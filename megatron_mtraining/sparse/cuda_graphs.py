@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from .host_tables import sources_of_capture
 from .validation import fail
 
 GRAPHS_ENV = "MTRAINING_INDEX_GRAPHS"
@@ -82,7 +83,12 @@ class _Graph:
             fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # Host tables the captured code copies (``host_tables.to_device``) are copied again
+        # from their pinned sources at every replay: kept while the graph lives.
+        with (
+            sources_of_capture() as self.sources,
+            torch.cuda.graph(self.graph, capture_error_mode="thread_local"),
+        ):
             self.outputs = fn(*self.inputs)
             self.leaves = _tensor_leaves(self.outputs)
             self.packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in self.leaves])

@@ -10,10 +10,14 @@ host allocator keeps the pinned block until the copy has run, and caches it for 
 During a CUDA graph capture (Megatron's CUDA graphs take in an eager build) the graph
 copies from its source again at every replay, so the source must be pinned (a capture
 copies from no other host memory) and must outlive the graph: it is kept for the process,
-a few hundred integers a capture, and a model captures a graph a layer once.
+a few hundred integers a capture, and a model captures a graph a layer once; a graph of
+this package's own (``cuda_graphs``) keeps its sources itself (``sources_of_capture``) and
+releases them with the graph.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,3 +34,17 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
         _CAPTURED_SOURCES.append(pinned)
     return pinned.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def sources_of_capture():
+    """Collects, into the list it yields, the sources copied during a capture inside the
+    block, for the graph that replays them to keep (and to release with it) rather than the
+    process."""
+    start = len(_CAPTURED_SOURCES)
+    kept: list[torch.Tensor] = []
+    try:
+        yield kept
+    finally:
+        kept.extend(_CAPTURED_SOURCES[start:])
+        del _CAPTURED_SOURCES[start:]

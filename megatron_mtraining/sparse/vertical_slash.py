@@ -36,6 +36,7 @@ together. ``VerticalSlashIndex`` states what the per-document lists mean.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -471,6 +472,9 @@ def select_vertical_slash(stats: WindowStatistics, config: VerticalSlashConfig, 
 # pool with the rest of the build's intermediates: the [B, Hq, S] fp32 and fp64 statistics,
 # the top-p selection's buffers and the tile tables.
 _GRAPHS = GraphedCalls(size=2)
+# The per-document builds' graphs, keyed by the documents' bounds besides: a training step's
+# packing (its layers replay the graph its first layer captured) and the one before it.
+_DOCUMENT_GRAPHS = GraphedCalls(size=2)
 
 
 @torch.no_grad()
@@ -534,36 +538,78 @@ def build_document_index(
     own keys only, together no more than one window over the whole sequence reads; on CUDA
     about two dozen launches, the Triton passes and the small operations around them,
     whatever the number of documents), then one selection for all of them and the dense
-    ones (``document_index``: ~40 launches). The bounds were read on the host once, with
-    ``cu_seqlens``, and the longest vertical list is read once, to cut the lists' width."""
+    ones (``document_lists``: ~40 launches). The bounds were read on the host once, with
+    ``cu_seqlens``, and the longest vertical list is read once, to cut the lists' width.
 
-    def statistics(bounds) -> WindowStatistics:
-        windows = ObservationWindows.of_documents(bounds, config.last_q, q.shape[1])
-        rows = to_device(torch.tensor(windows.row_positions()), q.device)
-        return document_statistics_from_parts(q.index_select(1, rows), k, None, windows, config, scale)
+    Where CUDA graphs apply (as for the whole sequence's build), everything after the mass
+    pass up to that read replays a graph keyed by the documents' bounds: the layers of a
+    training step share one packing, so the step's first layer captures it and the others
+    replay it, where an eager build's host time (its launches) exceeded its device time."""
+    b, h = q.shape[0], q.shape[2]
+    sparse = [documents.bounds[m : m + 2] for m in sparse_documents(documents, config)]
+    if not sparse:  # no statistics: a few launches
+        return cut_vertical(document_lists(documents, config, b, h, q.device, None))
+    windows = ObservationWindows.of_documents(sparse, config.last_q, q.shape[1])
+    q_windows = q.index_select(1, to_device(torch.tensor(windows.row_positions()), q.device))
+    if not (graphs_enabled(q) and backend_choice(q) == "triton"):
+        stats = lambda _: document_statistics_from_parts(q_windows, k, None, windows, config, scale)  # noqa: E731
+        return cut_vertical(document_lists(documents, config, b, h, q.device, stats))
+    parts, mass = _key_passes(q_windows, k, None, windows, scale, config.block_size)
 
-    return document_index(documents, config, q.shape[0], q.shape[2], q.device, statistics)
+    def lists(*outputs):
+        return (document_lists(documents, config, b, h, q.device, lambda _: _from_mass(parts, outputs)),)
+
+    key = ("documents", q.device, b, h, q.shape[1], config, parts.block, documents.bounds)
+    (index,) = _DOCUMENT_GRAPHS.call(key, lists, mass)
+    # The captured call's documents carry the same bounds; the caller's are the ones it holds.
+    return cut_vertical(dataclasses.replace(index, documents=documents))
+
+
+def sparse_documents(documents: Documents, config: VerticalSlashConfig) -> list[int]:
+    """The documents that get statistics (at least ``config.dense_below`` tokens), in order."""
+    bounds = documents.bounds
+    return [m for m in range(documents.count) if bounds[m + 1] - bounds[m] >= config.dense_below]
 
 
 def document_index(
     documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, statistics
 ) -> VerticalSlashIndex:
-    """The per-document index from ``statistics(bounds)``: the window statistics of the
-    documents ``bounds`` (those of at least ``config.dense_below`` tokens, in order, as
-    ``(a, b)`` pairs), each alone, stacked as ``document_statistics_from_parts`` gives them
-    (on one device, or reduced over a context-parallel group); see ``build_document_index``.
+    """``document_lists`` with the vertical lists cut to the longest (``cut_vertical``)."""
+    return cut_vertical(document_lists(documents, config, batch, heads, device, statistics))
+
+
+def cut_vertical(index: VerticalSlashIndex) -> VerticalSlashIndex:
+    """``index`` with its vertical lists cut to the longest kept. The lists' width bounds every
+    document's cap at once (56535 entries a head for 24 documents at 128K) where a head keeps
+    a few hundred columns, and the kernels size their bar K/V gathers and dK/dV partials by
+    it: the cut costs one read on the host (bench_documents times what it saves), made after
+    the build's other launches are queued."""
+    vertical = index.vertical
+    if vertical.shape[-1] == 0:
+        return index
+    return dataclasses.replace(index, vertical=vertical[..., : int((vertical >= 0).sum(-1).max())].contiguous())
+
+
+def document_lists(
+    documents: Documents, config: VerticalSlashConfig, batch: int, heads: int, device, statistics
+) -> VerticalSlashIndex:
+    """The per-document index, its vertical lists at full width (``sort_kept``'s bound), from
+    ``statistics(bounds)``: the window statistics of the documents ``bounds`` (those of
+    ``sparse_documents``, as ``(a, b)`` pairs), each alone, stacked as
+    ``document_statistics_from_parts`` gives them (on one device, or reduced over a
+    context-parallel group); see ``build_document_index``.
     The selection runs once for every document: ``select_vertical_slash``'s budgets taken
     per (head, document) on the stacked statistics (zero-padded to the longest; a zero is
     never taken), equal to each document's own selection (``_selected_per_document``)."""
     bs, bounds = config.block_size, documents.bounds
     docs = list(zip(bounds[:-1], bounds[1:], strict=True))
     spans = [(b - 1) // bs - a // bs + 1 for a, b in docs]
-    sparse = [m for m, (a, b) in enumerate(docs) if b - a >= config.dense_below]
+    sparse = sparse_documents(documents, config)
     lengths = [docs[m][1] - docs[m][0] for m in sparse]
     n_diagonals = [-(-n // bs) for n in lengths]
     local_diagonals = (config.local_window - 1) // config.block_size + 2 if config.local_window else 1
     # Each document's own list widths (``_selected``'s bound): the vertical lists concatenated
-    # (then cut to the longest kept, below), the slash lists padded to the widest.
+    # (``cut_vertical`` cuts them to the longest kept), the slash lists padded to the widest.
     vertical_width = sum(min(config.sink_tokens, n) + min(config.vertical_cap, n) for n in lengths)
     slash_width = max(
         [*spans, *(min(local_diagonals, n) + min(config.slash_block_cap, n) for n in n_diagonals)], default=0
@@ -589,12 +635,6 @@ def document_index(
     diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
     slash.index_copy_(2, to_device(torch.tensor(sparse), device), diagonals)
-    # The vertical width bounds every document's cap at once (56535 entries a head for 24
-    # documents at 128K) where a head keeps a few hundred columns, and the kernels size their
-    # bar K/V gathers and dK/dV partials by it: cut to the longest list, at the cost of one
-    # read on the host (this build is not graphed; bench_documents times what it saves). The
-    # read comes last, so that every other launch of the build is queued before the host waits.
-    vertical = vertical[..., : int((vertical >= 0).sum(-1).max())].contiguous()
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
 
 
