@@ -115,6 +115,23 @@ def test_kernel_time_by_hand():
     assert model.kernel_ms(c, work, "fwd", "sdpa_flash", slower) == pytest.approx(2 * 1024)
 
 
+def test_wide_blocks_on_one_gpu_take_the_varlen_calls():
+    """MoBA's 4096-token chunks on one GPU run the varlen library calls, as ``sparse.dispatch``
+    sends them (cuDNN's ragged attention on sm90, FlashAttention-2's on sm80, whose H200
+    calibration is carried by the GPU's factor); narrower blocks stay on the plugin's kernels.
+    The time is the useful area's: 1e12 triples at head dim 128, 0.512 PFLOP, 1000 ms each."""
+    base = calibration.base_run()
+    assert model.single_gpu_kernel(_run(), "moba") == "varlen"
+    assert model.single_gpu_kernel(_run().replace(gpu=gpu("A100-80GB")), "moba") == "varlen_flash"
+    narrow = dataclasses.replace(base.attention, moba=dataclasses.replace(base.attention.moba, chunk_size=512))
+    assert model.single_gpu_kernel(_run(attention=narrow), "moba") in ("kv_outer", "block_bar")
+    c = _constants()
+    work = _work([[1e12]], [0.0], seq=131072, pattern="moba")
+    assert model.kernel_ms(c, work, "fwd", "varlen", _gpu()) == pytest.approx(512)
+    slower = _gpu(attention_time_factor=2.0, sdpa_kernel="sdpa_flash")
+    assert model.kernel_ms(c, work, "bwd", "varlen_flash", slower) == pytest.approx(2 * 2.5 * 512)
+
+
 def test_hierarchical_ring_hides_the_outer_transfer_behind_the_inner_ring():
     """CP 4 in 2 nodes of 2 (TP 1): the slowest rank's kernels, each step's time, and the
     outer transfer exposed only by what exceeds a whole inner ring."""

@@ -60,7 +60,7 @@ def measured_kernel_ms(row: dict, work: AttentionWork) -> tuple[float, float]:
 def _kernel_features(row: dict, work: AttentionWork) -> dict[str, float]:
     """Forward PFLOPs per family (and query blocks, ``program``) of a single-GPU row."""
     d, kernel = work.head_dim, row["kernel"]
-    if kernel in ("sdpa", "sdpa_flash"):
+    if kernel in model.LIBRARY_KERNELS:
         return {kernel: attention_flops(float(work.useful.sum()), d) / PF}
     if kernel == "kv_outer":
         return {model.kv_outer_family(work): attention_flops(float(work.useful.sum()), d) / PF}

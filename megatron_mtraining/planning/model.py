@@ -30,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..sparse.dispatch import KV_OUTER_MAX_BLOCK, KV_OUTER_MAX_SHARE, KV_OUTER_MAX_SHARE_WIDE
+from ..sparse.dispatch import KV_OUTER_MAX_BLOCK, KV_OUTER_MAX_SHARE, KV_OUTER_MAX_SHARE_WIDE, VARLEN_MIN_BLOCK
 from ..training.memory import kv_exchange
 from .flops import attention_flops, layer_matmul_flops_per_token, mlp_share, model_flops
 from .hardware import GPU, network_gb_s
@@ -42,10 +42,14 @@ DIRECTIONS = ("fwd", "bwd")
 # block_bar kernels' tiles and gathered vertical columns (dense attention on block_bar is all
 # tiles), "<pattern>_union" a top-k index's union of tiles, "<pattern>_kv_outer" the KV-outer
 # kernels on the useful area (an untrained MSA indexer's scattered selections apart),
-# "sdpa" / "sdpa_flash" PyTorch's cuDNN / FlashAttention-2.
+# "sdpa" / "sdpa_flash" PyTorch's cuDNN / FlashAttention-2, "varlen" / "varlen_flash" a top-k
+# index of wide blocks on varlen library calls (``varlen_blocks``) on the useful area: cuDNN's
+# ragged attention (sm90) / PyTorch's FlashAttention-2 (sm80's).
 FAMILIES = (
     "sdpa",
     "sdpa_flash",
+    "varlen",
+    "varlen_flash",
     "tile",
     "bar",
     "msa_union",
@@ -182,7 +186,7 @@ def kernel_ms(c: Constants, work: AttentionWork, direction: str, kernel: str, gp
     the all-gathered piece of ``rank`` (its queries against every key, one launch)."""
     i = DIRECTIONS.index(direction)
     d = work.head_dim
-    if kernel in ("sdpa", "sdpa_flash"):
+    if kernel in LIBRARY_KERNELS:
         return _ms(attention_flops(float(work.useful.sum()), d), c.kernel_ms_per_pf[kernel][i]) * gpu_factor(
             gpu, kernel
         )
@@ -201,10 +205,15 @@ def kv_outer_family(work: AttentionWork) -> str:
     return f"{work.pattern}_untrained_kv_outer" if work.source == "untrained" else f"{work.pattern}_kv_outer"
 
 
+# Library kernels timed on the useful area, each a family of its own.
+LIBRARY_KERNELS = ("sdpa", "sdpa_flash", "varlen", "varlen_flash")
+
+
 def gpu_factor(gpu: GPU, kernel: str) -> float:
-    # PyTorch's fused attention on an sm80 GPU is FlashAttention-2 ("sdpa_flash"), whose
-    # calibration is sm90's: carried like the plugin's kernels.
-    return gpu.attention_time_factor if kernel == "sdpa_flash" and gpu.sdpa_kernel == "sdpa_flash" else 1.0
+    # PyTorch's fused attention on an sm80 GPU is FlashAttention-2 ("sdpa_flash", and the
+    # varlen calls' "varlen_flash"), whose calibration is sm90's: carried like the plugin's kernels.
+    flash = kernel in ("sdpa_flash", "varlen_flash")
+    return gpu.attention_time_factor if flash and gpu.sdpa_kernel == "sdpa_flash" else 1.0
 
 
 def block_bar_ms(
@@ -231,6 +240,8 @@ def single_gpu_kernel(run: Run, pattern: str) -> str:
         return run.gpu.sdpa_kernel
     if pattern in ("msa", "moba"):
         block, topk = _topk_settings(att, pattern)
+        if block >= VARLEN_MIN_BLOCK:  # the varlen library calls: cuDNN's on sm90, FlashAttention-2's on sm80
+            return "varlen" if run.gpu.sdpa_kernel == "sdpa" else "varlen_flash"
         share = topk * block / run.seq
         limit = KV_OUTER_MAX_SHARE if block <= KV_OUTER_MAX_BLOCK else KV_OUTER_MAX_SHARE_WIDE
         return "kv_outer" if share < limit else "block_bar"
