@@ -100,13 +100,10 @@ def test_cpu_build_is_eager(rng, graphs):
     assert kept_tables(index) is None and not graphs.graphs
 
 
-def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
-    """The build's graph key holds what the captured code (everything after the mass pass)
-    and its input buffers (the mass pass's outputs) depend on besides values: batch, query
-    heads, length, config and the mass pass's tiles. The softmax scale, the dtype, the KV
-    heads and the row passes' tiles reach only the passes run outside the graph, so one graph
-    serves them all. The build keeps the tile tables it made. On CPU: the cache records keys and
-    runs the build eagerly (the statistics kernels in Triton's interpreter)."""
+def recorded_keys(monkeypatch, cache: str) -> list:
+    """The keys the build asks ``vertical_slash``'s graph cache ``cache`` for, in order, the
+    cache replaced by one that records them and runs the build eagerly, with graphs taken
+    as applying and the statistics on the kernels (Triton's interpreter, small tiles)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU kernels need TRITON_INTERPRET=1")
     from megatron_mtraining.sparse.kernels.index_build import window_stats
@@ -118,10 +115,23 @@ def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
             keys.append(key)
             return fn(*inputs(None))
 
-    monkeypatch.setattr(vertical_slash, "_GRAPHS", Recorder())
+    monkeypatch.setattr(vertical_slash, cache, Recorder())
     monkeypatch.setattr(vertical_slash, "graphs_enabled", lambda *tensors: True)
     monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2))
+    return keys
+
+
+def test_build_keys_its_graph_by_what_the_capture_fixes(rng, monkeypatch):
+    """The build's graph key holds what the captured code (everything after the mass pass)
+    and its input buffers (the mass pass's outputs) depend on besides values: batch, query
+    heads, length, config and the mass pass's tiles. The softmax scale, the dtype, the KV
+    heads and the row passes' tiles reach only the passes run outside the graph, so one graph
+    serves them all. The build keeps the tile tables it made. On CPU: the cache records keys and
+    runs the build eagerly (the statistics kernels in Triton's interpreter)."""
+    from megatron_mtraining.sparse.kernels.index_build import window_stats
+
+    keys = recorded_keys(monkeypatch, "_GRAPHS")
     cfg = VerticalSlashConfig(last_q=32, block_size=16)
 
     def build(seq=100, heads=(4, 2), dtype=torch.float16, config=cfg, **kwargs):
@@ -171,21 +181,7 @@ def test_document_build_keys_its_graph_by_the_bounds(rng, monkeypatch):
     packing share a key whatever q and k, another packing takes another; each equals the
     eager build, its vertical lists cut after the graph. On CPU: the cache records keys and
     runs the build eagerly (the statistics kernels in Triton's interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU kernels need TRITON_INTERPRET=1")
-    from megatron_mtraining.sparse.kernels.index_build import window_stats
-
-    keys = []
-
-    class Recorder:
-        def call(self, key, fn, inputs):
-            keys.append(key)
-            return fn(*inputs(None))
-
-    monkeypatch.setattr(vertical_slash, "_DOCUMENT_GRAPHS", Recorder())
-    monkeypatch.setattr(vertical_slash, "graphs_enabled", lambda *tensors: True)
-    monkeypatch.setenv("MTRAINING_ATTENTION_BACKEND", "triton")
-    monkeypatch.setattr(window_stats, "LAUNCH", window_stats.StatsLaunch(block_m=32, block_n=16, chunk_blocks=2))
+    keys = recorded_keys(monkeypatch, "_DOCUMENT_GRAPHS")
     seq = 700
     packings = [document_bounds(rng, seq) for _ in range(2)]
     for cu in (packings[0], packings[0], packings[1]):
