@@ -13,6 +13,9 @@ Rows (``--rows``):
   dense         ``attention.type=dense`` as configured (``auto``: the same library on a GPU)
   dense-triton  dense attention on the plugin's own Triton kernel
   mtraining, moba, msa   the sparse types (MSA after its indexer warmup)
+  mtraining-docs  ``mtraining`` on the mock data's packed documents (each under 4096 tokens) with
+                ``reset_attention_mask`` and ``reset_position_ids``: a per-document index a layer,
+                its build replayed from the graph the step's first layer captures
   moba-triton   MoBA on the plugin's Triton kernels (``backend=triton``), the path ``moba`` takes
                 under context parallelism and with packed documents (``moba`` on one GPU runs
                 the varlen calls on the library ``varlen_blocks/choose.py`` picks: cuDNN's on sm90)
@@ -53,6 +56,11 @@ ROWS = {
     "dense": ["attention.type=dense"],
     "dense-triton": ["attention.type=dense", "attention.backend=triton"],
     "mtraining": ["attention.type=mtraining"],
+    "mtraining-docs": [
+        "attention.type=mtraining",
+        "megatron.reset_attention_mask=true",
+        "megatron.reset_position_ids=true",
+    ],
     "moba": ["attention.type=moba"],
     "moba-triton": ["attention.type=moba", "attention.backend=triton"],
     "moba-flash": ["attention.type=moba"],
