@@ -472,23 +472,15 @@ def idle_report(fn, title: str, top: int = 6) -> dict:
     runtime calls the host made meanwhile), printed and returned."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_mtraining.training.step_report import GAP_HOST_EVENTS, idle_gaps
+    from megatron_mtraining.training.step_report import device_and_host_events, idle_gaps
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = prof.profiler.kineto_results.events()
-    cpu = torch.autograd.DeviceType.CPU
-    device = [
-        (e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type() != cpu and not e.is_user_annotation()
-    ]
-    host = [
-        (e.start_ns(), e.end_ns(), e.name())
-        for e in events
-        if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
-    ]
+    events, host = device_and_host_events(prof)
+    device = [(e.start_ns(), e.end_ns(), e.name()) for e in events]
     report = idle_gaps(device, host, top)
     span = (max(e for _, e, _ in device) - min(s for s, _, _ in device)) / 1e6 if device else 0.0
     print(f"    {title}: {span:.3f} ms from first to last device event, {report['gaps_ms']:.3f} ms idle in "

@@ -548,12 +548,12 @@ def build_document_index(
     b, h = q.shape[0], q.shape[2]
     sparse = [documents.bounds[m : m + 2] for m in sparse_documents(documents, config)]
     if not sparse:  # no statistics: a few launches
-        return cut_vertical(document_lists(documents, config, b, h, q.device, None))
+        return document_index(documents, config, b, h, q.device, None)
     windows = ObservationWindows.of_documents(sparse, config.last_q, q.shape[1])
     q_windows = q.index_select(1, to_device(torch.tensor(windows.row_positions()), q.device))
     if not (graphs_enabled(q) and backend_choice(q) == "triton"):
         stats = lambda _: document_statistics_from_parts(q_windows, k, None, windows, config, scale)  # noqa: E731
-        return cut_vertical(document_lists(documents, config, b, h, q.device, stats))
+        return document_index(documents, config, b, h, q.device, stats)
     parts, mass = _key_passes(q_windows, k, None, windows, scale, config.block_size)
 
     def lists(*outputs):

@@ -300,24 +300,29 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        # The device-side copies of annotated ranges span gaps: kernels, copies and fills only.
-        device = [
-            e
-            for e in prof.profiler.kineto_results.events()
-            if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation()
-        ]
+        device, host = device_and_host_events(prof)
         busy = _busy_ms(device)
         # Each device event once: ``summed_ms`` above it means the attribution counted a
         # kernel under two host events.
         kernels = sum(e.end_ns() - e.start_ns() for e in device) / 1e6
         report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy), kernels_ms=kernels)
-        host = [
-            (e.start_ns(), e.end_ns(), e.name())
-            for e in prof.profiler.kineto_results.events()
-            if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(GAP_HOST_EVENTS)
-        ]
         report["idle"] = idle_gaps([(e.start_ns(), e.end_ns(), e.name()) for e in device], host, IDLE_GAPS)
     return report
+
+
+def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]]]:
+    """A profile's device events (kernels, copies and fills: the device-side copies of
+    annotated ranges span gaps) and the host events a gap is explained by
+    (``GAP_HOST_EVENTS``), as (start ns, end ns, name), for ``idle_gaps``."""
+    events = prof.profiler.kineto_results.events()
+    cpu = torch.autograd.DeviceType.CPU
+    device = [e for e in events if e.device_type() != cpu and not e.is_user_annotation()]
+    host = [
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in events
+        if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
+    ]
+    return device, host
 
 
 class StepReport:
