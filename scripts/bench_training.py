@@ -216,8 +216,11 @@ def summarize(row: dict, shape: dict, seq: int, layers: int, rate: float | None)
     prof = row.get("profile") or {}
     parts = prof.get("parts_ms", {})
     # None where no step logged its metrics (a log interval past the run): no useful FLOPs then.
-    fraction = row.get("metrics", {}).get("attended_fraction")
-    flops = model_flops(shape, seq, 1.0 if fraction is None else fraction)
+    metrics = row.get("metrics", {})
+    fraction = metrics.get("attended_fraction")
+    # With packed documents the fraction is of the documents' area, a share of the causal one.
+    computed = None if fraction is None else fraction * metrics.get("document_area", 1.0)
+    flops = model_flops(shape, seq, 1.0 if computed is None else computed)
 
     def total(names):
         return sum(sum(parts.get(n, {}).values()) for n in names)

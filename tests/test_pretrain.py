@@ -398,6 +398,10 @@ def test_msa_selecting_every_block_continues_a_dense_checkpoint_as_dense(tmp_pat
         # Every block each row sees, in warmup (dense) and after it (all 15 selected).
         assert float(msa[it]["attended_fraction"]) == 1.0, (it, msa[it])
         assert float(msa[it]["msa_kl_loss"]) > 1.0, (it, msa[it])
+        # The documents' share of the causal area: the same samples in both runs, below 1
+        # (every sample packs several documents).
+        area = float(msa[it]["document_area"])
+        assert area == float(dense[it]["document_area"]) and 0.0 < area < 1.0, (it, msa[it], dense[it])
         want, got = float(dense[it]["lm_loss"]), float(msa[it]["lm_loss"])
         assert abs(got - want) <= 1e-6 * want, (it, got, want)
     # Megatron's own line: the same learning rate each step, and the grad norm larger by the

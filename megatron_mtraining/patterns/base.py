@@ -24,15 +24,20 @@ from ..sparse.index import SparseIndex
 from ..sparse.validation import fail
 
 # The per-layer index metrics every pattern logs (``training/attention_metrics.py`` records
-# them): share of the causal area attended, dense attention mass kept (recall over the last
-# rows, and over sampled rows that did not build the index: :meth:`Pattern.building_rows`),
-# and the ring's imbalance between workers and between steps.
+# them): share of the attendable area attended (the causal area, within documents where
+# they are packed), with packed documents that area's share of the whole causal area, dense
+# attention mass kept (recall over the last rows, and over sampled rows that did not build
+# the index: :meth:`Pattern.building_rows`), and the ring's imbalance between workers and
+# between steps.
 FRACTION_METRIC = "attended_fraction"
+DOCUMENT_AREA_METRIC = "document_area"
 RECALL_METRIC = "index_recall"
 HELDOUT_RECALL_METRIC = "index_recall_heldout"
 WORKER_METRIC = "worker_imbalance"
 STEP_METRIC = "step_imbalance"
-INDEX_METRICS = (FRACTION_METRIC, RECALL_METRIC, HELDOUT_RECALL_METRIC, WORKER_METRIC, STEP_METRIC)
+INDEX_METRICS = (
+    FRACTION_METRIC, DOCUMENT_AREA_METRIC, RECALL_METRIC, HELDOUT_RECALL_METRIC, WORKER_METRIC, STEP_METRIC
+)  # fmt: skip
 
 
 class Pattern:

@@ -5,9 +5,14 @@ imbalance.
 training loop flags (:func:`collect_attention_metrics`), records per layer into the plugin's
 metrics tracker (``get_attention_metrics_tracker``, next to MSA's KL):
 
-* ``attended_fraction``: attended (query, key) pairs over the causal pairs of the whole
-  sequence, averaged over batch and heads (1.0 for dense attention). Each CP rank records
-  its queries' share; the tracker sums the shares over the CP group.
+* ``attended_fraction``: attended (query, key) pairs over the attendable ones (the causal
+  pairs of the whole sequence, or of each packed document), averaged over batch and heads
+  (1.0 for dense attention). Each CP rank records its queries' share; the tracker sums the
+  shares over the CP group.
+* ``document_area`` (packed documents only): the documents' causal pairs over those of the
+  whole sequence, what the document mask leaves; times ``attended_fraction``, the share of
+  the causal area computed (``scripts/bench_training.py`` counts FLOPs by it). The same on
+  every CP rank, so each rank records ``1 / cp_size`` of it.
 * ``index_recall``: the share of the dense attention mass of the last 64 queries that the
   index attends (``sparse.attention_recall``; under CP ``distributed_attention_recall``,
   which reduces the rows' softmax over the ranks' keys), averaged over batch and heads. The
@@ -62,7 +67,14 @@ from ..context_parallel.recall import (
 from ..megatron.core_attention import SparseCoreAttention
 from ..megatron.msa_loss import AttentionMetricsTracker, get_attention_metrics_tracker
 from ..megatron.profiler_ranges import part_range
-from ..patterns.base import FRACTION_METRIC, HELDOUT_RECALL_METRIC, RECALL_METRIC, STEP_METRIC, WORKER_METRIC
+from ..patterns.base import (
+    DOCUMENT_AREA_METRIC,
+    FRACTION_METRIC,
+    HELDOUT_RECALL_METRIC,
+    RECALL_METRIC,
+    STEP_METRIC,
+    WORKER_METRIC,
+)
 from ..patterns.msa import BLOCK_RECALL_METRIC, SCORE_RECALL_METRIC
 from ..sparse import attention_recall, msa_recall
 from ..sparse.documents import packed_documents
@@ -167,6 +179,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
         with part_range("metrics"):
             fraction = index.attended_area().sum().double() / _causal_pairs(q, q.shape[1], cu_seqlens)
             self._record(FRACTION_METRIC, fraction * flag.weight, None, flag.tracker)
+            self._document_area(q, q.shape[1], cu_seqlens, flag.weight, None, flag.tracker)
             if not flag.evaluation:
                 self._recalls(q, k, index, None, flag)
 
@@ -206,6 +219,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             rank = dist.get_rank(self.cp_group)
             mine = sum(stats.ring[rank]) + stats.local[rank]
             self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group, tracker)
+            self._document_area(q, layout.seq_len, cu_seqlens, weight / layout.cp_size, self.cp_group, tracker)
             if not flag.evaluation:
                 worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
                 self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
@@ -237,6 +251,11 @@ class MeasuredCoreAttention(SparseCoreAttention):
         self._record(RECALL_METRIC, recall.mean() * share, group)
         if heldout is not None:  # None: every run of rows built the index (a short sequence)
             self._record(HELDOUT_RECALL_METRIC, heldout.mean() * share, group)
+
+    def _document_area(self, q, seq: int, cu_seqlens, weight: float, group, tracker) -> None:
+        if cu_seqlens is not None:
+            area = _causal_pairs(q, seq, cu_seqlens) / _causal_pairs(q, seq)
+            self._record(DOCUMENT_AREA_METRIC, weight * area, group, tracker)
 
     def _record(self, name: str, value: float | torch.Tensor, group, tracker=None) -> None:
         # Device tensors stay on the device: reading them here would stall the launch queue
