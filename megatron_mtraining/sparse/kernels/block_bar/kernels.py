@@ -255,7 +255,8 @@ def _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK: tl.constexpr, ST
     return (n_tiles - n_masked) * (BLOCK // STEP), n_tiles * (BLOCK // STEP)
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["T_MAX", "V_MAX", "N_ACTIVE"])
 def _fwd_kernel(
     Q, K, V, O, LSE, O_RUN, LSE_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, BAR_START, ACTIVE, ACT_OFF,
     ROWSEL, QBLK, KBLK, DOC_START,
@@ -333,7 +334,8 @@ def _load_row_stats(LSE, DELTA, b, h, H, S, rows, row_ok):
     return lse, delta
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["T_MAX", "V_MAX", "N_ACTIVE"])
 def _dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, DQ_RUN, TILES, TILE_CNT, KBAR, VBAR, BAR_POS, BAR_CNT, BAR_START, ACTIVE,
     ACT_OFF, ROWSEL, QBLK, KBLK, DOC_START, S, SK, H, HKV, TB, TH, NQB, T_MAX, V_MAX, N_ACTIVE, K_SEL, RATIO,
@@ -427,7 +429,8 @@ def _kv_grads(
     return dk, dv
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["V_MAX", "N_ACTIVE"])
 def _bar_dkdv_kernel(
     Q, DO, LSE, DELTA, KBAR, VBAR, BAR_POS, ACTIVE, ACT_OFF, BAR_DK, BAR_DV, QBLK, DOC_START, DOC_END,
     S, H, NQB, N_ACTIVE, V_MAX, qk_scale,
@@ -519,7 +522,8 @@ def _fold_bars(
     return dk, dv
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["T_MAX", "V_MAX"])
 def _tile_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK, DOC_START,
     S, SK, H, HKV, TB, TH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,

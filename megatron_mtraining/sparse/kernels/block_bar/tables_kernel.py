@@ -34,14 +34,14 @@ from .block_map import BlockMap
 
 
 @triton.jit
-def _counts_below(VERT, row, n_vert, bound_a, bound_b, STEPS: tl.constexpr):
+def _counts_below(VERT, row, n_vert, bound_a, bound_b, steps):
     """Entries of the row's ascending vertical list (-1 padding read as +inf) below each
     of two bounds: ``torch.searchsorted`` by bisection, both searches in one loop."""
     lo_a = tl.zeros_like(bound_a)
     hi_a = lo_a + n_vert
     lo_b = tl.zeros_like(bound_b)
     hi_b = lo_b + n_vert
-    for _ in tl.static_range(STEPS):
+    for _ in range(steps):
         open_a = lo_a < hi_a
         open_b = lo_b < hi_b
         mid_a = (lo_a + hi_a) // 2
@@ -151,15 +151,14 @@ def _document_tiles(
 
 
 @triton.jit
-def _document_active(SLASH, row, n_slash, n_docs, e, CU, BLOCK: tl.constexpr, SDC: tl.constexpr,
-                     STEPS_D: tl.constexpr):  # fmt: skip
+def _document_active(SLASH, row, n_slash, n_docs, e, CU, steps_d, BLOCK: tl.constexpr, SDC: tl.constexpr):
     """Entries ``e`` of the packed diagonal table (``VerticalSlashIndex.document_active``):
     document ``m``'s diagonal ``d < span`` at ``cu[m] // BLOCK + m + d``. The document of
     an entry by bisection (that offset increases with ``m``), then ``d`` looked up in its list
     (diagonal 0 always)."""
     lo = tl.zeros_like(e)
     hi = lo + n_docs
-    for _ in tl.static_range(STEPS_D):  # the first document whose offset lies past e
+    for _ in range(steps_d):  # the first document whose offset lies past e
         open_ = lo < hi
         mid = (lo + hi) // 2
         off = tl.load(CU + mid, mask=open_, other=0) // BLOCK + mid
@@ -178,13 +177,20 @@ def _document_active(SLASH, row, n_slash, n_docs, e, CU, BLOCK: tl.constexpr, SD
     return (hit & ok).to(tl.int32)
 
 
-@triton.jit
+# Sizes that follow a step's data (list widths, document counts, search steps) are left
+# unspecialized here and in every kernel a packed-documents step runs: Triton compiles a
+# kernel again, seconds each, for every new mix of their classes (1, a multiple of 16, other),
+# and each packing brings new values.
+@triton.jit(
+    do_not_specialize=["n_slash", "n_vert", "n_cols", "width", "width_t", "n_docs", "n_active", "steps", "steps_c",
+                       "steps_d"]
+)  # fmt: skip
 def _tables_kernel(
     SLASH, VERT, QBLK, QLOC, KBLK, KLOC, COLS, TILES, COUNT, TILES_T, COUNT_T, BAR_COUNT, VERT_PTR, ACTIVE,
     VERT_LOCAL, DOC_IDS, CU, ACT_OFF, BAR_START, n_slash, n_vert, n_blocks, n_q, n_k, n_cols, seq_len, width,
-    width_t, n_docs, n_active,
+    width_t, n_docs, n_active, steps, steps_c, steps_d,
     BLOCK: tl.constexpr, G: tl.constexpr, SDC: tl.constexpr, WP: tl.constexpr, WP_T: tl.constexpr,
-    STEPS: tl.constexpr, STEPS_C: tl.constexpr, STEPS_D: tl.constexpr, HAS_QPOS: tl.constexpr,
+    HAS_QPOS: tl.constexpr,
     HAS_KPOS: tl.constexpr, HAS_BARS: tl.constexpr, COLUMN_KEYS: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(1)  # batch x head
@@ -210,12 +216,12 @@ def _tables_kernel(
                 TILES, TILES_T, (row * n_q + r) * width, (row * n_k + r) * width_t, width, width_t, seq_len, BLOCK, G, SDC, HAS_QPOS, HAS_KPOS,
             )  # fmt: skip
         if HAS_BARS:
-            active = _document_active(SLASH, row, n_slash, n_docs, r, CU, BLOCK, SDC, STEPS_D)
+            active = _document_active(SLASH, row, n_slash, n_docs, r, CU, steps_d, BLOCK, SDC)
             tl.store(ACTIVE + row * n_active + r, active.to(tl.int8), mask=r < n_active)
             # Where the packed table holds this block's document's diagonals, once for all heads.
             tl.store(ACT_OFF + r, start_q // BLOCK + doc_q, mask=q_ok & (row == 0))
             # The vertical entries before the document start of the block's first row.
-            n_before, _ = _counts_below(VERT, row, n_vert, start_q, start_q, STEPS)
+            n_before, _ = _counts_below(VERT, row, n_vert, start_q, start_q, steps)
             tl.store(BAR_START + row * n_q + r, n_before, mask=q_ok)
     # The slash list in chunks of SDC entries, so that the pairwise tables below stay
     # SDC x SDC whatever the list's length (a 256 x 256 table does not fit in registers).
@@ -269,13 +275,13 @@ def _tables_kernel(
             key_start = r * BLOCK
         # Bars up to the query block's last row (a column <= last row: below last row + 1);
         # columns before the keys' block r.
-        n_bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), key_start, STEPS)
+        n_bars, before_block = _counts_below(VERT, row, n_vert, tl.minimum((g + 1) * BLOCK, seq_len), key_start, steps)
         tl.store(BAR_COUNT + row * n_q + r, n_bars, mask=q_ok)
         tl.store(VERT_PTR + row * (n_k + 1) + r, before_block, mask=r <= n_k)
         if COLUMN_KEYS:  # entry r of the vertical list: its index among the gathered columns
             listed = r < n_vert
             column = tl.load(VERT + row * n_vert + r, mask=listed, other=-1)
-            at, _ = _counts_below(COLS, 0, n_cols, column, column, STEPS_C)
+            at, _ = _counts_below(COLS, 0, n_cols, column, column, steps_c)
             tl.store(VERT_LOCAL + row * n_vert + r, tl.where(column >= 0, at, -1), mask=listed)
 
 
@@ -337,8 +343,8 @@ def launch_vertical_slash_tables(
         out.get("active", placeholder), out.get("vertical", placeholder), doc_ids, cu,
         out.get("active_offset", placeholder), out.get("bar_start", placeholder),
         n_slash, n_vert, n, n_q, n_k, n_cols, index.seq_len, width, width_t, n_docs, n_active,
+        n_vert.bit_length(), n_cols.bit_length(), n_docs.bit_length(),
         BLOCK=index.block_size, G=g, SDC=sdc, WP=_pow2(width), WP_T=_pow2(width_t),
-        STEPS=n_vert.bit_length(), STEPS_C=n_cols.bit_length(), STEPS_D=n_docs.bit_length(),
         HAS_QPOS=query_blocks is not None, HAS_KPOS=key_blocks is not None, HAS_BARS=bars,
         COLUMN_KEYS=columns is not None, HAS_DOCS=docs is not None,
     )  # fmt: skip

@@ -22,7 +22,8 @@ CHUNK = 1024  # candidates per loop step
 _DROPPED = tl.constexpr(INT32_MAX)  # a candidate not taken; sort_kept turns it into padding
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["k", "forced", "n_first", "width"])
 def _take_kernel(TOP, ORDER, LIMIT, OUT, k, forced, n_first, width, CH: tl.constexpr):
     row = tl.program_id(0)
     limit = tl.load(LIMIT + row)

@@ -144,7 +144,8 @@ def _probabilities(s, row_max, inv_sum, visible):
     return tl.where(visible, tl.exp2(s - row_max[:, None]) * inv_sum[:, None], 0.0)
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["n_docs", "n_rows", "W"])
 def _row_stats_kernel(
     Q, K, KPOS, DOCS, ROW_MAX, OUT, ATT, KEPT, BLOCK_FIRST, n_docs, n_rows, n_keys, n_blocks, W, HQ, HKV, G, sk_b,
     sk_s, sk_h, qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -234,7 +235,8 @@ def _row_stats_kernel(
             tl.store(KEPT + out, kept, mask=in_document)
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["n_docs", "n_rows", "W", "run_len"])
 def _mass_kernel(
     Q, K, KEY_AT, DOCS, ROW_MAX, INV_SUM, VERT, RUNS, n_docs, n_rows, W, seq_len, run_len, HQ, HKV, G, sk_b,
     sk_s, sk_h, qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -297,7 +299,8 @@ def _mass_kernel(
             tl.store(VERT + bh * seq_len + start + key_pos, vertical, mask=held)
 
 
-@triton.jit
+# Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
+@triton.jit(do_not_specialize=["n_docs", "n_out", "run_len"])
 def _pool_kernel(RUNS, OUT, DOCS, n_docs, n_out, run_len, N_RUNS: tl.constexpr, BS: tl.constexpr,
                  DB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """A work item is ``DB`` block diagonals ``d`` of one document, of one (batch, head),
@@ -395,12 +398,13 @@ class WindowKernels:
         table = [[a for a, _ in windows.bounds], windows.lengths, windows.rows, windows.row_offsets,
                  *zip(*windows.key_ranges, strict=True), chunk0, item0, run0, pool0, diag0, block0,
                  [a // block_size for a, _ in windows.bounds]]  # fmt: skip
-        # One copy to the device: the table, then the chunks' offsets for the row passes' reduction.
-        flat = to_device(torch.tensor([*itertools.chain(*table), *chunk0, self.n_chunks], dtype=torch.int32), dev)
-        self.tables, self.chunk_offsets = (
-            flat[: len(table) * self.n_docs].view(len(table), -1),
-            flat[-self.n_docs - 1 :],
-        )
+        # One copy to the device: the table, then the chunks' offsets for the row passes'
+        # reduction, from a 16-byte boundary whatever the document count (a kernel reads them,
+        # and Triton compiles it again for a pointer of another alignment).
+        cells = len(table) * self.n_docs
+        head = [*itertools.chain(*table)] + [0] * (-cells % 4)
+        flat = to_device(torch.tensor([*head, *chunk0, self.n_chunks], dtype=torch.int32), dev)
+        self.tables, self.chunk_offsets = flat[:cells].view(len(table), -1), flat[len(head) :]
 
     def _row_stats(self, row_max: torch.Tensor | None, attended: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``[M, B, Hq, longest window]``: each document's partials, one per key chunk,
