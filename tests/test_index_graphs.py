@@ -274,7 +274,9 @@ def test_cache_keeps_the_most_recently_used(monkeypatch):
 
 def test_results_are_rebuilt_from_one_packed_buffer():
     """The packing that returns a replay's results: every tensor field comes back equal, in
-    its dtype and shape, from one byte buffer, and a tensor shared by two fields stays shared."""
+    its dtype and shape, from one byte buffer, 16-byte aligned as a fresh allocation (Triton
+    compiles again for a pointer of another alignment), and a tensor shared by two fields
+    stays shared."""
     vertical = torch.tensor([[[1, 5, -1]]], dtype=torch.int32)
     index = VerticalSlashIndex(vertical, torch.tensor([[[0, 2]]], dtype=torch.int32), seq_len=9, block_size=16)
     tables = TileTables(
@@ -288,9 +290,12 @@ def test_results_are_rebuilt_from_one_packed_buffer():
         query_blocks=torch.tensor([7], dtype=torch.int64),  # any dtype packs
     )
     leaves = cuda_graphs._tensor_leaves((index, tables))
-    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in leaves]).clone()
+    packed = cuda_graphs._pack(leaves).clone()
     got_index, got_tables = cuda_graphs._rebuild((index, tables), leaves, packed)
     assert_same((got_index, got_tables), (index, tables))
+    rebuilt = [t for obj in (got_index, got_tables) for t in cuda_graphs._tensor_fields(obj).values()]
+    assert packed.data_ptr() % cuda_graphs.ALIGN == 0
+    assert all(t.data_ptr() % cuda_graphs.ALIGN == 0 for t in rebuilt)
     assert got_index.vertical.data_ptr() == got_tables.vertical.data_ptr()
     assert got_tables.tiles.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 

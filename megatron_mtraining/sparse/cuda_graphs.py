@@ -17,6 +17,7 @@ so one call never writes the buffers that another's replay is still reading.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -81,17 +82,23 @@ class _Graph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # Host tables the captured code copies (``host_tables.to_device``) are copied again
-        # from their pinned sources at every replay: kept while the graph lives.
-        with (
-            sources_of_capture() as self.sources,
-            torch.cuda.graph(self.graph, capture_error_mode="thread_local"),
-        ):
-            self.outputs = fn(*self.inputs)
-            self.leaves = _tensor_leaves(self.outputs)
-            self.packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in self.leaves])
+        # Captured on the side stream, ordered after the current one by the wait above, with
+        # capture_begin / capture_end rather than ``torch.cuda.graph``: that one synchronizes
+        # the device and empties the device and pinned-host caches at every capture, and a
+        # packed-documents step captures once (its bounds are new), so every step would then
+        # pay the device drain and allocate its activations and pinned tables afresh. Host
+        # tables the captured code copies (``host_tables.to_device``) are copied again from
+        # their pinned sources at every replay: kept while the graph lives.
+        with sources_of_capture() as self.sources, torch.cuda.stream(side):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = fn(*self.inputs)
+                self.leaves = _tensor_leaves(self.outputs)
+                self.packed = _pack(self.leaves)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
         self.done = torch.cuda.Event()
 
     def write(self, inputs: Callable):
@@ -112,20 +119,36 @@ def _tensor_fields(obj) -> dict[str, torch.Tensor]:
 
 
 def _tensor_leaves(outputs: tuple) -> list[torch.Tensor]:
-    """The distinct tensors of ``outputs``, widest elements first, so that packed one after
-    the other every tensor starts at a multiple of its element size."""
-    distinct = {id(t): t for obj in outputs for t in _tensor_fields(obj).values()}
-    return sorted(distinct.values(), key=lambda t: -t.element_size())
+    """The distinct tensors of ``outputs``."""
+    return list({id(t): t for obj in outputs for t in _tensor_fields(obj).values()}.values())
+
+
+# Each tensor's copy starts 16-byte aligned, as a fresh allocation does: Triton compiles a
+# kernel for each alignment class of its pointers, and the sizes before a tensor (list
+# widths) change from one key to the next.
+ALIGN = 16
+
+
+def _offsets(leaves: list[torch.Tensor]) -> list[int]:
+    """Where each of ``leaves`` starts in the packed buffer, and its end last."""
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in leaves]
+    return [0, *itertools.accumulate(sizes)]
+
+
+def _pack(leaves: list[torch.Tensor]) -> torch.Tensor:
+    offsets = _offsets(leaves)
+    packed = torch.empty(offsets[-1], dtype=torch.uint8, device=leaves[0].device)
+    for t, at in zip(leaves, offsets, strict=False):
+        packed[at : at + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+    return packed
 
 
 def _rebuild(outputs: tuple, leaves: list[torch.Tensor], packed: torch.Tensor) -> tuple:
     """``outputs`` with each tensor field replaced by its copy in ``packed`` (views; a tensor
     that several fields share stays shared)."""
-    copies, offset = {}, 0
-    for t in leaves:
-        nbytes = t.numel() * t.element_size()
-        copies[id(t)] = packed[offset : offset + nbytes].view(t.dtype).view(t.shape)
-        offset += nbytes
+    copies = {}
+    for t, at in zip(leaves, _offsets(leaves), strict=False):
+        copies[id(t)] = packed[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
     return tuple(
         dataclasses.replace(obj, **{name: copies[id(t)] for name, t in _tensor_fields(obj).items()}) for obj in outputs
     )
