@@ -33,7 +33,9 @@ MSA's branch and KL, matmuls, norms, elementwise; forward, recompute and backwar
 number of layers; the metric steps (attended area, recall) are logging and counted apart. Useful FLOPs count the matmuls and the attended area only
 (``4 * area * d * Hq`` forward, backward 2.5x; recomputation not counted); MFU divides them by
 the device's dense bf16 peak. Floors: the matmuls of one forward and one backward at the
-measured bf16 matmul rate (an 8192^3 product timed at the start).
+measured bf16 matmul rate (an 8192^3 product timed at the start). Last, each row's Triton
+compiles: how many before the steady iterations, and every one in them (a steady median can
+hide steps that compile again).
 """
 
 from __future__ import annotations
@@ -331,6 +333,12 @@ def main(argv=None) -> None:
             f"{_fmt(s['idle_ms'], '7.1f')}  {_fmt(s.get('mfu'), '.3f')}  {_fmt(r.get('peak_allocated_gib'), '8.1f')}  "
             f"{_fmt(s['attended_fraction'], '.4f')}"
         )
+    print("\nTriton compiles (the step report's): before the steady iterations; in them, kernel@iteration")
+    for r in results:
+        c = r.get("compiles")
+        if c:
+            late = ", ".join(f"{e['kernel']}@{e['iteration']} {e['s']:.2f} s" for e in c["steady"]) or "none"
+            print(f"{r['row']:<14} {c['before_steady']} ({c['before_steady_s']:.1f} s); {late}")
     if args.double:
         print(
             "\nper layer from the difference of runs with L and 2L layers (ms; fixed part = s/iteration - L x layer):"

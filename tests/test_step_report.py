@@ -5,13 +5,14 @@ parts are known."""
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_mtraining.megatron.profiler_ranges import part_range
-from megatron_mtraining.training.step_report import MIN_GAP_MS, _annotate, breakdown, idle_gaps
+from megatron_mtraining.training.step_report import MIN_GAP_MS, StepReport, _annotate, breakdown, idle_gaps
 
 
 class Block(torch.nn.Module):
@@ -141,3 +142,36 @@ def test_idle_gaps_name_the_longest_and_what_the_host_did():
         "k5",
         ["mtraining::layer:1", "mtraining::attention"],
     )
+
+
+def test_compiles_are_reported_by_iteration_and_the_users_hooks_kept(monkeypatch, tmp_path):
+    """Triton's JIT hooks, called as Triton calls them around a compile, land in the report:
+    those before the steady iterations counted, those in them by kernel and iteration; hooks
+    set before the report still run (a True from the first still skips the compile) and are
+    back once it is written."""
+    knobs = pytest.importorskip("triton").knobs.runtime
+    seen = []
+    monkeypatch.setattr(knobs, "jit_cache_hook", lambda **kw: seen.append(("before", kw["fn"].name)) or False)
+    monkeypatch.setattr(knobs, "jit_post_compile_hook", lambda **kw: seen.append(("after", kw["fn"].name)))
+    users = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+    report = StepReport(tmp_path / "report.json", profile_step=None)
+
+    def compile_(name):
+        info = types.SimpleNamespace(name=name)
+        assert knobs.jit_cache_hook(key=name, repr=name, fn=info, compile={}) is False
+        knobs.jit_post_compile_hook(key=name, repr=name, fn=info, compile={})
+
+    compile_("setup")  # before the first iteration
+    for iteration, names in enumerate([["a", "b"], [], ["c"], [], ["d"]]):
+        report.begin_iteration(iteration, train_iters=100)
+        for name in names:
+            compile_(name)
+    written = report.write(types.SimpleNamespace(global_batch_size=1, seq_length=8))["compiles"]
+    assert written["before_steady"] == 3 and written["before_steady_s"] >= 0
+    assert [(e["iteration"], e["kernel"]) for e in written["steady"]] == [(2, "c"), (4, "d")]
+    assert seen == [(when, n) for n in ["setup", "a", "b", "c", "d"] for when in ("before", "after")]
+    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == users
+    monkeypatch.setattr(knobs, "jit_cache_hook", lambda **kw: True)
+    skipping = StepReport(tmp_path / "skip.json", profile_step=None)
+    assert knobs.jit_cache_hook(key="k", repr="k", fn=types.SimpleNamespace(name="k"), compile={}) is True
+    skipping.compiles.close()

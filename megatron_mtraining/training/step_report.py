@@ -24,7 +24,12 @@ runs) writes a JSON report when the run ends:
   ``backward``, found by linking each backward node to the forward operation that made it
   (the autograd sequence number). ``idle_ms``: the step's wall time less the union of its
   kernels' intervals, the time the device waited for the host; ``idle`` lists the longest
-  such gaps with the kernels around them and what the host was doing (``idle_gaps``).
+  such gaps with the kernels around them and what the host was doing (``idle_gaps``);
+* ``compiles``: the Triton kernels the process compiled (or loaded from Triton's disk cache),
+  by iteration, through Triton's JIT hooks (``CompileWatch``): how many and how long before
+  the steady iterations and, kernel by kernel, those after them. A kernel specialized on a
+  value that changes from step to step compiles again, seconds each, in steps the median
+  then leaves out of sight.
 ``--step-trace PATH`` also writes the profiled step's trace, the operators, ranges and kernels
 as the profiler linked them.
 
@@ -325,6 +330,48 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]]]:
     return device, host
 
 
+class CompileWatch:
+    """Every Triton JIT compile of the process while it is installed: (iteration, kernel,
+    seconds), the iteration from ``iteration()``. Triton's hooks run before and after each
+    compile of a kernel specialization new to the process (a load from the disk cache
+    included); hooks installed before this one still run, and come back on ``close``."""
+
+    def __init__(self, iteration):
+        self.iteration = iteration
+        self.events: list[tuple[int, str, float]] = []
+        self._began = None
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton: nothing compiles
+            self._knobs = None
+            return
+        self._knobs = knobs.runtime
+        self._previous = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
+        self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._before, self._after
+
+    def _before(self, *args, **kwargs):
+        self._began = time.perf_counter()
+        previous = self._previous[0]
+        return previous(*args, **kwargs) if previous else False  # True would skip the compile
+
+    def _after(self, *args, **kwargs):
+        seconds = 0.0 if self._began is None else time.perf_counter() - self._began
+        self.events.append((self.iteration(), getattr(kwargs.get("fn"), "name", "?"), seconds))
+        previous = self._previous[1]
+        return previous(*args, **kwargs) if previous else False
+
+    def close(self) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._previous
+            self._knobs = None
+
+    def summary(self, steady_from: int) -> dict:
+        """Counts and seconds before iteration ``steady_from`` and the compiles from it on."""
+        early = [s for it, _, s in self.events if it < steady_from]
+        late = [{"iteration": it, "kernel": k, "s": round(s, 3)} for it, k, s in self.events if it >= steady_from]
+        return {"before_steady": len(early), "before_steady_s": round(sum(early), 2), "steady": late}
+
+
 class StepReport:
     """Times every training iteration and profiles one; ``write`` saves the JSON report."""
 
@@ -333,6 +380,8 @@ class StepReport:
         self.profile_step = profile_step
         self.trace = None if trace is None else Path(trace)
         self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
+        # Compiles before the first iteration (model setup, Megatron's warm-up) count as -1.
+        self.compiles = CompileWatch(lambda: self.marks[-1][0] if self.marks else -1)
         self.evaluations: list[tuple[int, float]] = []  # (mark it follows, seconds)
         self.evaluation_start = None
         self.profiler = None
@@ -402,7 +451,9 @@ class StepReport:
             "evaluation_s": [round(t, 4) for _, t in self.evaluations],
             "metrics": self.metrics,
             "profile": self.profile,
+            "compiles": self.compiles.summary(WARMUP_ITERATIONS),
         }
+        self.compiles.close()
         if torch.cuda.is_available():
             report["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             report["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
