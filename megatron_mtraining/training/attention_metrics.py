@@ -177,9 +177,10 @@ class MeasuredCoreAttention(SparseCoreAttention):
             return
         self._measured_micro_batch = flag.micro_batch
         with part_range("metrics"):
-            fraction = index.attended_area().sum().double() / _causal_pairs(q, q.shape[1], cu_seqlens)
+            attendable = _causal_pairs(q, q.shape[1], cu_seqlens)
+            fraction = index.attended_area().sum().double() / attendable
             self._record(FRACTION_METRIC, fraction * flag.weight, None, flag.tracker)
-            self._document_area(q, q.shape[1], cu_seqlens, flag.weight, None, flag.tracker)
+            self._document_area(q, q.shape[1], attendable, cu_seqlens, flag.weight, None, flag.tracker)
             if not flag.evaluation:
                 self._recalls(q, k, index, None, flag)
 
@@ -219,7 +220,7 @@ class MeasuredCoreAttention(SparseCoreAttention):
             rank = dist.get_rank(self.cp_group)
             mine = sum(stats.ring[rank]) + stats.local[rank]
             self._record(FRACTION_METRIC, weight * mine / causal, self.cp_group, tracker)
-            self._document_area(q, layout.seq_len, cu_seqlens, weight / layout.cp_size, self.cp_group, tracker)
+            self._document_area(q, layout.seq_len, causal, cu_seqlens, weight / layout.cp_size, self.cp_group, tracker)
             if not flag.evaluation:
                 worker, step = imbalance_degrees(stats.gather(self.cp_group)[0])
                 self._record(WORKER_METRIC, weight * worker / layout.cp_size, self.cp_group)
@@ -252,9 +253,11 @@ class MeasuredCoreAttention(SparseCoreAttention):
         if heldout is not None:  # None: every run of rows built the index (a short sequence)
             self._record(HELDOUT_RECALL_METRIC, heldout.mean() * share, group)
 
-    def _document_area(self, q, seq: int, cu_seqlens, weight: float, group, tracker) -> None:
+    def _document_area(self, q, seq: int, attendable: float, cu_seqlens, weight: float, group, tracker) -> None:
+        """With packed documents, records ``attendable`` (their causal pairs, which the
+        fraction was taken over) over the whole sequence's."""
         if cu_seqlens is not None:
-            area = _causal_pairs(q, seq, cu_seqlens) / _causal_pairs(q, seq)
+            area = attendable / _causal_pairs(q, seq)
             self._record(DOCUMENT_AREA_METRIC, weight * area, group, tracker)
 
     def _record(self, name: str, value: float | torch.Tensor, group, tracker=None) -> None:
