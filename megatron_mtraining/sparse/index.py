@@ -296,6 +296,18 @@ class _PositionSet:
         return bounds[1:] - bounds[:-1]
 
 
+def _document_segments(docs: Documents, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (block, document) segments of a packed sequence: position ``p`` lies in segment
+    ``p // block + ids[p]`` (document ``m``'s blocks are segments ``cu[m] // block + m`` on,
+    as in ``VerticalSlashIndex.document_active``). (block, document) of each of the
+    ``n_blocks + n_documents`` segment slots, int64; a slot no position reaches (a document
+    ending on a block edge leaves one) gets a valid pair."""
+    offsets = docs.cu_seqlens[:-1].long() // block + torch.arange(docs.count, device=docs.device)
+    slot = torch.arange(n_blocks + docs.count, device=docs.device)
+    doc = torch.searchsorted(offsets, slot, right=True) - 1
+    return (slot - doc).clamp(max=n_blocks - 1), doc
+
+
 def _correlate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``c[..., d] = sum_j a[..., j] * b[..., j - d]`` for ``d`` in ``[0, n)`` (``b`` zero
     outside ``[0, n)``), for counts (non-negative integers), int64.
@@ -615,13 +627,18 @@ class VerticalSlashIndex(SparseIndex):
         vc = v.clamp(min=0)
         vb = vc // bs
         doc = docs.ids[vc].long()
-        end = cu[doc + 1]
-        after = rows.between((vb + 1) * bs, end).clamp(min=0)
-        d = self.slash.long().gather(2, doc.unsqueeze(-1).expand(-1, -1, -1, self.slash.shape[-1]))
-        lo = (vb.unsqueeze(-1) + d) * bs
-        tiled = rows.between(lo, torch.minimum(lo + bs, end.unsqueeze(-1))).clamp(min=0) * (d > 0)
         present = (v >= 0) & (keys.between(vc, vc + 1) > 0)
-        return ((after - tiled.sum(-1)) * present).sum(-1)
+        after = (rows.between((vb + 1) * bs, cu[doc + 1]).clamp(min=0) * present).sum(-1)
+        # The tiled rows depend on a column's block and document alone, so they are counted
+        # per (block, document) segment, weighted by the columns there: the vertical list is
+        # padded to every sparse document's cap, far wider than the segments.
+        seg_block, seg_doc = _document_segments(docs, bs, self.num_blocks)
+        weight = torch.zeros(*v.shape[:2], len(seg_doc), dtype=torch.int64, device=v.device)
+        weight.scatter_add_(-1, vb + doc, present.long())
+        d = self.slash.long().index_select(2, seg_doc)
+        lo = (seg_block.view(-1, 1) + d) * bs
+        tiled = rows.between(lo, torch.minimum(lo + bs, cu[seg_doc + 1].view(-1, 1))).clamp(min=0) * (d > 0)
+        return after - (tiled.sum(-1) * weight).sum(-1)
 
     def to_dense_mask(self, seq_len: int) -> torch.Tensor:
         _check_mask_len(self, seq_len)
