@@ -233,10 +233,16 @@ def _listed_attended(index: SparseIndex, rows, column, bsz: int, hq: int, n_rows
         if q0 not in lists:  # runs come in order: one chunk's key lists at a time
             lists = {q0: index.bounded_key_lists(q0, min(q0 + chunk, seq))}
         keys = lists[q0]
-        keys = keys.expand(bsz, -1, min(q0 + chunk, seq) - q0, -1)[:, :, first - q0 : end - q0]
-        keys = keys.repeat_interleave(hq // keys.shape[1], dim=1)
-        keys = column[torch.where(keys >= 0, keys, seq).long()]
-        attended[:, :, slot : slot + end - first].scatter_(-1, keys, True)
+        if keys.shape[2] != 1:  # a list a row; else one list for the chunk's rows, marked once
+            keys = keys[:, :, first - q0 : end - q0]
+        # Marked before the rows and query heads are broadcast: a bounded list can be far
+        # wider than what it lists (the vertical-slash lists with documents are padded to
+        # every sparse document's cap).
+        marks = torch.zeros(*keys.shape[:3], n_keys + 1, dtype=torch.bool, device=column.device)
+        marks.scatter_(-1, column[torch.where(keys >= 0, keys, seq).long()], True)
+        hs = keys.shape[1]
+        target = attended.view(bsz, hs, hq // hs, n_rows, n_keys + 1)[:, :, :, slot : slot + end - first]
+        target.copy_(marks.unsqueeze(2).expand_as(target))
     return attended
 
 
