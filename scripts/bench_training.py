@@ -16,6 +16,9 @@ Rows (``--rows``):
   mtraining-docs  ``mtraining`` on the mock data's packed documents (each under 4096 tokens) with
                 ``reset_attention_mask`` and ``reset_position_ids``: a per-document index a layer,
                 its build replayed from the graph the step's first layer captures
+  dense-docs    dense attention on the same packed documents: the plugin's block-diagonal Triton
+                kernel, which PyTorch's SDPA cannot run (no document bounds) and which beats
+                FlashAttention-2 varlen on the same boundaries (``scripts/bench_documents.py``)
   moba-triton   MoBA on the plugin's Triton kernels (``backend=triton``), the path ``moba`` takes
                 under context parallelism and with packed documents (``moba`` on one GPU runs
                 the varlen calls on the library ``varlen_blocks/choose.py`` picks: cuDNN's on sm90)
@@ -53,16 +56,15 @@ sys.path.insert(0, str(ROOT))
 from megatron_mtraining.planning.flops import model_flops  # noqa: E402
 from megatron_mtraining.planning.hardware import gpu_of_device  # noqa: E402
 
+# Megatron's document masking from the EOD tokens of the mock data's packed documents.
+DOCUMENTS = ["megatron.reset_attention_mask=true", "megatron.reset_position_ids=true"]
 ROWS = {
     "cudnn": ["attention.type=dense", "attention.backend=sdpa"],
     "dense": ["attention.type=dense"],
     "dense-triton": ["attention.type=dense", "attention.backend=triton"],
     "mtraining": ["attention.type=mtraining"],
-    "mtraining-docs": [
-        "attention.type=mtraining",
-        "megatron.reset_attention_mask=true",
-        "megatron.reset_position_ids=true",
-    ],
+    "mtraining-docs": ["attention.type=mtraining", *DOCUMENTS],
+    "dense-docs": ["attention.type=dense", *DOCUMENTS],
     "moba": ["attention.type=moba"],
     "moba-triton": ["attention.type=moba", "attention.backend=triton"],
     "moba-flash": ["attention.type=moba"],
