@@ -75,6 +75,13 @@ class Documents:
         cu = self.cu_seqlens.long()
         return (cu[1:] - 1) // block - cu[:-1] // block + 1
 
+    def segment_offsets(self, block: int) -> torch.Tensor:
+        """``[n]`` int64: the first (block, document) segment of each document, ``cu[m] // block
+        + m``: position ``p`` lies in segment ``p // block + ids[p]``, so document ``m``'s
+        blocks are segments ``offsets[m]`` on (one slot left unused after a document that
+        ends on a block edge)."""
+        return self.cu_seqlens[:-1].long() // block + torch.arange(self.count, device=self.device)
+
     def mask(self) -> torch.Tensor:
         """``[S, S]`` bool, ``starts[i] <= j`` (no causality): for tests and debugging only."""
         keys = torch.arange(self.seq_len, device=self.device)

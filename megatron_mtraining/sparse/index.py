@@ -297,14 +297,11 @@ class _PositionSet:
 
 
 def _document_segments(docs: Documents, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (block, document) segments of a packed sequence: position ``p`` lies in segment
-    ``p // block + ids[p]`` (document ``m``'s blocks are segments ``cu[m] // block + m`` on,
-    as in ``VerticalSlashIndex.document_active``). (block, document) of each of the
-    ``n_blocks + n_documents`` segment slots, int64; a slot no position reaches (a document
+    """(block, document) of each of the ``n_blocks + n_documents`` slots of
+    ``Documents.segment_offsets``' numbering, int64; a slot no position reaches (a document
     ending on a block edge leaves one) gets a valid pair."""
-    offsets = docs.cu_seqlens[:-1].long() // block + torch.arange(docs.count, device=docs.device)
     slot = torch.arange(n_blocks + docs.count, device=docs.device)
-    doc = torch.searchsorted(offsets, slot, right=True) - 1
+    doc = torch.searchsorted(docs.segment_offsets(block), slot, right=True) - 1
     return (slot - doc).clamp(max=n_blocks - 1), doc
 
 
@@ -476,7 +473,7 @@ class VerticalSlashIndex(SparseIndex):
         docs = self.documents
         width = self.num_blocks + docs.count
         spans = docs.spans(self.block_size)
-        offsets = docs.cu_seqlens[:-1].long() // self.block_size + torch.arange(docs.count, device=self.device)
+        offsets = docs.segment_offsets(self.block_size)
         d = self.slash.long()
         ok = (d >= 0) & (d < spans.view(-1, 1))
         flat = torch.zeros(*self.slash.shape[:2], width + 1, dtype=torch.bool, device=self.device)
