@@ -125,6 +125,11 @@ def _documents(tables: TileTables) -> dict:
     }
 
 
+def _document_ends(tables: TileTables) -> torch.Tensor:
+    """The dK/dV kernels' document ends (a placeholder pointer, never read, without documents)."""
+    return tables.tile_count if tables.doc_end is None else tables.doc_end
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, tables: TileTables) -> dict:
     b, s, h, d = q.shape
     return {
@@ -241,11 +246,10 @@ def kernel_backward(
         v_max = bar_tables.vertical.shape[-1]
         partials = buffers.new_buffer((2, b * h, v_max, bar_common["D_PAD"]), torch.float32, q.device)
         bar_opts = _opts("bar_dkdv", bar_tables, q)
-        doc_end = bar_tables.doc_end
         _bar_dkdv_kernel[(b * h, triton.cdiv(v_max, bar_opts["BLOCK_N"]))](
             q, dout, lse, delta, bars["KBAR"], bars["VBAR"], bars["BAR_POS"], bar_tables.active, bars["ACT_OFF"],
             partials[0], partials[1], bar_common["QBLK"], bar_common["DOC_START"],
-            bar_tables.tile_count if doc_end is None else doc_end, S=s, H=h, NQB=n_qb,
+            _document_ends(bar_tables), S=s, H=h, NQB=n_qb,
             N_ACTIVE=bar_tables.active.shape[-1], V_MAX=v_max, qk_scale=scale * LOG2E, HEAD_DIM=d,
             D_PAD=bar_common["D_PAD"], BLOCK=bar_tables.block, HAS_QPOS=bar_common["HAS_QPOS"],
             HAS_DOCS=bar_common["HAS_DOCS"], PRECISION=bar_common["PRECISION"], **bar_opts,
@@ -273,8 +277,8 @@ def _key_grads(q, k, v, tables: TileTables, common: dict, dout, lse, delta, part
     opts = _opts("tile_dkdv", tables, q)
     _tile_dkdv_kernel[(n_kb * (tables.block // opts["BLOCK_N"]), b * k.shape[2])](
         q, k, v, dout, lse, delta, dk, dv, tables.tiles_t, tables.tile_t_count, bar_dk, bar_dv, vert, vptr,
-        NKB=n_kb, T_MAX=tables.tiles_t.shape[3], V_MAX=v_max, qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_BARS=partials is not None, FOLD=32, **common, **opts,
+        DOC_END=_document_ends(tables), NKB=n_kb, T_MAX=tables.tiles_t.shape[3], V_MAX=v_max,
+        qk_scale=scale * LOG2E, sm_scale=scale, HAS_BARS=partials is not None, FOLD=32, **common, **opts,
     )  # fmt: skip
     return dk, dv
 

@@ -46,8 +46,9 @@ Packed documents (``HAS_DOCS``): a row sees no key before its document's start,
 ``DOC_START[row position]`` (one load per row, a compare per score). The tables list no
 tile wholly before the document start of a query block's first row, so only the tiles
 that cross a row's start pay the compare where the kernels skip masking: the dQ kernel
-masks a step whose first key precedes the block's last row's start, the tile dK/dV kernel
-a step of rows whose latest start follows its first key. Bars start at ``BAR_START``
+masks a step whose first key precedes its rows' latest start (the last row's: starts
+ascend), the tile dK/dV kernel a step whose last row lies past its first key's document
+end (``DOC_END``). Bars start at ``BAR_START``
 (the block's columns before that start), look up the diagonals of the block's first
 row's document (``ACT_OFF``), and a column chunk's dK/dV walks the rows up to the end of its
 last column's document (``DOC_END``), skipping the steps that no column's document reaches.
@@ -183,17 +184,31 @@ def _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def _bar_range(BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS: tl.constexpr):
+def _start_at(DOC_START, QBLK, qb, row, HAS_QPOS: tl.constexpr, BLOCK: tl.constexpr):
+    """The document start of local row ``row`` of block ``qb``, a scalar load. Starts ascend
+    with the position, so a program's first row has its rows' earliest start and its last
+    row their latest: no reduction over the rows (whose shared-memory barriers sat between
+    the starts' gather and the first q / dO loads on sm90)."""
+    return tl.load(DOC_START + _positions(QBLK, qb, row, HAS_QPOS, BLOCK))
+
+
+@triton.jit
+def _bar_range(BAR_START, BAR_CNT, ACT_OFF, QBLK, DOC_START, bh, NQB, qb, first_row, HAS_QPOS: tl.constexpr,
+               HAS_BARS: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """(first bar entry, bar count, offset of the block's diagonals in ``ACTIVE``, the
-    document start of the block's first row) of query block ``qb``."""
-    n_bars = tl.load(BAR_CNT + bh * NQB + qb)
-    c_start = n_bars * 0
-    act_off = n_bars * 0
-    first_start = n_bars * 0
-    if HAS_DOCS:
-        c_start = tl.load(BAR_START + bh * NQB + qb)
-        act_off = tl.load(ACT_OFF + qb)
-        first_start = tl.min(tl.where(row_ok, row_first, 2147483647), 0)
+    document start of the program's first local row ``first_row``) of query block ``qb``
+    (zeros without bars): scalars, read before the tile loop so that nothing waits on
+    them after it."""
+    n_bars = tl.zeros([], tl.int32)
+    c_start = n_bars
+    act_off = n_bars
+    first_start = n_bars
+    if HAS_BARS:
+        n_bars = tl.load(BAR_CNT + bh * NQB + qb)
+        if HAS_DOCS:
+            c_start = tl.load(BAR_START + bh * NQB + qb)
+            act_off = tl.load(ACT_OFF + qb)
+            first_start = _start_at(DOC_START, QBLK, qb, first_row, HAS_QPOS, BLOCK)
     return c_start, n_bars, act_off, first_start
 
 
@@ -202,14 +217,27 @@ def _program_rows(BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.const
     """Indices shared by the row-major kernels, whose programs take ``BLOCK_M`` rows of
     query block ``qb`` (``BLOCK_M`` divides ``BLOCK``): (qb, b, h, kv head, rows, row
     mask, d, d mask)."""
-    # Later query blocks read more bars: launching them first shortens the tail.
-    sub = tl.num_programs(0) - 1 - tl.program_id(0)
+    sub = _program_sub(BLOCK_M)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     rows = sub * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D_PAD)
     return sub // (BLOCK // BLOCK_M), b, h, h // (H // HKV), rows, rows < S, d, d < HEAD_DIM
+
+
+@triton.jit
+def _program_sub(BLOCK_M: tl.constexpr):
+    """Which ``BLOCK_M`` rows a row-major program takes."""
+    # Later query blocks read more bars: launching them first shortens the tail.
+    return tl.num_programs(0) - 1 - tl.program_id(0)
+
+
+@triton.jit
+def _program_row_span(BLOCK_M: tl.constexpr, S):
+    """(first, last) local row of a row-major program (``_program_rows``), scalars."""
+    first = _program_sub(BLOCK_M) * BLOCK_M
+    return first, tl.minimum(first + BLOCK_M, S) - 1
 
 
 @triton.jit
@@ -284,6 +312,12 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bh = b * H + h
+    first_row, last_row = _program_row_span(BLOCK_M, S)
+    own = _global_block(QBLK, qb, HAS_QPOS)
+    c_start, n_bars, act_off, first_start = _bar_range(
+        BAR_START, BAR_CNT, ACT_OFF, QBLK, DOC_START, bh, NQB, qb, first_row, HAS_QPOS, HAS_BARS, HAS_DOCS, BLOCK
+    )
     trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
     sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     # Every tile masked: a branch skipping the mask off the diagonal makes ptxas serialise
@@ -298,14 +332,9 @@ def _fwd_kernel(
             row_first, qk_scale, True, HAS_DOCS, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
-        bh = b * H + h
-        c_start, n_bars, act_off, first_start = _bar_range(
-            BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS
-        )
-        q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(c_start, n_bars, BLOCK_N):
             k, v, col_pos, col_ok = _bar_keys(
-                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, act_off, first_start, d, d_ok,
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, own, act_off, first_start, d, d_ok,
                 HEAD_DIM, BLOCK, BLOCK_N, HAS_DOCS,
             )  # fmt: skip
             acc, m_i, l_i = _online_step(
@@ -351,9 +380,6 @@ def _dq_kernel(
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
-    last_start = 0
-    if HAS_DOCS:
-        last_start = tl.max(row_first, 0)  # the rows' latest document start
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
@@ -370,9 +396,17 @@ def _dq_kernel(
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
 
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bh = b * H + h
+    first_row, last_row = _program_row_span(BLOCK_M, S)
+    own = _global_block(QBLK, qb, HAS_QPOS)
+    c_start, n_bars, act_off, first_start = _bar_range(
+        BAR_START, BAR_CNT, ACT_OFF, QBLK, DOC_START, bh, NQB, qb, first_row, HAS_QPOS, HAS_BARS, HAS_DOCS, BLOCK
+    )
+    last_start = 0
+    if HAS_DOCS:
+        last_start = _start_at(DOC_START, QBLK, qb, last_row, HAS_QPOS, BLOCK)  # the rows' latest
     trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
     sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
-    own = _global_block(QBLK, qb, HAS_QPOS)
     split, n_steps = _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_KPOS, HAS_ROWSEL)
     for j in range(n_steps):
         kb, k, v, col_pos, col_ok = _tile_keys(
@@ -387,14 +421,9 @@ def _dq_kernel(
             HAS_DOCS, PRECISION,
         )  # fmt: skip
     if HAS_BARS:
-        bh = b * H + h
-        c_start, n_bars, act_off, first_start = _bar_range(
-            BAR_START, BAR_CNT, ACT_OFF, bh, NQB, qb, row_first, row_ok, HAS_DOCS
-        )
-        q_block = tl.max(row_pos, 0) // BLOCK  # the rows are one global block
         for c0 in range(c_start, n_bars, BLOCK_N):
             k, v, col_pos, col_ok = _bar_keys(
-                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, q_block, act_off, first_start, d, d_ok,
+                KBAR, VBAR, BAR_POS, ACTIVE, bh, c0, n_bars, V_MAX, N_ACTIVE, own, act_off, first_start, d, d_ok,
                 HEAD_DIM, BLOCK, BLOCK_N, HAS_DOCS,
             )  # fmt: skip
             dq = _dq_step(
@@ -526,7 +555,7 @@ def _fold_bars(
 @triton.jit(do_not_specialize=["T_MAX", "V_MAX"])
 def _tile_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, TILES_T, TILE_T_CNT, BAR_DK, BAR_DV, VERT, VPTR, ROWSEL, QBLK, KBLK, DOC_START,
-    S, SK, H, HKV, TB, TH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
+    DOC_END, S, SK, H, HKV, TB, TH, NKB, T_MAX, V_MAX, K_SEL, RATIO, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
@@ -559,7 +588,8 @@ def _tile_dkdv_kernel(
             dk, dv = _fold_bars(dk, dv, BAR_DK, BAR_DV, VERT, VPTR, bh, kb, cols, NKB, V_MAX, d, D_PAD, FOLD)
     own = _global_block(KBLK, kb, HAS_KPOS)
     if HAS_DOCS:
-        first_key = _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS)
+        # Rows from the end of the first key's document on start after that key.
+        first_key_end = tl.load(DOC_END + _step_start(KBLK, kb, sub, BLOCK, BLOCK_N, HAS_KPOS))
     for g in range(group):
         h = kvh * group + g
         q_off = b * S * q_stride + h * HEAD_DIM
@@ -575,12 +605,12 @@ def _tile_dkdv_kernel(
             seen = col_ok[:, None]
             masked = j < n_masked
             if HAS_DOCS:
-                # Masked where a row's document starts after the first key. Document starts
-                # ascend with the position, so the step's last row has its latest: one scalar
-                # read decides, and the rows' starts are read only for the steps it masks
+                # Masked where a row's document starts after the first key, which the step's
+                # last row (documents ascend) decides by a compare with that key's document
+                # end: no load a step. The rows' starts are read only for the steps it masks
                 # (elsewhere every row's start is at or before every key: 0 stands in).
                 last = tl.minimum(_step_start(QBLK, qb, j, BLOCK, BLOCK_M, False) + BLOCK_M, S) - 1
-                crosses = tl.load(DOC_START + _positions(QBLK, qb, last, HAS_QPOS, BLOCK)) > first_key
+                crosses = _positions(QBLK, qb, last, HAS_QPOS, BLOCK) >= first_key_end
                 masked = masked | crosses
                 row_first = tl.zeros([BLOCK_M], tl.int32)
                 if crosses:
