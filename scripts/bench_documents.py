@@ -57,6 +57,7 @@ from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_ver
 from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
 from megatron_mtraining.sparse.index import VerticalSlashIndex  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.tables import keep_tables, tile_tables, vertical_slash_tables  # noqa: E402
+from megatron_mtraining.sparse.vertical_slash import uncovered_columns  # noqa: E402
 
 HQ, HKV, D = 16, 2, 128
 
@@ -156,7 +157,8 @@ def kernel_split(indexes: dict, q, k, v, scale) -> dict:
 @torch.no_grad()
 def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
     """How many of the sparse documents have the lists, in the per-document ``index``, of the
-    index built on the document alone (``q[:, a:b]``, ``k[:, a:b]``), of how many."""
+    index built on the document alone (``q[:, a:b]``, ``k[:, a:b]``; its columns less those
+    its tiles cover on the sequence's block grid, ``uncovered_columns``), of how many."""
     same = sparse = 0
     bounds = index.documents.bounds
     for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -164,10 +166,14 @@ def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
             continue
         sparse += 1
         alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], config, scale)
-        columns = [c[(c >= a) & (c < b)] - a for c in index.vertical[0]]
-        same += all(torch.equal(c, w[w >= 0]) for c, w in zip(columns, alone.vertical[0], strict=True)) and all(
-            torch.equal(d[d >= 0], w[w >= 0]) for d, w in zip(index.slash[0, :, m], alone.slash[0], strict=True)
+        end = torch.tensor([b], device=q.device)
+        alone_columns = uncovered_columns(
+            (alone.vertical + a).unsqueeze(2), alone.slash.unsqueeze(2), end, config.block_size
         )
+        columns = [c[(c >= a) & (c < b)] for c in index.vertical[0]]
+        same += all(
+            torch.equal(c, w[(w >= a) & (w < b)]) for c, w in zip(columns, alone_columns[0, :, 0], strict=True)
+        ) and all(torch.equal(d[d >= 0], w[w >= 0]) for d, w in zip(index.slash[0, :, m], alone.slash[0], strict=True))
     return same, sparse
 
 

@@ -472,8 +472,38 @@ def test_vertical_slash_per_document_equals_each_document_alone(config, rng):
         sparse += 1
         alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], VS_CONFIG)
         assert slash == [[d for d in alone.slash[0, h].tolist() if d >= 0] for h in range(4)], m
-        assert columns == [[c for c in alone.vertical[0, h].tolist() if c >= 0] for h in range(4)], m
+        # Less the columns that every row seeing them reads through a tile: those past the
+        # document's last block minus its first missing diagonal (on the sequence's grid).
+        missing = [min(set(range(len(d) + 1)) - set(d)) for d in slash]
+        last = (b - 1) // BLOCK
+        want = [[c for c in alone.vertical[0, h].tolist() if c >= 0 and (c + a) // BLOCK <= last - missing[h]]
+                for h in range(4)]  # fmt: skip
+        assert columns == want, m
     assert sparse >= 2  # the two long documents
+
+
+@pytest.mark.parametrize("topp", [0.5, 0.97], ids=["topp-0.5", "topp-0.97"])
+def test_covered_columns_leave_the_mask_unchanged(topp, rng, monkeypatch):
+    """The per-document index lists no column that every row seeing it reads through a
+    tile (``uncovered_columns``): the attention mask equals that of the lists with those
+    columns kept, and with budgets near 1 (a diffuse model's) most columns go."""
+    from megatron_mtraining.sparse import vertical_slash
+
+    config = dataclasses.replace(VS_CONFIG, vertical_topp=topp, slash_topp=topp, dense_below=0)
+    seq = 192
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    q, k = q.detach(), k.detach()
+    index = build_vertical_slash_index(q, k, config, cu_seqlens=cu)
+    with monkeypatch.context() as patch:
+        patch.setattr(vertical_slash, "uncovered_columns", lambda columns, *_: columns)
+        listed = build_vertical_slash_index(q, k, config, cu_seqlens=cu)
+    assert torch.equal(index.slash, listed.slash)
+    assert torch.equal(index.to_dense_mask(seq), listed.to_dense_mask(seq))
+    kept, every = int((index.vertical >= 0).sum()), int((listed.vertical >= 0).sum())
+    assert kept < every  # some columns were covered
+    if topp > 0.9:
+        assert kept <= every // 2, (kept, every)
 
 
 def brute_force_msa(q_idx, k_idx, cu, block, topk):

@@ -628,14 +628,36 @@ def document_lists(
         stats.vertical, n_keys, config.vertical_topp, config.vertical_cap, config.sink_tokens
     )
     columns = torch.where(columns != INT32_MAX, columns + starts.view(-1, 1).int(), INT32_MAX)
-    vertical = sort_kept(columns.flatten(2), vertical_width)
     diagonals = _selected_per_document(
         stats.slash, n_blocks, config.slash_topp, config.slash_block_cap, local_diagonals
     )
     diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
+    vertical = sort_kept(uncovered_columns(columns, diagonals, starts + n_keys, bs).flatten(2), vertical_width)
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
     slash.index_copy_(2, to_device(torch.tensor(sparse), device), diagonals)
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
+
+
+def uncovered_columns(columns: torch.Tensor, diagonals: torch.Tensor, ends: torch.Tensor, block: int) -> torch.Tensor:
+    """Documents' selected columns ``[B, H, M, n]`` (global positions, ``INT32_MAX``: none)
+    less those that every row able to see them already reads through a tile, given each
+    document's ascending, -1 padded diagonals ``[B, H, M, w]`` and end ``ends [M]``.
+
+    The query blocks that see a column ``c`` of document ``m`` through its diagonals (the
+    document's rows in a block that it starts inside see ``c`` in their own tile) are
+    ``c // block`` up to the document's last block ``L``, at diagonals ``0 .. L - c // block``.
+    When the document's diagonals hold all of those, every such row reads ``c`` in a tile
+    and the kernels skip it as a bar: listing it changes no row's keys (``to_dense_mask`` is
+    the same) but costs its K/V gather, a bar step of every block from ``c`` on, and its
+    dK/dV program. Short documents whose budgets keep nearly every diagonal (what a random
+    or diffuse model's statistics give) lose most of their columns this way."""
+    slots = torch.arange(diagonals.shape[-1], device=diagonals.device)
+    # Ascending distinct diagonals from 0: the first missing one is the count of leading
+    # entries equal to their slot (a -1 pad equals none).
+    first_missing = (diagonals == slots).sum(-1, keepdim=True)
+    last_block = ((ends - 1) // block).view(-1, 1)
+    covered = columns.long() // block > last_block - first_missing
+    return torch.where(covered, INT32_MAX, columns)
 
 
 def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
