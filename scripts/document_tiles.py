@@ -2,6 +2,7 @@
 tables alone (no attention), for ``bench_documents.py``'s three vertical-slash rows.
 
     python scripts/document_tiles.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--seed 0]
+                                     [--diffuse] [--block-size 64]
 
 Builds ``bench_documents.py``'s sample (the same seed, boundaries and q/k; on the CPU, so the
 statistics take the fp64 reference path, about a minute at 128K on two cores) and its three
@@ -15,6 +16,12 @@ times their rows and keys) against the attended pairs, and the sizes of the per-
 gathers the launcher makes of the vertical columns. The forward and the dQ kernel walk the
 same items; the tile dK/dV kernel walks the transposed tiles, checked here to be the same
 set.
+
+``--diffuse`` draws q and k independent and standard normal, as a randomly initialised
+model's are, in place of the sample's RoPE over a shared direction: its statistics are
+nearly flat, so the budgets keep most columns and diagonals. With ``--mix uniform --mean
+2048`` the documents are those of Megatron's mock data (lengths uniform below 4096), as in
+``bench_training.py``'s packed-documents rows; ``--block-size 128`` is the recipes'.
 """
 
 from __future__ import annotations
@@ -213,12 +220,17 @@ def report(name: str, index, bs: int, seq: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sample_arguments(p)
+    p.add_argument("--diffuse", action="store_true", help="independent standard normal q/k (a random model's)")
+    p.add_argument("--block-size", type=int, default=VerticalSlashConfig().block_size)
     args = p.parse_args()
     seq = args.seq_len
     cu, q, k, _ = sample(args, "cpu")
+    if args.diffuse:
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        q, k = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
     lengths = (cu[1:] - cu[:-1]).tolist()
     print(f"seq {seq}, {len(lengths)} documents ({args.mix}, mean {seq / len(lengths):.0f}, longest {max(lengths)})")
-    config, scale = VerticalSlashConfig(), D**-0.5
+    config, scale = VerticalSlashConfig(block_size=args.block_size), D**-0.5
     docs = packed_documents(cu, seq)
     with torch.no_grad():
         whole = build_vertical_slash_index(q, k, config, scale)
