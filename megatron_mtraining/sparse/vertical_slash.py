@@ -649,8 +649,8 @@ def uncovered_columns(columns: torch.Tensor, diagonals: torch.Tensor, ends: torc
     When the document's diagonals hold all of those, every such row reads ``c`` in a tile
     and the kernels skip it as a bar: listing it changes no row's keys (``to_dense_mask`` is
     the same) but costs its K/V gather, a bar step of every block from ``c`` on, and its
-    dK/dV program. Short documents whose budgets keep nearly every diagonal (what a random
-    or diffuse model's statistics give) lose most of their columns this way."""
+    dK/dV program. A document whose budgets keep all its diagonals (a short one under flat
+    statistics) loses every column this way; one missing an early diagonal keeps nearly all."""
     slots = torch.arange(diagonals.shape[-1], device=diagonals.device)
     # Ascending distinct diagonals from 0: the first missing one is the count of leading
     # entries equal to their slot (a -1 pad equals none).
