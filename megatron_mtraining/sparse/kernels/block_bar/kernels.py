@@ -313,7 +313,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bh = b * H + h
-    first_row, last_row = _program_row_span(BLOCK_M, S)
+    first_row, _ = _program_row_span(BLOCK_M, S)
     own = _global_block(QBLK, qb, HAS_QPOS)
     c_start, n_bars, act_off, first_start = _bar_range(
         BAR_START, BAR_CNT, ACT_OFF, QBLK, DOC_START, bh, NQB, qb, first_row, HAS_QPOS, HAS_BARS, HAS_DOCS, BLOCK
