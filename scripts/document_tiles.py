@@ -116,7 +116,8 @@ def in_tile(index, tables, qb: torch.Tensor, col: torch.Tensor, h: int, bs: int)
 def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
     """The 64-row steps that ``_bar_dkdv_kernel``'s loop takes for a chunk of ascending
     columns ``cols``: from its first column's step to the end of its last column's document
-    (the sequence's without documents). It computes only the live ones (``bar_live_steps``)."""
+    (the sequence's without documents). It computes only the live ones (``bar_live_steps``);
+    the others cost a compare each."""
     stop = int(ends[cols.max()]) if documents else seq
     return -(-(stop - int(cols.min()) // BAR_ROWS * BAR_ROWS) // BAR_ROWS)
 

@@ -50,8 +50,8 @@ masks a step whose first key precedes its rows' latest start (the last row's: st
 ascend), the tile dK/dV kernel a step whose last row lies past its first key's document
 end (``DOC_END``). Bars start at ``BAR_START``
 (the block's columns before that start), look up the diagonals of the block's first
-row's document (``ACT_OFF``), and a column chunk's dK/dV walks the rows up to the end of its
-last column's document (``DOC_END``), skipping the steps that no column's document reaches.
+row's document (``ACT_OFF``), and a column chunk's dK/dV computes only the row steps that
+some column's document reaches (``DOC_END``), each finding the next.
 """
 
 from __future__ import annotations
@@ -458,6 +458,41 @@ def _kv_grads(
     return dk, dv
 
 
+@triton.jit
+def _next_seen_step(col_pos, col_end, after, BLOCK_M: tl.constexpr):
+    """The first ``BLOCK_M``-row step at or after row ``after`` (a step's first row) that
+    some column sees, a column ``c`` seeing the rows from its position to its document's
+    end ``col_end`` (exclusive; 0 for no column); past every end when none does."""
+    seen_from = tl.where(col_end > after, tl.maximum(col_pos, after), 2147483647)
+    return tl.min(seen_from, 0) // BLOCK_M * BLOCK_M
+
+
+@triton.jit
+def _bar_step(
+    dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, ACTIVE, ACT_OFF, QBLK, DOC_START, b, h, H, S, N_ACTIVE, bh,
+    r0, q_off, q_stride, d, d_ok, qk_scale, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr,
+    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_bar_dkdv_kernel``'s step of rows ``r0 .. r0 + BLOCK_M`` (local, one query block)."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
+    act_off = r0 * 0
+    look = col_ok
+    if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
+        act_off = tl.load(ACT_OFF + r0 // BLOCK)
+        block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
+        look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
+    in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+    seen = (~in_tile)[:, None]
+    if HAS_DOCS:
+        row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
+        seen = seen & (col_pos[:, None] >= row_first[None, :])
+    return _kv_grads(
+        dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos, q_stride, d,
+        d_ok, qk_scale, seen, True, PRECISION,
+    )  # fmt: skip
+
+
 # Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
 @triton.jit(do_not_specialize=["V_MAX", "N_ACTIVE"])
 def _bar_dkdv_kernel(
@@ -493,36 +528,31 @@ def _bar_dkdv_kernel(
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         stop = S
         col_end = col_pos
-        if HAS_DOCS and not HAS_QPOS:  # rows after the document of the chunk's last column see none of it
+        walk: tl.constexpr = HAS_DOCS and not HAS_QPOS
+        if walk:  # rows after the document of the chunk's last column see none of it
             stop = tl.load(DOC_END + tl.max(col_pos, 0))
             col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
+        seen_step = first
         for r0 in range(first, stop, BLOCK_M):
             live = True
-            if HAS_DOCS and not HAS_QPOS:
-                # A chunk of the ascending list can hold several documents' columns, and a step
-                # sees a column only where the column's document reaches it: the steps between
-                # two documents' columns see none and are skipped. (One flat loop: a walk per
-                # document, a loop of data-dependent bounds inside this one, gave wrong dK on
-                # CUDA while Triton's interpreter agreed with fp64.)
-                live = tl.max(((col_pos < r0 + BLOCK_M) & (col_end > r0)).to(tl.int32), 0) > 0
+            if walk:
+                # A chunk of the ascending list can hold several documents' columns, and a row
+                # sees a column only inside the column's document: each computed step finds
+                # the next that some column's document reaches, and the steps before it cost
+                # a compare (a reduction each cost more than the chunk's products). One flat
+                # loop: a walk per document, a loop of data-dependent bounds inside this one,
+                # gave wrong dK on CUDA while Triton's interpreter agreed with fp64; a while
+                # loop jumping between computed steps made ptxas cap sm80 at 128 registers
+                # and spill 1.5 KB.
+                live = r0 == seen_step
             if live:
-                rows = r0 + tl.arange(0, BLOCK_M)
-                row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
-                act_off = r0 * 0
-                look = col_ok
-                if HAS_DOCS:  # the diagonals of the document of the block's first row (see _bar_keys)
-                    act_off = tl.load(ACT_OFF + r0 // BLOCK)
-                    block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
-                    look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
-                in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
-                seen = (~in_tile)[:, None]
-                if HAS_DOCS:
-                    row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
-                    seen = seen & (col_pos[:, None] >= row_first[None, :])
-                dk, dv = _kv_grads(
-                    dk, dv, k, v, col_pos, col_ok, Q + q_off, DO + q_off, LSE, DELTA, b, h, H, S, rows, row_pos,
-                    q_stride, d, d_ok, qk_scale, seen, True, PRECISION,
+                dk, dv = _bar_step(
+                    dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, ACTIVE, ACT_OFF, QBLK, DOC_START, b, h, H, S,
+                    N_ACTIVE, bh, r0, q_off, q_stride, d, d_ok, qk_scale, BLOCK, BLOCK_M, HAS_QPOS, HAS_DOCS,
+                    PRECISION,
                 )  # fmt: skip
+                if walk:
+                    seen_step = _next_seen_step(col_pos, col_end, r0 + BLOCK_M, BLOCK_M)
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk, mask=ok)
