@@ -116,8 +116,9 @@ def in_tile(index, tables, qb: torch.Tensor, col: torch.Tensor, h: int, bs: int)
 def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
     """The 64-row steps that ``_bar_dkdv_kernel``'s loop takes for a chunk of ascending
     columns ``cols``: from its first column's step to the end of its last column's document
-    (the sequence's without documents). It computes only the live ones (``bar_live_steps``);
-    the others cost a compare each."""
+    (the sequence's without documents). It visits only the live ones (``bar_live_steps``),
+    the others cost a compare each, and computes those with a column outside the tiles
+    (``bar_outside_steps``)."""
     stop = int(ends[cols.max()]) if documents else seq
     return -(-(stop - int(cols.min()) // BAR_ROWS * BAR_ROWS) // BAR_ROWS)
 
@@ -135,13 +136,25 @@ def bar_live_steps(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: 
     return live
 
 
+def bar_outside_steps(index, tables, cols: torch.Tensor, ends: torch.Tensor, h: int, bs: int) -> int:
+    """Of a chunk's computed steps (documents), those where some column the step's rows reach
+    lies outside its query block's attended tiles: the kernel skips the others."""
+    firsts = cols // BAR_ROWS * BAR_ROWS
+    steps = torch.unique(
+        torch.cat([torch.arange(int(a), int(e), BAR_ROWS) for a, e in zip(firsts, ends[cols], strict=True)])
+    )
+    reached = (cols.view(1, -1) < steps.view(-1, 1) + BAR_ROWS) & (ends[cols].view(1, -1) > steps.view(-1, 1))
+    inside = in_tile(index, tables, (steps // bs).view(-1, 1), cols.view(1, -1), h, bs)
+    return int((reached & ~inside).any(1).sum())
+
+
 def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
     """Forward / dQ bar steps (64 columns a step from ``bar_start`` to ``bar_count``) and the
     bar dK/dV chunks' row steps, with their computed and attended pairs."""
     n_q = tables.tiles.shape[2]
     qb = torch.arange(n_q)
     steps = computed = useful = walked = walked_in_tile = walked_unseen = 0
-    chunks = chunk_steps = live_steps = 0
+    chunks = chunk_steps = live_steps = outside_steps = 0
     longest_chunk = longest_live = 0
     v_max = tables.vertical.shape[-1]
     for h in range(tables.vertical.shape[1]):
@@ -171,6 +184,8 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
             chunk_steps += n
             longest_chunk = max(longest_chunk, n)
             live_steps += n_live
+            if index.documents is not None:
+                outside_steps += bar_outside_steps(index, tables, cols[c0 : c0 + BAR_CHUNK], ends, h, bs)
             longest_live = max(longest_live, n_live)
     computed = steps * bs * STEP_N
     return {
@@ -186,8 +201,11 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         "bar attended pairs": useful,
         "bar dK/dV chunks with a column (programs launched)": (chunks, -(-v_max // BAR_CHUNK)),
         "bar dK/dV loop steps (max per chunk)": (chunk_steps, longest_chunk),
-        "  of which some column's document reaches, computed (max per chunk)": (live_steps, longest_live),
-        "bar dK/dV computed area": live_steps * BAR_ROWS * BAR_CHUNK,
+        "  of which some column's document reaches (max per chunk)": (live_steps, longest_live),
+        "    of which with a column outside the block's tiles (documents: computed)": outside_steps,
+        "bar dK/dV computed area": (outside_steps if index.documents is not None else live_steps)
+        * BAR_ROWS
+        * BAR_CHUNK,
         "bar K/V gathers per call, MiB (each of K and V)": 1 * HQ * v_max * D * 2 / 2**20,
         "bar dK/dV partials buffer, MiB": 2 * HQ * v_max * D * 4 / 2**20,
     }
@@ -206,7 +224,7 @@ def report(name: str, index, bs: int, seq: int) -> dict:
     out["backward: dQ items, tile dK/dV items, bar dK/dV row steps"] = (
         fwd_items,
         out["tiles"],
-        out["  of which some column's document reaches, computed (max per chunk)"][0],
+        out["bar dK/dV computed area"] // (BAR_ROWS * BAR_CHUNK),
     )
     out["backward computed area (dQ + tile dK/dV + bar dK/dV)"] = (
         out["computed area"] + out["fwd/dQ bar computed area"] + out["computed area"] + out["bar dK/dV computed area"]

@@ -468,12 +468,10 @@ def _next_seen_step(col_pos, col_end, after, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _bar_step(
-    dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, ACTIVE, ACT_OFF, QBLK, DOC_START, b, h, H, S, N_ACTIVE, bh,
-    r0, q_off, q_stride, d, d_ok, qk_scale, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr,
-    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``_bar_dkdv_kernel``'s step of rows ``r0 .. r0 + BLOCK_M`` (local, one query block)."""
+def _bar_step_rows(col_pos, col_ok, ACTIVE, ACT_OFF, QBLK, DOC_START, N_ACTIVE, bh, r0,
+                   BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
+    """(rows, their positions, which columns lie in an attended tile of their query block)
+    of ``_bar_dkdv_kernel``'s step of rows ``r0 .. r0 + BLOCK_M`` (local, one query block)."""
     rows = r0 + tl.arange(0, BLOCK_M)
     row_pos = _positions(QBLK, r0 // BLOCK, rows, HAS_QPOS, BLOCK)
     act_off = r0 * 0
@@ -483,6 +481,15 @@ def _bar_step(
         block_start = _global_block(QBLK, r0 // BLOCK, HAS_QPOS) * BLOCK
         look = col_ok & (col_pos >= tl.load(DOC_START + block_start))
     in_tile = _in_tile(ACTIVE, bh, N_ACTIVE, act_off, tl.max(row_pos, 0) // BLOCK, col_pos, look, BLOCK)
+    return rows, row_pos, in_tile
+
+
+@triton.jit
+def _bar_step(
+    dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, DOC_START, b, h, H, S, rows, row_pos, in_tile, q_off, q_stride,
+    d, d_ok, qk_scale, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_bar_dkdv_kernel``'s products for a step's ``rows`` (``_bar_step_rows``)."""
     seen = (~in_tile)[:, None]
     if HAS_DOCS:
         row_first = tl.load(DOC_START + row_pos, mask=rows < S, other=0)
@@ -546,11 +553,21 @@ def _bar_dkdv_kernel(
                 # and spill 1.5 KB.
                 live = r0 == seen_step
             if live:
-                dk, dv = _bar_step(
-                    dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, ACTIVE, ACT_OFF, QBLK, DOC_START, b, h, H, S,
-                    N_ACTIVE, bh, r0, q_off, q_stride, d, d_ok, qk_scale, BLOCK, BLOCK_M, HAS_QPOS, HAS_DOCS,
-                    PRECISION,
+                rows, row_pos, in_tile = _bar_step_rows(
+                    col_pos, col_ok, ACTIVE, ACT_OFF, QBLK, DOC_START, N_ACTIVE, bh, r0, BLOCK, BLOCK_M, HAS_QPOS,
+                    HAS_DOCS,
                 )  # fmt: skip
+                if walk:
+                    # Short documents with flat statistics keep most columns and diagonals:
+                    # most steps then see their columns only inside attended tiles, which
+                    # give those pairs already; such a step adds nothing and is skipped.
+                    reached = (col_pos < r0 + BLOCK_M) & (col_end > r0)
+                    live = tl.max((reached & ~in_tile).to(tl.int32), 0) > 0
+                if live:
+                    dk, dv = _bar_step(
+                        dk, dv, k, v, col_pos, col_ok, Q, DO, LSE, DELTA, DOC_START, b, h, H, S, rows, row_pos,
+                        in_tile, q_off, q_stride, d, d_ok, qk_scale, HAS_DOCS, PRECISION,
+                    )  # fmt: skip
                 if walk:
                     seen_step = _next_seen_step(col_pos, col_end, r0 + BLOCK_M, BLOCK_M)
         out = entries[:, None] * D_PAD + d[None, :]
