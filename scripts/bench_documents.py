@@ -55,9 +55,9 @@ from bench_kernels import device_times, profile_kernels  # noqa: E402
 from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, rope, sampled_document_bounds  # noqa: E402
 from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_vertical_slash_index, sparse_attention  # noqa: E402
 from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
-from megatron_mtraining.sparse.index import VerticalSlashIndex  # noqa: E402
+from megatron_mtraining.sparse.index import INT32_MAX, VerticalSlashIndex  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.tables import keep_tables, tile_tables, vertical_slash_tables  # noqa: E402
-from megatron_mtraining.sparse.vertical_slash import uncovered_columns  # noqa: E402
+from megatron_mtraining.sparse.vertical_slash import dense_is_cheaper, uncovered_columns  # noqa: E402
 
 HQ, HKV, D = 16, 2, 128
 
@@ -158,7 +158,8 @@ def kernel_split(indexes: dict, q, k, v, scale) -> dict:
 def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
     """How many of the sparse documents have the lists, in the per-document ``index``, of the
     index built on the document alone (``q[:, a:b]``, ``k[:, a:b]``; its columns less those
-    its tiles cover on the sequence's block grid, ``uncovered_columns``), of how many."""
+    its tiles cover on the sequence's block grid, ``uncovered_columns``; a head's whole
+    triangle where that costs no more, ``dense_is_cheaper``), of how many."""
     same = sparse = 0
     bounds = index.documents.bounds
     for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -166,14 +167,22 @@ def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
             continue
         sparse += 1
         alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], config, scale)
-        end = torch.tensor([b], device=q.device)
-        alone_columns = uncovered_columns(
-            (alone.vertical + a).unsqueeze(2), alone.slash.unsqueeze(2), end, config.block_size
-        )
+        bs, span = config.block_size, (b - 1) // config.block_size - a // config.block_size + 1
+        listed = torch.where(alone.vertical >= 0, alone.vertical + a, INT32_MAX).unsqueeze(2)
+        alone_slash = F.pad(alone.slash, (0, max(0, span - alone.slash.shape[-1])), value=-1).unsqueeze(2)
+        alone_columns = uncovered_columns(listed, alone_slash, torch.tensor([b], device=q.device), bs)
+        if config.dense_if_cheaper:
+            first, spans = (torch.tensor([x], device=q.device) for x in (a // bs, span))
+            dense = dense_is_cheaper(alone_columns, alone_slash, first, spans, bs).unsqueeze(-1)
+            every = torch.arange(alone_slash.shape[-1], device=q.device)
+            alone_columns = torch.where(dense, INT32_MAX, alone_columns)
+            alone_slash = torch.where(dense, torch.where(every < span, every, -1), alone_slash)
         columns = [c[(c >= a) & (c < b)] for c in index.vertical[0]]
         same += all(
             torch.equal(c, w[(w >= a) & (w < b)]) for c, w in zip(columns, alone_columns[0, :, 0], strict=True)
-        ) and all(torch.equal(d[d >= 0], w[w >= 0]) for d, w in zip(index.slash[0, :, m], alone.slash[0], strict=True))
+        ) and all(
+            torch.equal(d[d >= 0], w[w >= 0]) for d, w in zip(index.slash[0, :, m], alone_slash[0, :, 0], strict=True)
+        )
     return same, sparse
 
 

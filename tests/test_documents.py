@@ -447,12 +447,27 @@ def test_transpose_by_sorting_equals_the_membership_table(rng):
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("config", [VS_CONFIG, dataclasses.replace(VS_CONFIG, dense_below=0, local_window=40)],
-                         ids=["dense-below-32", "all-sparse"])  # fmt: skip
+DIFFUSE = dataclasses.replace(VS_CONFIG, vertical_topp=0.97, slash_topp=0.97, dense_below=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [VS_CONFIG, dataclasses.replace(VS_CONFIG, dense_below=0, local_window=40), DIFFUSE,
+     dataclasses.replace(DIFFUSE, dense_if_cheaper=False)],
+    ids=["dense-below-32", "all-sparse", "diffuse", "diffuse-kept"],
+)  # fmt: skip
 def test_vertical_slash_per_document_equals_each_document_alone(config, rng):
     """The batched selection (``document_index``: every document's budgets in one pass)
     against each document's build alone; with ``dense_below=0`` one-token documents too,
-    shorter than the window and than the forced sinks."""
+    shorter than the window and than the forced sinks. Budgets near 1 (a diffuse model's)
+    keep nearly everything, so heads whose index costs the whole triangle go dense
+    (``dense_if_cheaper``); with it off each keeps its own."""
+    dense_heads = _per_document_against_alone(config, rng)
+    if config is DIFFUSE:
+        assert dense_heads > 0
+
+
+def _per_document_against_alone(config, rng) -> int:
     VS_CONFIG = config
     seq = 192
     cu = random_boundaries(rng, seq)
@@ -461,7 +476,7 @@ def test_vertical_slash_per_document_equals_each_document_alone(config, rng):
     index = build_vertical_slash_index(q, k, VS_CONFIG, cu_seqlens=cu)
     assert index.slash.shape[:3] == (1, 4, len(cu) - 1)
     bounds = cu.tolist()
-    sparse = 0
+    sparse = dense_heads = 0
     for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         slash = [[d for d in index.slash[0, h, m].tolist() if d >= 0] for h in range(4)]
         columns = [[c - a for c in index.vertical[0, h].tolist() if a <= c < b] for h in range(4)]
@@ -471,15 +486,25 @@ def test_vertical_slash_per_document_equals_each_document_alone(config, rng):
             continue
         sparse += 1
         alone = build_vertical_slash_index(q[:, a:b], k[:, a:b], VS_CONFIG)
-        assert slash == [[d for d in alone.slash[0, h].tolist() if d >= 0] for h in range(4)], m
+        want_slash = [[d for d in alone.slash[0, h].tolist() if d >= 0] for h in range(4)]
         # Less the columns that every row seeing them reads through a tile: those past the
         # document's last block minus its first missing diagonal (on the sequence's grid).
-        missing = [min(set(range(len(d) + 1)) - set(d)) for d in slash]
-        last = (b - 1) // BLOCK
+        missing = [min(set(range(len(d) + 1)) - set(d)) for d in want_slash]
+        first, last = a // BLOCK, (b - 1) // BLOCK
         want = [[c for c in alone.vertical[0, h].tolist() if c >= 0 and (c + a) // BLOCK <= last - missing[h]]
                 for h in range(4)]  # fmt: skip
+        for h in range(4):
+            # A head whose index computes no fewer key rows a block than the whole triangle
+            # (a tile is BLOCK of them, a column one in each block from its own on) is dense.
+            span = last - first + 1
+            cost = BLOCK * sum(span - d for d in want_slash[h]) + sum(last - (c + a) // BLOCK + 1 for c in want[h])
+            if config.dense_if_cheaper and cost >= BLOCK * span * (span + 1) // 2:
+                want_slash[h], want[h] = list(range(span)), []
+                dense_heads += 1
+        assert slash == want_slash, m
         assert columns == want, m
     assert sparse >= 2  # the two long documents
+    return dense_heads
 
 
 @pytest.mark.parametrize("topp", [0.5, 0.97], ids=["topp-0.5", "topp-0.97"])
@@ -489,7 +514,7 @@ def test_covered_columns_leave_the_mask_unchanged(topp, rng, monkeypatch):
     columns kept, and with budgets near 1 (a diffuse model's) most columns go."""
     from megatron_mtraining.sparse import vertical_slash
 
-    config = dataclasses.replace(VS_CONFIG, vertical_topp=topp, slash_topp=topp, dense_below=0)
+    config = dataclasses.replace(VS_CONFIG, vertical_topp=topp, slash_topp=topp, dense_below=0, dense_if_cheaper=False)
     seq = 192
     cu = random_boundaries(rng, seq)
     q, k, _ = inputs(rng, seq)
@@ -504,6 +529,25 @@ def test_covered_columns_leave_the_mask_unchanged(topp, rng, monkeypatch):
     assert kept < every  # some columns were covered
     if topp > 0.9:
         assert kept <= every // 2, (kept, every)
+
+
+def test_dense_if_cheaper_only_grows_the_mask(rng):
+    """Heads of documents that go dense attend a superset of their selected index's pairs,
+    within the block-diagonal causal mask. Nearly every column and a few diagonals missing
+    (long documents with flat columns): the dense triangle is cheaper than those columns'
+    bars, and it adds the missing diagonals' pairs."""
+    seq = 768
+    config = dataclasses.replace(DIFFUSE, slash_topp=0.7)
+    cu = random_boundaries(rng, seq)
+    q, k, _ = inputs(rng, seq)
+    q, k = q.detach(), k.detach()
+    chosen = build_vertical_slash_index(q, k, config, cu_seqlens=cu).to_dense_mask(seq)
+    selected = build_vertical_slash_index(
+        q, k, dataclasses.replace(config, dense_if_cheaper=False), cu_seqlens=cu
+    ).to_dense_mask(seq)
+    assert torch.equal(chosen | selected, chosen)
+    assert not torch.equal(chosen, selected)
+    assert torch.equal(chosen & block_diagonal(cu, seq), chosen)
 
 
 def brute_force_msa(q_idx, k_idx, cu, block, topk):

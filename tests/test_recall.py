@@ -108,6 +108,13 @@ def test_recall_equals_dense_mass_under_the_mask(kind, rng):
         assert (recall < 1).any()  # the patterns drop mass at this sparsity
 
 
+# Documents of 32 tokens on are sparse; each keeps its selected index (dense_if_cheaper off),
+# so that short ones drop mass and the recall falls below 1.
+DOCUMENTS_CFG = VerticalSlashConfig(
+    last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32, dense_if_cheaper=False
+)
+
+
 @pytest.mark.parametrize("kind", ["dense", "vertical_slash", "moba", "msa", "vertical_slash_documents"])
 def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
     seq = 200
@@ -115,8 +122,7 @@ def test_heldout_recall_equals_dense_mass_of_the_sampled_rows(kind, rng):
     cu, pattern = None, _patterns(q, rng).get(kind)
     if kind == "vertical_slash_documents":  # the middle document, under dense_below, attends densely
         cu = torch.tensor([0, 70, 90, seq], dtype=torch.int32)
-        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
-        pattern = VerticalSlashPattern(cfg)
+        pattern = VerticalSlashPattern(DOCUMENTS_CFG)
     index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
     rows = _draw(pattern, index, seq, rng)
     if kind != "dense":
@@ -142,8 +148,7 @@ def test_recall_on_the_window_kernels(kind, rng, kdevice, monkeypatch):
     cu = torch.tensor([0, 61, 90, 150, seq], dtype=torch.int32) if kind.endswith("documents") else None
     pattern = _patterns(q, rng)[kind.removesuffix("_documents")]
     if cu is not None:  # documents from 32 tokens on are sparse
-        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
-        pattern = VerticalSlashPattern(cfg)
+        pattern = VerticalSlashPattern(DOCUMENTS_CFG)
     index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
     window = torch.arange(seq - ROWS, seq)  # crosses the last boundary where there are documents
     rows = _draw(pattern, index, seq, rng)
@@ -176,8 +181,7 @@ def test_window_and_heldout_recall_in_one_pass(kind, path, rng, kdevice, monkeyp
     cu = torch.tensor([0, 61, 90, 150, seq], dtype=torch.int32) if kind.endswith("documents") else None
     pattern = _patterns(q, rng)[kind.removesuffix("_documents")]
     if cu is not None:
-        cfg = VerticalSlashConfig(last_q=16, vertical_topp=0.6, slash_topp=0.6, block_size=16, dense_below=32)
-        pattern = VerticalSlashPattern(cfg)
+        pattern = VerticalSlashPattern(DOCUMENTS_CFG)
     index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
     window = torch.arange(seq - ROWS, seq)
     from megatron_mtraining.sparse.kernels.index_build.window_stats import WindowKernels

@@ -27,10 +27,11 @@ Packed documents (``cu_seqlens``): each document gets the index built on it alon
 its own last window and budgets, placed at its offset (its columns shifted by its start;
 its block-diagonal offsets kept, on the sequence's block grid, which a document that
 starts inside a block meets at another phase than its own grid); a document shorter than
-``dense_below`` tokens attends densely (every diagonal it touches) without statistics.
-The documents' statistics are computed together (``document_statistics_from_parts``:
-each document's window against its own keys, one pass for all of them) and selected
-together. ``VerticalSlashIndex`` states what the per-document lists mean.
+``dense_below`` tokens attends densely (every diagonal it touches) without statistics, and
+so does a (head, document) whose selected index would cost the kernels no less than that
+(``dense_if_cheaper``). The documents' statistics are computed together
+(``document_statistics_from_parts``: each document's window against its own keys, one pass
+for all of them) and selected together. ``VerticalSlashIndex`` states what the per-document lists mean.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .index import INT32_MAX, VerticalSlashIndex, single_device, sort_kept
 from .kernels.block_bar.tables import keep_tables, tile_tables
 from .validation import (
     ValidatedConfig,
+    check_choice,
     check_fraction,
     check_int,
     check_power_of_two,
@@ -79,6 +81,12 @@ class VerticalSlashConfig(ValidatedConfig):
     # document gets its own sparse index. Without cu_seqlens the sequence is one document
     # and keeps its sparse index at any length.
     dense_below: int = setting(1024, check_int, minimum=0)
+    # Packed documents: a (head, document) whose selected index would compute no less than
+    # its whole causal triangle (its tiles plus its columns' bar work, the kernels' cost)
+    # attends densely instead. Short documents with flat statistics keep nearly every
+    # diagonal and column, and their columns are then bars that every block walks inside
+    # tiles it computes anyway. The mask only grows. False keeps every selected index.
+    dense_if_cheaper: bool = setting(True, check_choice, choices=(True, False))
 
     @property
     def slash_block_cap(self) -> int:
@@ -531,7 +539,8 @@ def build_document_index(
     built on ``q[:, a:b]``, ``k[:, a:b]`` alone (its last ``last_q`` queries' statistics, its
     budgets and forced entries), its columns placed at ``a``, its block-diagonal offsets as
     they are; one shorter than ``config.dense_below`` gets every diagonal of the blocks it
-    touches and no column (dense, no statistics).
+    touches and no column (dense, no statistics), as does a head whose selected index
+    would cost the kernels no less (``config.dense_if_cheaper``: ``dense_is_cheaper``).
 
     Cost: the sparse documents' window rows gathered (one gather), their statistics in one
     batched pass (``document_statistics_from_parts``: each document's window against its
@@ -600,7 +609,9 @@ def document_lists(
     context-parallel group); see ``build_document_index``.
     The selection runs once for every document: ``select_vertical_slash``'s budgets taken
     per (head, document) on the stacked statistics (zero-padded to the longest; a zero is
-    never taken), equal to each document's own selection (``_selected_per_document``)."""
+    never taken), equal to each document's own selection (``_selected_per_document``),
+    less its covered columns (``uncovered_columns``), dense where that costs no more
+    (``dense_is_cheaper``)."""
     bs, bounds = config.block_size, documents.bounds
     docs = list(zip(bounds[:-1], bounds[1:], strict=True))
     spans = [(b - 1) // bs - a // bs + 1 for a, b in docs]
@@ -632,9 +643,16 @@ def document_lists(
         stats.slash, n_blocks, config.slash_topp, config.slash_block_cap, local_diagonals
     )
     diagonals = sort_kept(diagonals, min(slash_width, diagonals.shape[-1]))
-    vertical = sort_kept(uncovered_columns(columns, diagonals, starts + n_keys, bs).flatten(2), vertical_width)
+    columns = uncovered_columns(columns, diagonals, starts + n_keys, bs)
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
-    slash.index_copy_(2, to_device(torch.tensor(sparse), device), diagonals)
+    sparse_at = to_device(torch.tensor(sparse), device)
+    if config.dense_if_cheaper:
+        span = span_of[sparse_at]
+        dense = dense_is_cheaper(columns, diagonals, starts // bs, span, bs).unsqueeze(-1)
+        columns = torch.where(dense, INT32_MAX, columns)
+        diagonals = torch.where(dense, slash[0, 0, sparse_at], diagonals)
+    vertical = sort_kept(columns.flatten(2), vertical_width)
+    slash.index_copy_(2, sparse_at, diagonals)
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
 
 
@@ -658,6 +676,26 @@ def uncovered_columns(columns: torch.Tensor, diagonals: torch.Tensor, ends: torc
     last_block = ((ends - 1) // block).view(-1, 1)
     covered = columns.long() // block > last_block - first_missing
     return torch.where(covered, INT32_MAX, columns)
+
+
+def dense_is_cheaper(
+    columns: torch.Tensor, diagonals: torch.Tensor, first_block: torch.Tensor, span: torch.Tensor, block: int
+) -> torch.Tensor:
+    """``[B, H, M]``: whether each (head, document)'s selected index costs the kernels no
+    less than the document's whole causal triangle, counted in key rows a query block
+    computes: ``span - d`` tiles of ``block`` keys for each diagonal ``d`` it keeps (the
+    sequence's grid, on which it touches ``span`` blocks from ``first_block``), one key for
+    each of its columns ``c`` (global, ``INT32_MAX``: none) in each block that walks it
+    (``c``'s block to its last); against ``span * (span + 1) / 2`` tiles, the document's
+    dense tiles. Ties go dense: the same work for exact attention."""
+    last = (first_block + span - 1).view(-1, 1)
+    spans = span.view(-1, 1)
+    kept = diagonals >= 0
+    tiles = torch.where(kept & (diagonals < spans), spans - diagonals, 0).sum(-1)
+    listed = columns != INT32_MAX
+    walks = torch.where(listed, last - columns.long() // block + 1, 0).sum(-1)
+    dense = span * (span + 1) // 2
+    return tiles * block + walks >= dense * block
 
 
 def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
