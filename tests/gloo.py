@@ -27,13 +27,8 @@ def run(world: int, fn, *args) -> None:
 
 
 def _spawn(world: int, fn, args, backend: str) -> None:
-    # Forked workers skip the interpreter start and the imports (torch, Megatron, the test
-    # module) that spawned ones repeat: most of a small case's time on two cores. CUDA does
-    # not survive a fork, so NCCL workers, or those of a process that has started CUDA, spawn.
-    method = "spawn" if backend == "nccl" or torch.cuda.is_initialized() else "fork"
     with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        mp.start_processes(_entry, args=(world, init, fn, args, backend), nprocs=world, join=True, start_method=method)
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args, backend), nprocs=world, join=True)
 
 
 def run_on_device(world: int, fn, *args) -> None:
