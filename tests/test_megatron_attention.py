@@ -428,6 +428,9 @@ def test_cp4_equals_cp1(references):
     run(4, workers.check_cp4, references, runs)
 
 
+# CP 2 parity runs by default (test_cp2_equals_cp1), and the KL's ring steps on the kernels
+# in test_context_parallel's test_msa_kl_ring_on_kernels; this layer-level twin takes minutes.
+@pytest.mark.slow
 def test_msa_cp2_kl_kernels_equal_cp1(references, monkeypatch):
     """MSA at CP 2 with the KL's ring steps on the fused kernels (interpreted without CUDA)."""
     if not torch.cuda.is_available():
