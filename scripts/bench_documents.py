@@ -57,7 +57,7 @@ from megatron_mtraining.sparse import DenseIndex, VerticalSlashConfig, build_ver
 from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
 from megatron_mtraining.sparse.index import INT32_MAX, VerticalSlashIndex  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.tables import keep_tables, tile_tables, vertical_slash_tables  # noqa: E402
-from megatron_mtraining.sparse.vertical_slash import dense_is_cheaper, uncovered_columns  # noqa: E402
+from megatron_mtraining.sparse.vertical_slash import dense_where_cheaper, uncovered_columns  # noqa: E402
 
 HQ, HKV, D = 16, 2, 128
 
@@ -159,7 +159,7 @@ def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
     """How many of the sparse documents have the lists, in the per-document ``index``, of the
     index built on the document alone (``q[:, a:b]``, ``k[:, a:b]``; its columns less those
     its tiles cover on the sequence's block grid, ``uncovered_columns``; a head's whole
-    triangle where that costs no more, ``dense_is_cheaper``), of how many."""
+    triangle where that costs no more, ``dense_where_cheaper``), of how many."""
     same = sparse = 0
     bounds = index.documents.bounds
     for m, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -173,10 +173,7 @@ def documents_alone_agree(q, k, config, scale, index) -> tuple[int, int]:
         alone_columns = uncovered_columns(listed, alone_slash, torch.tensor([b], device=q.device), bs)
         if config.dense_if_cheaper:
             first, spans = (torch.tensor([x], device=q.device) for x in (a // bs, span))
-            dense = dense_is_cheaper(alone_columns, alone_slash, first, spans, bs).unsqueeze(-1)
-            every = torch.arange(alone_slash.shape[-1], device=q.device)
-            alone_columns = torch.where(dense, INT32_MAX, alone_columns)
-            alone_slash = torch.where(dense, torch.where(every < span, every, -1), alone_slash)
+            alone_columns, alone_slash = dense_where_cheaper(alone_columns, alone_slash, first, spans, bs)
         columns = [c[(c >= a) & (c < b)] for c in index.vertical[0]]
         same += all(
             torch.equal(c, w[(w >= a) & (w < b)]) for c, w in zip(columns, alone_columns[0, :, 0], strict=True)

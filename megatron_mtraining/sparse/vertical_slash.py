@@ -31,7 +31,8 @@ starts inside a block meets at another phase than its own grid); a document shor
 so does a (head, document) whose selected index would cost the kernels no less than that
 (``dense_if_cheaper``). The documents' statistics are computed together
 (``document_statistics_from_parts``: each document's window against its own keys, one pass
-for all of them) and selected together. ``VerticalSlashIndex`` states what the per-document lists mean.
+for all of them) and selected together. ``VerticalSlashIndex`` states what the
+per-document lists mean.
 """
 
 from __future__ import annotations
@@ -647,10 +648,7 @@ def document_lists(
     diagonals = torch.nn.functional.pad(diagonals, (0, slash_width - diagonals.shape[-1]), value=-1)
     sparse_at = to_device(torch.tensor(sparse), device)
     if config.dense_if_cheaper:
-        span = span_of[sparse_at]
-        dense = dense_is_cheaper(columns, diagonals, starts // bs, span, bs).unsqueeze(-1)
-        columns = torch.where(dense, INT32_MAX, columns)
-        diagonals = torch.where(dense, slash[0, 0, sparse_at], diagonals)
+        columns, diagonals = dense_where_cheaper(columns, diagonals, starts // bs, span_of[sparse_at], bs)
     vertical = sort_kept(columns.flatten(2), vertical_width)
     slash.index_copy_(2, sparse_at, diagonals)
     return VerticalSlashIndex(vertical, slash, documents.seq_len, bs, documents)
@@ -696,6 +694,18 @@ def dense_is_cheaper(
     walks = torch.where(listed, last - columns.long() // block + 1, 0).sum(-1)
     dense = span * (span + 1) // 2
     return tiles * block + walks >= dense * block
+
+
+def dense_where_cheaper(
+    columns: torch.Tensor, diagonals: torch.Tensor, first_block: torch.Tensor, span: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(columns, diagonals)`` (as ``dense_is_cheaper`` takes them; ``diagonals`` at least
+    the widest ``span`` wide) with every (head, document) for which ``dense_is_cheaper``
+    holds given every diagonal of the blocks it touches and no column."""
+    dense = dense_is_cheaper(columns, diagonals, first_block, span, block).unsqueeze(-1)
+    every = torch.arange(diagonals.shape[-1], dtype=diagonals.dtype, device=diagonals.device)
+    whole = torch.where(every < span.view(-1, 1), every, -1)
+    return torch.where(dense, INT32_MAX, columns), torch.where(dense, whole, diagonals)
 
 
 def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
