@@ -116,33 +116,29 @@ def in_tile(index, tables, qb: torch.Tensor, col: torch.Tensor, h: int, bs: int)
 def bar_walk(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
     """The 64-row steps that ``_bar_dkdv_kernel``'s loop takes for a chunk of ascending
     columns ``cols``: from its first column's step to the end of its last column's document
-    (the sequence's without documents). It visits only the live ones (``bar_live_steps``),
+    (the sequence's without documents). It visits only the live ones (``bar_reached_steps``),
     the others cost a compare each, and computes those with a column outside the tiles
     (``bar_outside_steps``)."""
     stop = int(ends[cols.max()]) if documents else seq
     return -(-(stop - int(cols.min()) // BAR_ROWS * BAR_ROWS) // BAR_ROWS)
 
 
-def bar_live_steps(cols: torch.Tensor, ends: torch.Tensor, seq: int, documents: bool) -> int:
-    """Of those steps, the ones some column's document reaches, which the kernel computes
-    (the others, between two documents' columns, see none: it skips them)."""
-    if not documents:
-        return bar_walk(cols, ends, seq, documents)
-    live, done = 0, int(cols.min()) // BAR_ROWS * BAR_ROWS
-    for end in sorted(set(ends[cols].tolist())):
-        start = max(int(cols[ends[cols] == end].min()) // BAR_ROWS * BAR_ROWS, done)
-        live += max(0, -(-(end - start) // BAR_ROWS))
-        done = max(done, -(-end // BAR_ROWS) * BAR_ROWS)
-    return live
-
-
-def bar_outside_steps(index, tables, cols: torch.Tensor, ends: torch.Tensor, h: int, bs: int) -> int:
-    """Of a chunk's computed steps (documents), those where some column the step's rows reach
-    lies outside its query block's attended tiles: the kernel skips the others."""
+def bar_reached_steps(cols: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """With documents, the first rows of those steps that some column's document reaches,
+    ascending: the ones the kernel visits (the others, between two documents' columns, see
+    none: it skips them)."""
     firsts = cols // BAR_ROWS * BAR_ROWS
-    steps = torch.unique(
+    return torch.unique(
         torch.cat([torch.arange(int(a), int(e), BAR_ROWS) for a, e in zip(firsts, ends[cols], strict=True)])
     )
+
+
+def bar_outside_steps(
+    index, tables, cols: torch.Tensor, ends: torch.Tensor, steps: torch.Tensor, h: int, bs: int
+) -> int:
+    """Of a chunk's reached ``steps`` (``bar_reached_steps``), those where some column the
+    step's rows reach lies outside its query block's attended tiles: the kernel computes
+    only those."""
     reached = (cols.view(1, -1) < steps.view(-1, 1) + BAR_ROWS) & (ends[cols].view(1, -1) > steps.view(-1, 1))
     inside = in_tile(index, tables, (steps // bs).view(-1, 1), cols.view(1, -1), h, bs)
     return int((reached & ~inside).any(1).sum())
@@ -178,14 +174,16 @@ def bar_counts(index, tables, starts, ends, bs: int, seq: int) -> dict:
         walked_in_tile += int((walk & inside).sum())
         walked_unseen += int((walk & ~inside & (rows == 0)).sum())
         for c0 in range(0, len(cols), BAR_CHUNK):
-            n = bar_walk(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
-            n_live = bar_live_steps(cols[c0 : c0 + BAR_CHUNK], ends, seq, index.documents is not None)
+            chunk = cols[c0 : c0 + BAR_CHUNK]
+            n = n_live = bar_walk(chunk, ends, seq, index.documents is not None)
+            if index.documents is not None:
+                reached = bar_reached_steps(chunk, ends)
+                n_live = len(reached)
+                outside_steps += bar_outside_steps(index, tables, chunk, ends, reached, h, bs)
             chunks += 1
             chunk_steps += n
             longest_chunk = max(longest_chunk, n)
             live_steps += n_live
-            if index.documents is not None:
-                outside_steps += bar_outside_steps(index, tables, cols[c0 : c0 + BAR_CHUNK], ends, h, bs)
             longest_live = max(longest_live, n_live)
     computed = steps * bs * STEP_N
     return {
