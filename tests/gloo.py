@@ -1,5 +1,6 @@
 """Runs a test function on several gloo processes on this machine."""
 
+import multiprocessing
 import os
 import tempfile
 
@@ -8,7 +9,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, fn, args, backend):
+def _entry(rank, world, init_file, fn, args, backend, environ):
+    # A forkserver's worker inherits the server's environment, not the caller's (a test may
+    # have set a variable since the server started).
+    os.environ.clear()
+    os.environ.update(environ)
     # Several processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -26,9 +31,27 @@ def run(world: int, fn, *args) -> None:
     _spawn(world, fn, args, "gloo")
 
 
+# A spawned worker starts an interpreter and imports torch and Megatron: most of a small
+# case's time on two cores. A forkserver pays that once per test process and forks each
+# worker from a process that has only imported, never run threads (a fork of the pytest
+# process itself crashed in Megatron's init, 01653b9). CUDA does not survive a fork: NCCL
+# workers spawn.
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "megatron.core", "megatron_mtraining", "megatron_workers"]
+)
+
+
 def _spawn(world: int, fn, args, backend: str) -> None:
+    method = "spawn" if backend == "nccl" else "forkserver"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args, backend), nprocs=world, join=True)
+        init = os.path.join(tmp, "init")
+        mp.start_processes(
+            _entry,
+            args=(world, init, fn, args, backend, dict(os.environ)),
+            nprocs=world,
+            join=True,
+            start_method=method,
+        )
 
 
 def run_on_device(world: int, fn, *args) -> None:
