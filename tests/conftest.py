@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton_interpreter  # noqa: E402  (after TRITON_INTERPRET is set)
+
+triton_interpreter.install()
+
 
 @pytest.fixture
 def rng():

@@ -7,6 +7,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import triton_interpreter
 
 
 def _entry(rank, world, init_file, fn, args, backend, environ):
@@ -14,6 +15,7 @@ def _entry(rank, world, init_file, fn, args, backend, environ):
     # have set a variable since the server started).
     os.environ.clear()
     os.environ.update(environ)
+    triton_interpreter.install()
     # Several processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
     if backend == "nccl":
