@@ -1,5 +1,5 @@
-"""Triton's interpreter (TRITON_INTERPRET=1, the CPU suite's kernels) without its per-call
-re-patching of ``triton.language`` in nested ``@triton.jit`` calls.
+"""Triton's interpreter (TRITON_INTERPRET=1, the CPU suite's kernels) without two of its
+per-call overheads, the same results.
 
 A kernel launch patches the language modules once for the whole grid
 (``GridExecutor.__call__``). A jit helper called from the kernel patches them again, on every
@@ -12,6 +12,9 @@ need patching once: the first call from each module's globals patches them, as b
 language's own helpers, ``tl.zeros`` say, reach it as ``triton.language.core``, which the
 launch's patch may not cover), and later calls only run the rewritten function. Outside a
 launch (a helper called directly) the original path runs.
+
+The NumPy dtype of a Triton type (``_get_np_dtype``, called by most interpreted operations)
+builds its table of 17 types afresh at every call; it is looked up once per scalar type.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def install() -> None:
         except Exception as e:
             raise interpreter.InterpreterError(repr(e)) from e
 
+    numpy_dtype, numpy_dtypes = interpreter._get_np_dtype, {}
+
+    def cached_numpy_dtype(tt_dtype):
+        # A block's NumPy dtype is its element's; pointers (unhashable) take the original's
+        # first, table-free test.
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, interpreter.tl.block_type) else tt_dtype
+        if isinstance(scalar, interpreter.tl.pointer_type):
+            return numpy_dtype(scalar)
+        found = numpy_dtypes.get(scalar)
+        if found is None:
+            found = numpy_dtypes[scalar] = numpy_dtype(scalar)
+        return found
+
     counted_launch._nested_calls_patch_once = True
     interpreter.GridExecutor.__call__ = counted_launch
     interpreter.InterpretedFunction.__call__ = nested_call
+    interpreter._get_np_dtype = cached_numpy_dtype
