@@ -30,7 +30,7 @@ def _entry(rank, world, init_file, fn, args, backend, environ):
 def run(world: int, fn, *args) -> None:
     """Runs ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure on any rank fails
     the caller with that rank's traceback."""
-    _spawn(world, fn, args, "gloo")
+    _start_workers(world, fn, args, "gloo")
 
 
 # A spawned worker starts an interpreter and imports torch and Megatron: most of a small
@@ -43,7 +43,7 @@ multiprocessing.set_forkserver_preload(
 )
 
 
-def _spawn(world: int, fn, args, backend: str) -> None:
+def _start_workers(world: int, fn, args, backend: str) -> None:
     method = "spawn" if backend == "nccl" else "forkserver"
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
@@ -66,4 +66,4 @@ def run_on_device(world: int, fn, *args) -> None:
 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, one per rank (NCCL)")
-    _spawn(world, fn, args, "nccl")
+    _start_workers(world, fn, args, "nccl")

@@ -5,7 +5,8 @@ A kernel launch patches the language modules once for the whole grid
 (``GridExecutor.__call__``). A jit helper called from the kernel patches them again, on every
 call (``InterpretedFunction.__call__``): ``inspect.getmembers`` over ``tl``, ``tl.tensor`` and
 ``tl.math`` per helper call, per program, per loop iteration. The package's kernels are built
-from helpers called in their inner loops, so that was about a quarter of a kernel test's time.
+from helpers called in their inner loops, so that was a large share of a kernel test's time
+(``docs/benchmarks.md``, "The CPU suite's time").
 The patches a nested call makes are never undone (Triton keeps no handle on them), and a
 second patch of the same modules changes nothing, so within one launch a helper's modules
 need patching once: the first call from each module's globals patches them, as before (the
@@ -14,7 +15,7 @@ launch's patch may not cover), and later calls only run the rewritten function. 
 launch (a helper called directly) the original path runs.
 
 The NumPy dtype of a Triton type (``_get_np_dtype``, called by most interpreted operations)
-builds its table of 17 types afresh at every call; it is looked up once per scalar type.
+builds its table of every type afresh at every call; it is looked up once per scalar type.
 """
 
 from __future__ import annotations
