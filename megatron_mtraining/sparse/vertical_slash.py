@@ -710,15 +710,17 @@ def dense_where_cheaper(
 
 def _stacked(flat: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
     """``[..., n_documents, longest]``: entries ``[start, start + length)`` of ``flat``'s last
-    dimension per document, zero-padded (one gather, its index built on the host and copied
-    once); the whole of ``flat`` as one document is a view."""
+    dimension per document, zero-padded (one gather); the whole of ``flat`` as one document
+    is a view. The gather's index, ``n_documents x longest`` entries, is made on ``flat``'s
+    device from the documents' starts and lengths: made on the host, a packed sample's took
+    milliseconds of CPU time and a new pinned buffer, twice per new packing (the graphed
+    build's warm-up and capture), while the GPU waited (docs/benchmarks.md)."""
     if lengths == [flat.shape[-1]] and starts == [0]:
         return flat.unsqueeze(-2)
     flat = torch.nn.functional.pad(flat, (0, 1))  # the last entry: the padding's 0
-    n = torch.tensor(lengths).view(-1, 1)
-    t = torch.arange(max(lengths))
-    where = torch.where(t < n, torch.tensor(starts).view(-1, 1) + t, flat.shape[-1] - 1)
-    return flat[..., to_device(where, flat.device)]
+    first, n = to_device(torch.tensor([starts, lengths]), flat.device).view(2, -1, 1).unbind(0)
+    t = torch.arange(max(lengths), device=flat.device)
+    return flat[..., torch.where(t < n, first + t, flat.shape[-1] - 1)]
 
 
 def _selected_per_document(scores: torch.Tensor, n_valid: torch.Tensor, p: float, cap: int, forced: int):
