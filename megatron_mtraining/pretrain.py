@@ -59,13 +59,24 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
         "ends in .gz), to see in Perfetto or chrome://tracing which operator launched each kernel",
     )
     parser.add_argument(
+        "--step-stacks",
+        action="store_true",
+        help="with --step-report: record the profiled step with Python stacks, so that each of its longest "
+        "device-idle gaps names the innermost frame of this package the host was in (slows that step's host)",
+    )
+    parser.add_argument(
         "--check-finite",
         action="store_true",
         help="stop at the first transformer layer whose output or input gradient is NaN or infinite, naming it and "
         "its attention type (debugging: one host synchronisation per layer and pass)",
     )
     cli = parser.parse_args(argv)
-    for flag, value in (("--profile-step", cli.profile_step), ("--step-trace", cli.step_trace)):
+    given = (
+        ("--profile-step", cli.profile_step),
+        ("--step-trace", cli.step_trace),
+        ("--step-stacks", cli.step_stacks or None),
+    )
+    for flag, value in given:
         if value is not None and cli.step_report is None:
             parser.error(f"{flag} is for --step-report")
     if cli.world_size is not None and not cli.dry_run:
@@ -95,7 +106,14 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise ConfigError("\n".join(missing))
         try:
-            run(run_config, cli.step_report, cli.profile_step, check_finite=cli.check_finite, step_trace=cli.step_trace)
+            run(
+                run_config,
+                cli.step_report,
+                cli.profile_step,
+                check_finite=cli.check_finite,
+                step_trace=cli.step_trace,
+                step_stacks=cli.step_stacks,
+            )
         except ConfigError as err:
             raise explain_rejection(err, run_config) from None
     except ConfigError as err:

@@ -116,6 +116,12 @@ def _parse(argv):
         action="store_true",
         help="also write each row's profiled step as a Chrome trace, OUT/<row>.trace.json.gz (pretrain's --step-trace)",
     )
+    p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="profile with Python stacks: each gap also names the package's innermost frame the host was in "
+        "(pretrain's --step-stacks; slows the profiled step's host, not the steady iterations)",
+    )
     p.add_argument("--iters", type=int, default=6, help="iterations per row: 2 warmup, steady ones, the profiled one")
     p.add_argument("--timeout", type=int, default=400, help="seconds per row")
     p.add_argument("--out", default="runs/bench_training")
@@ -195,6 +201,7 @@ def run_row(row: str, args, out: Path, layers: int) -> dict:
         "--profile-step",
         str(args.iters - 2),
         *(["--step-trace", str(out / f"{name}.trace.json.gz")] if args.trace else []),
+        *(["--step-stacks"] if args.stacks else []),
     ]
     # One process on one device: the entry point's own single-process rendezvous.
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
@@ -372,6 +379,12 @@ def main(argv=None) -> None:
             print(
                 f"    {gap['ms']:7.2f} at {gap['at_ms']:9.1f}: {gap['after']} -> {gap['before']} | {' > '.join(gap['host'])}"
             )
+            if gap.get("frame"):
+                print(f"            in {gap['frame']}")
+        if idle.get("by_frame_ms"):
+            print("    every gap's time by the package's innermost frame (ms):")
+            for frame, ms in idle["by_frame_ms"].items():
+                print(f"      {ms:8.2f}  {frame}")
 
 
 if __name__ == "__main__":

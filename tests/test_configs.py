@@ -222,3 +222,12 @@ def _check_parameter_count(rank, world):
 
 def test_parameter_count_equals_gptmodel():
     gloo.run(2, _check_parameter_count)
+
+
+@pytest.mark.parametrize("flag", [["--profile-step", "3"], ["--step-trace", "t.json.gz"], ["--step-stacks"]])
+def test_step_report_options_need_a_step_report(flag, capsys):
+    """The options of the step report are refused without ``--step-report``, naming the option."""
+    with pytest.raises(SystemExit):
+        pretrain.main(["--config", str(TINY), *flag])
+    assert f"{flag[0]} is for --step-report" in capsys.readouterr().err
+    assert pretrain._parse_cli(["--config", str(TINY), "--step-report", "r.json", *flag]).step_report == "r.json"

@@ -470,7 +470,7 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
         overrides += CP2_STRIPED
     else:
         overrides += ["megatron.eval_interval=1", "--check-finite", "--step-report", str(tmp_path / "report.json")]
-        overrides += ["--step-trace", str(tmp_path / "trace.json.gz")]
+        overrides += ["--step-trace", str(tmp_path / "trace.json.gz"), "--step-stacks"]
     output = pretrain(tmp_path, *overrides, world=world).stdout
     evaluations = parse_validation(output)
     # The evaluation at iteration 3 and the one Megatron runs after training read the same samples.
@@ -503,12 +503,14 @@ def test_validation_loss_equals_a_plain_forward_of_the_checkpoint(world, tmp_pat
         assert len(report["evaluation_s"]) == 4 and all(t > 0 for t in report["evaluation_s"]), report
         assert len(report["iteration_s"]) == 2 and all(t > 0 for t in report["iteration_s"]), report
         assert report["profile"]["iteration"] == 2, report["profile"]
-        # The profiled step's trace, with the parts' ranges the report reads.
+        # The profiled step's trace, with the parts' ranges the report reads and, with
+        # --step-stacks, the Python frames the gaps are named by.
         with gzip.open(tmp_path / "trace.json.gz", "rt") as trace:
             names = {event.get("name") for event in json.load(trace)["traceEvents"]}
         assert {"mtraining::layer:1", "mtraining::attention"} <= names, sorted(
             n for n in names if "mtraining" in str(n)
         )
+        assert any("megatron_mtraining/megatron/core_attention.py" in str(n) for n in names)
 
 
 @pytest.mark.parametrize("case", ["msa", "mtraining-cp2-striped"])

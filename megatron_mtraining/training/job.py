@@ -67,12 +67,13 @@ def run(
     profile_step: int | None = None,
     check_finite: bool = False,
     step_trace: str | None = None,
+    step_stacks: bool = False,
 ) -> None:
     """The whole training job of ``python -m megatron_mtraining.pretrain`` on a loaded
     config (``load_config``, which the entry point has already read and checked); with
     ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
     iteration ``profile_step`` (0-based; default the second to last), and that step's trace to
-    ``step_trace`` if given; ``check_finite``
+    ``step_trace`` if given, with Python stacks if ``step_stacks``; ``check_finite``
     guards every layer against non-finite values (``finite_guard.py``)."""
     STATE.check_finite = check_finite
     from megatron.core.enums import ModelType
@@ -85,7 +86,7 @@ def run(
     container = pretrain_cfg_container_from_args(args)
     _record_memory_history(container)
     if step_report is not None:
-        STATE.step_report = StepReport(step_report, profile_step, step_trace)
+        STATE.step_report = StepReport(step_report, profile_step, step_trace, step_stacks)
     pretrain(
         container,
         train_valid_test_datasets_provider,

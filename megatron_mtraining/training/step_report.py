@@ -31,7 +31,11 @@ runs) writes a JSON report when the run ends:
   value that changes from step to step compiles again, seconds each, in steps the median
   then leaves out of sight.
 ``--step-trace PATH`` also writes the profiled step's trace, the operators, ranges and kernels
-as the profiler linked them.
+as the profiler linked them. ``--step-stacks`` records the profiled step with Python stacks, and
+each gap then also names the innermost of this package's Python frames the host was in
+(``idle_gaps``): the runtime call a gap ends at is often only where the host got to after
+Python work in some caller. Stacks slow the profiled step's host, so its gaps grow; the
+steady iterations' times are not affected.
 
 The annotations cost a few microseconds of host time per module call and are only installed
 with ``--step-report``.
@@ -39,6 +43,7 @@ with ``--step-report``.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import re
@@ -98,6 +103,10 @@ def _named_part(kernel: str, part: str) -> str:
 IDLE_GAPS = 10
 MIN_GAP_MS = 0.05
 HOST_NAMES = 6
+# How many earlier frames ``_innermost_frames`` looks back over for the one running at a gap.
+FRAME_LOOKBACK = 4096
+# Python frames a profile with stacks names gaps by: this package's.
+FRAME_PATH = "megatron_mtraining/"
 # Host events a gap is explained by: runtime calls (syncs, copies), host reads, the step's
 # ranges and the backward's nodes.
 GAP_HOST_EVENTS = ("cuda", PREFIX, BACKWARD, "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
@@ -225,7 +234,7 @@ def _busy_ms(device_events) -> float:
     return busy / 1e6
 
 
-def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str]], top: int) -> dict:
+def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str]], top: int, frames=()) -> dict:
     """The longest stretches in which no device event ran, and what the host did meanwhile.
 
     ``device`` and ``host``: (start ns, end ns, name). A gap names the device events on either
@@ -233,7 +242,10 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
     ``cudaStreamSynchronize`` there is a host read; the step's own ranges alone mean the host
     was still launching (Python-bound). ``gaps_ms``: the sum over every gap of at least
     ``MIN_GAP_MS``, so many short gaps show even when no single one stands out; ``events``:
-    how many device events ran (kernels, copies, fills), a launch-bound step's other sign."""
+    how many device events ran (kernels, copies, fills), a launch-bound step's other sign.
+    With ``frames`` (the package's Python frames of one thread, as (start ns, end ns,
+    "file(line): function"), from a profile with stacks), each gap also names ``frame``, the
+    innermost of them running at its middle, and ``by_frame_ms`` sums every gap by that frame."""
     spans = sorted(device)
     gaps = []
     end, last = None, None
@@ -249,7 +261,7 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
         over = sorted((s, -e, n) for s, e, n in host if s < hi and e > lo)
         return list(dict.fromkeys(n[:80] for _, _, n in over))[:HOST_NAMES]
 
-    return {
+    report = {
         "events": len(spans),
         "gaps_ms": round(sum(g[0] for g in gaps) / 1e6, 3),
         "gaps": len(gaps),
@@ -264,6 +276,33 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
             for length, lo, hi, after, before in longest
         ],
     }
+    if frames:
+        innermost = _innermost_frames(frames)
+        by_frame = collections.Counter()
+        for length, lo, hi, *_ in gaps:
+            by_frame[innermost((lo + hi) // 2)] += length
+        for gap, (_, lo, hi, *_) in zip(report["longest"], longest, strict=True):
+            gap["frame"] = innermost((lo + hi) // 2)
+        report["by_frame_ms"] = {name: round(ns / 1e6, 3) for name, ns in by_frame.most_common(HOST_NAMES * 2)}
+    return report
+
+
+def _innermost_frames(frames):
+    """``at(t)``: the latest-starting of ``frames`` (one thread's, so nested) that runs at
+    ``t``, its name; None where none does. Looks back from ``t`` over at most
+    ``FRAME_LOOKBACK`` frames: the innermost running frame starts after the frames that its
+    callers called before it and have returned, which a deep lookback would walk."""
+    frames = sorted(frames, key=lambda f: (f[0], -f[1]))  # a callee that starts with its caller after it
+    starts = [f[0] for f in frames]
+
+    def at(t: int) -> str | None:
+        i = bisect.bisect_right(starts, t)
+        for _start, end, name in reversed(frames[max(0, i - FRAME_LOOKBACK) : i]):
+            if end > t:
+                return name
+        return None
+
+    return at
 
 
 def breakdown(prof, wall_s: float, on_device: bool) -> dict:
@@ -305,20 +344,23 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        device, host = device_and_host_events(prof)
+        device, host, frames = device_and_host_events(prof)
         busy = _busy_ms(device)
         # Each device event once: ``summed_ms`` above it means the attribution counted a
         # kernel under two host events.
         kernels = sum(e.end_ns() - e.start_ns() for e in device) / 1e6
         report.update(busy_ms=busy, idle_ms=max(0.0, wall_s * 1e3 - busy), kernels_ms=kernels)
-        report["idle"] = idle_gaps([(e.start_ns(), e.end_ns(), e.name()) for e in device], host, IDLE_GAPS)
+        device = [(e.start_ns(), e.end_ns(), e.name()) for e in device]
+        report["idle"] = idle_gaps(device, host, IDLE_GAPS, frames)
     return report
 
 
-def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]]]:
+def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list[tuple[int, int, str]]]:
     """A profile's device events (kernels, copies and fills: the device-side copies of
-    annotated ranges span gaps) and the host events a gap is explained by
-    (``GAP_HOST_EVENTS``), as (start ns, end ns, name), for ``idle_gaps``."""
+    annotated ranges span gaps), the host events a gap is explained by
+    (``GAP_HOST_EVENTS``) and, in a profile with stacks, the package's Python frames on the
+    thread that ran the step's first range (the DataLoader's pin-memory thread runs beside
+    it), both as (start ns, end ns, name), for ``idle_gaps``."""
     events = prof.profiler.kineto_results.events()
     cpu = torch.autograd.DeviceType.CPU
     device = [e for e in events if e.device_type() != cpu and not e.is_user_annotation()]
@@ -327,7 +369,14 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]]]:
         for e in events
         if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
     ]
-    return device, host
+    step = next((e for e in events if e.device_type() == cpu and e.name().startswith(PREFIX)), None)
+    frames = [
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in events
+        if e.is_python_function() and FRAME_PATH in e.name() and step is not None
+        and e.start_thread_id() == step.start_thread_id()
+    ]  # fmt: skip
+    return device, host, frames
 
 
 class CompileWatch:
@@ -375,10 +424,13 @@ class CompileWatch:
 class StepReport:
     """Times every training iteration and profiles one; ``write`` saves the JSON report."""
 
-    def __init__(self, path: str | Path, profile_step: int | None, trace: str | Path | None = None):
+    def __init__(
+        self, path: str | Path, profile_step: int | None, trace: str | Path | None = None, stacks: bool = False
+    ):
         self.path = Path(path)
         self.profile_step = profile_step
         self.trace = None if trace is None else Path(trace)
+        self.stacks = stacks
         self.marks: list[tuple[int, float]] = []  # (iteration, time its first micro-batch began)
         # Compiles before the first iteration (model setup, Megatron's warm-up) count as -1.
         self.compiles = CompileWatch(lambda: self.marks[-1][0] if self.marks else -1)
@@ -404,7 +456,7 @@ class StepReport:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = torch.profiler.profile(activities=activities, with_stack=self.stacks)
             self.profiler.__enter__()
             self.profile_start = self._sync()
 
