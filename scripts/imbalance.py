@@ -18,6 +18,10 @@ ranks in a step, across steps for a rank; 1.0 = balanced), min-max over seeds, a
 granularity of the work: its largest tile over the mean area of a (rank, step) cell (an
 indivisible tile larger than a cell's mean would force a most loaded rank above it).
 
+The last column is the all-gather exchange's worker-level imbalance (``ring_attention(...,
+kv_exchange="allgather")``): each rank attends the whole gathered K/V in one piece, so its
+one sync is the whole pass, and the degree is max/mean of the ranks' total areas.
+
 ``--search N`` adds the ``searched`` layout: the balanced layout improved by ``N``
 proposed swaps of two stripes between ranks, each kept if it lowers a smooth maximum of
 every step's per-rank areas (``_search``), on the sample's own tiles of each pattern.
@@ -118,7 +122,7 @@ def main() -> None:
     print(f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds}")
     print(
         f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
-        f" {'largest tile / mean cell':>25}"
+        f" {'largest tile / mean cell':>25} {'all-gather ID':>18}"
     )
     for mix in args.documents:
         results: dict = {}
@@ -129,16 +133,18 @@ def main() -> None:
                 unit = float(tiles.max() / tiles.sum() * args.cp_size**2)
                 for kind in LAYOUTS:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
-                    found = imbalance_degrees(simulate_ring_areas(work, layout, args.block, tiles))
-                    results.setdefault((pattern, kind), []).append((*found, unit))
+                    area = simulate_ring_areas(work, layout, args.block, tiles)
+                    gathered = imbalance_degrees(area.sum(1, keepdim=True))[0]
+                    results.setdefault((pattern, kind), []).append((*imbalance_degrees(area), unit, gathered))
                     if kind == "balanced" and args.search:
-                        found = imbalance_degrees(_search(layout, tiles, args.search, seed))
-                        results.setdefault((pattern, "searched"), []).append((*found, unit))
+                        area = _search(layout, tiles, args.search, seed)
+                        gathered = imbalance_degrees(area.sum(1, keepdim=True))[0]
+                        results.setdefault((pattern, "searched"), []).append((*imbalance_degrees(area), unit, gathered))
         for (pattern, kind), found in results.items():
-            w, s, u = ([f[i] for f in found] for i in range(3))
+            w, s, u, g = ([f[i] for f in found] for i in range(4))
             print(
                 f"{mix:<10} {pattern:<15} {kind:<11} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}"
-                f" {min(u):>12.3f} - {max(u):<7.3f}"
+                f" {min(u):>12.3f} - {max(u):<7.3f} {min(g):>8.3f} - {max(g):<7.3f}"
             )
 
 
