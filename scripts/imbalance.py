@@ -108,6 +108,13 @@ def _search(layout: ContextParallelLayout, tiles: torch.Tensor, proposals: int, 
     return torch.from_numpy(a)
 
 
+def _row(area: torch.Tensor, unit: float) -> tuple[float, float, float, float]:
+    """A layout's printed figures from its ``[ranks, steps]`` ring areas: the ring's worker-
+    and step-level degrees, the granularity ``unit``, and the all-gather's worker-level
+    degree (its one sync: the ranks' total areas)."""
+    return (*imbalance_degrees(area), unit, imbalance_degrees(area.sum(1, keepdim=True))[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=65536)
@@ -134,12 +141,10 @@ def main() -> None:
                 for kind in LAYOUTS:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
                     area = simulate_ring_areas(work, layout, args.block, tiles)
-                    gathered = imbalance_degrees(area.sum(1, keepdim=True))[0]
-                    results.setdefault((pattern, kind), []).append((*imbalance_degrees(area), unit, gathered))
+                    results.setdefault((pattern, kind), []).append(_row(area, unit))
                     if kind == "balanced" and args.search:
                         area = _search(layout, tiles, args.search, seed)
-                        gathered = imbalance_degrees(area.sum(1, keepdim=True))[0]
-                        results.setdefault((pattern, "searched"), []).append((*imbalance_degrees(area), unit, gathered))
+                        results.setdefault((pattern, "searched"), []).append(_row(area, unit))
         for (pattern, kind), found in results.items():
             w, s, u, g = ([f[i] for f in found] for i in range(4))
             print(

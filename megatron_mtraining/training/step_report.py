@@ -278,11 +278,12 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
     }
     if frames:
         innermost = _innermost_frames(frames)
+        frame_at = {lo: innermost((lo + hi) // 2) for _, lo, hi, *_ in gaps}  # a gap by its start
         by_frame = collections.Counter()
-        for length, lo, hi, *_ in gaps:
-            by_frame[innermost((lo + hi) // 2)] += length
-        for gap, (_, lo, hi, *_) in zip(report["longest"], longest, strict=True):
-            gap["frame"] = innermost((lo + hi) // 2)
+        for length, lo, *_ in gaps:
+            by_frame[frame_at[lo]] += length
+        for gap, (_, lo, *_) in zip(report["longest"], longest, strict=True):
+            gap["frame"] = frame_at[lo]
         report["by_frame_ms"] = {name: round(ns / 1e6, 3) for name, ns in by_frame.most_common(HOST_NAMES * 2)}
     return report
 
@@ -370,12 +371,14 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list
         if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
     ]
     step = next((e for e in events if e.device_type() == cpu and e.name().startswith(PREFIX)), None)
+    if step is None:  # no range of the step: no thread to read frames of
+        return device, host, []
+    thread = step.start_thread_id()
     frames = [
         (e.start_ns(), e.end_ns(), e.name())
         for e in events
-        if e.is_python_function() and FRAME_PATH in e.name() and step is not None
-        and e.start_thread_id() == step.start_thread_id()
-    ]  # fmt: skip
+        if e.is_python_function() and e.start_thread_id() == thread and FRAME_PATH in e.name()
+    ]
     return device, host, frames
 
 
