@@ -1,7 +1,8 @@
 """Packed documents on one GPU: document-masked attention against the same attention
 unmasked and against a library's varlen kernel.
 
-    python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--kernels] [--out DIR]
+    python scripts/bench_documents.py [--seq-len 131072] [--mean 8192] [--mix lognormal] [--block 64]
+        [--kernels] [--out DIR]
 
 One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``examples.synthetic
 .sampled_document_bounds``) with mean length ``--mean``; Qwen2.5-3B's attention shape (16 query heads,
@@ -12,7 +13,8 @@ One packed sample of ``--seq-len`` tokens whose documents follow ``--mix`` (``ex
   where this PyTorch has it: the library answer for document-masked dense attention;
 * the plugin's dense attention with and without the documents (``DenseIndex``);
 * the plugin's vertical-slash attention with and without the documents, its index built from
-  the inputs (``build_vertical_slash_index``; per document with ``cu_seqlens``: every sparse
+  the inputs (``build_vertical_slash_index`` with ``--block``-token blocks, the tiles the
+  balanced ring's stripes need to match; per document with ``cu_seqlens``: every sparse
   document's statistics in one batched pass, ``document_statistics_from_parts``, then one
   selection for all), the build timed apart; and the whole-sequence index with the
   documents' mask (the same lists, like for like). The first build of another packing (which
@@ -187,6 +189,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sample_arguments(p)
     p.add_argument("--rep-ms", type=int, default=150)
+    p.add_argument("--block", type=int, default=64, help="the vertical-slash index's block (its kernels' tile)")
     p.add_argument("--kernels", action="store_true", help="per-kernel device times of the vertical-slash rows")
     p.add_argument("--out", default="runs/bench_documents")
     args = p.parse_args()
@@ -231,7 +234,7 @@ def main() -> None:
             area,
             index,
         )
-    config = VerticalSlashConfig()
+    config = VerticalSlashConfig(block_size=args.block)
     builds = {}
     split_indexes = {}  # the vertical-slash rows' indexes, for --kernels
     for name, bounds in (("vertical-slash, no document mask", None), ("vertical-slash, documents", cu)):
@@ -281,7 +284,7 @@ def main() -> None:
             )
             split_indexes["documents' mask"] = masked
     os.makedirs(args.out, exist_ok=True)
-    result = {"seq_len": seq, "mix": args.mix, "mean": args.mean, "documents": lengths, "rows": rows,
+    result = {"seq_len": seq, "mix": args.mix, "mean": args.mean, "block": args.block, "documents": lengths, "rows": rows,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
     if args.kernels:
         result["kernel_ms"] = kernel_split(split_indexes, q, k, v, scale)
