@@ -40,7 +40,6 @@ trained models. Prints a table and writes ``DIR/bench_documents.json``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import os
@@ -274,8 +273,7 @@ def main() -> None:
             print(f"{'':<40} {same} of {sparse} sparse documents' lists equal their index built alone")
         if bounds is None:
             # Like for like: the same lists with the documents' mask, which only removes work.
-            per_document = index.slash.unsqueeze(2).expand(-1, -1, docs.count, -1).contiguous()
-            masked = dataclasses.replace(index, slash=per_document, documents=docs)
+            masked = index.within(docs)
             record(
                 "ours vertical-slash, same index, documents",
                 lambda a, b, c, i=masked: sparse_attention(a, b, c, i, scale, backend="triton")[0],

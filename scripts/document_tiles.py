@@ -27,7 +27,6 @@ nearly flat, so the budgets keep most columns and diagonals. With ``--mix unifor
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -252,9 +251,7 @@ def main() -> None:
     with torch.no_grad():
         whole = build_vertical_slash_index(q, k, config, scale)
         per_document = build_vertical_slash_index(q, k, config, scale, cu_seqlens=cu)
-    masked = dataclasses.replace(
-        whole, slash=whole.slash.unsqueeze(2).expand(-1, -1, docs.count, -1).contiguous(), documents=docs
-    )
+    masked = whole.within(docs)
     bs = config.block_size
     for name, index in (
         ("vertical-slash, no document mask", whole),

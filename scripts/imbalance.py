@@ -32,7 +32,6 @@ it shows how far a layout that knew the work could get, an upper bound on the be
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
 import torch
@@ -58,9 +57,7 @@ def _works(args, mix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor | N
     return {
         "dense": DenseIndex(1, args.heads, args.seq_len, documents=docs),
         # Every document keeps the synthetic diagonals (its own local lines and far ones).
-        "vertical-slash": ring_work(
-            dataclasses.replace(index, slash=index.slash.unsqueeze(2).expand(-1, -1, docs.count, -1), documents=docs)
-        ),
+        "vertical-slash": ring_work(index.within(docs)),
     }, cu
 
 

@@ -7,8 +7,6 @@ against fp64 dense attention under the block-diagonal causal mask (gloo CP 2 and
 its simulated balance against striping.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from cp_workers import check_ring_with_documents
@@ -315,9 +313,7 @@ def test_balanced_beats_striped_on_the_simulated_ring(rng, capsys):
     docs = packed_documents(cu, seq)
     works = {
         "dense": DenseIndex(1, 4, seq, documents=docs),
-        "vertical-slash": ring_work(
-            dataclasses.replace(index, slash=index.slash.unsqueeze(2).expand(-1, -1, docs.count, -1), documents=docs)
-        ),
+        "vertical-slash": ring_work(index.within(docs)),
     }
     for pattern, work in works.items():
         tiles = work.block_areas(stripe)

@@ -311,6 +311,25 @@ def test_mask_is_block_diagonal_for_every_index_type(rng):
         assert torch.equal(key_list_mask(index), mask), type(index).__name__
 
 
+def test_within_masks_the_same_lists_to_the_documents(rng):
+    """An index without documents (random diagonals, 0 among them, and random columns),
+    masked by ``within``: its mask is the unmasked one inside the block-diagonal mask."""
+    seq, block, heads = 96, 16, 2
+    n = seq // block
+    cu = random_boundaries(rng, seq)
+    docs = packed_documents(cu, seq)
+    slash = torch.stack(
+        [torch.cat([torch.zeros(1), 1 + torch.randperm(n - 1, generator=rng)[:2]]).sort().values for _ in range(heads)]
+    )
+    vertical = torch.stack([torch.randperm(seq, generator=rng)[:5].sort().values for _ in range(heads)])
+    index = VerticalSlashIndex(vertical.int()[None], slash.int()[None], seq, block)
+    masked = index.within(docs)
+    expected = index.to_dense_mask(seq) & block_diagonal(cu, seq)
+    assert torch.equal(masked.to_dense_mask(seq), expected)
+    with pytest.raises(ValueError, match=r"VerticalSlashIndex.documents=.* documents' is not accepted: expected None"):
+        masked.within(docs)
+
+
 def key_list_mask(index, bounded: bool = False) -> torch.Tensor:
     """The mask that ``key_lists`` (``bounded``: ``bounded_key_lists``, the recall's) and
     ``visible`` give (the reference path's view)."""

@@ -451,6 +451,15 @@ class VerticalSlashIndex(SparseIndex):
     def query_chunk(self) -> int:
         return self.block_size
 
+    def within(self, documents: Documents) -> VerticalSlashIndex:
+        """The same lists under ``documents``' mask: every document keeps this index's
+        diagonals and sees only its own columns. The like-for-like comparison of a packed
+        sample's attention with and without its documents."""
+        if self.documents is not None:
+            fail("VerticalSlashIndex.documents", f"{self.documents.count} documents", "None (within() adds them)")
+        slash = self.slash.unsqueeze(2).expand(-1, -1, documents.count, -1).contiguous()
+        return dataclasses.replace(self, slash=slash, documents=documents)
+
     def active_diagonals(self) -> torch.Tensor:
         """``[B, Hq, n_blocks]`` bool: which block diagonals are attended (with documents,
         ``[B, Hq, n_documents, n_blocks]``, diagonal 0 always)."""
