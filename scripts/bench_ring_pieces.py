@@ -6,10 +6,14 @@ ring did before; with ``--allgather`` the one piece over the whole sequence's K/
 with no process group and no transfer.
 
     python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped]
-        [--separate-columns | --allgather] [--out r.json]
+        [--block 128] [--documents MIX [--mean-doc 2048]] [--separate-columns | --allgather]
+        [--out r.json]
 
 Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
-head dim 128, bf16, vertical-slash at density ``--density``). The pieces run as the
+head dim 128, bf16, vertical-slash at density ``--density``, on ``--block``-token blocks,
+which are also the layout's stripes). With ``--documents`` the sample is packed
+(``examples.synthetic.sampled_document_bounds``, mean length ``--mean-doc``) and the same
+index is masked to its documents (``VerticalSlashIndex.within``). The pieces run as the
 ring runs them: the first piece starts the fp32 running result, each later one adds
 into it inside the kernel, the last writes bf16 (the backward likewise for dQ).
 ``kernel bound`` is (single-GPU time / cp) over the sum of a rank's pieces: the
@@ -18,6 +22,13 @@ transfers. The single-GPU time is also split into its tiles and its bars (the in
 without vertical columns, and without slash diagonals), which the pieces divide, and
 timed with the block-id positions a rank's tile tables carry (``TileTables.query_blocks`` /
 ``key_blocks``, here every block), which isolates what the positions cost.
+
+When every rank runs on the ring, the worker- and step-level imbalance degrees
+(``imbalance_degrees``: max/mean across ranks in a step, across steps for a rank) are
+printed for the measured fwd+bwd kernel milliseconds of each (rank, step) piece and for the
+attended areas (``simulate_ring_areas``, the figures ``scripts/imbalance.py`` prints): the
+load balance a layout reaches in kernel time, beside the model it was built on. With many
+ranks, a small ``--rep-ms`` (10) keeps the run to a few seconds a rank.
 """
 
 from __future__ import annotations
@@ -34,17 +45,19 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import HKV, HQ, D, natural_index  # noqa: E402
 
-from megatron_mtraining.context_parallel import ContextParallelLayout  # noqa: E402
+from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, simulate_ring_areas  # noqa: E402
 from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns  # noqa: E402
 from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
 from megatron_mtraining.context_parallel.step_tables import StepTables  # noqa: E402
-from megatron_mtraining.sparse.index import VerticalSlashIndex, VerticalSlashPart  # noqa: E402
+from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_document_bounds  # noqa: E402
+from megatron_mtraining.sparse.documents import packed_documents  # noqa: E402
+from megatron_mtraining.sparse.index import VerticalSlashPart  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.attention import ColumnKeys, kernel_backward, kernel_forward  # noqa: E402
 from megatron_mtraining.sparse.kernels.block_bar.tables import tile_tables  # noqa: E402
 
 
 def timed(fn, rep_ms: int) -> float:
-    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+    return do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
 
 
 def piece_times(q, k, v, tables, scale, rep_ms, running=None, last=True, columns=None) -> dict:
@@ -104,11 +117,33 @@ def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, sc
     return {"whole": piece_times(layout.shard(q, rank), k, v, whole, scale, rep_ms)}
 
 
+def balance(ranks: dict, index, layout: ContextParallelLayout, block: int) -> dict:
+    """Worker- and step-level imbalance degrees of every rank's ring steps, in measured
+    kernel time (forward, backward, both) and in attended area; printed."""
+    steps = [f"step {i}" for i in range(layout.cp_size)]
+    ms = {
+        ph: torch.tensor([[ranks[r]["pieces"][s][f"{ph}_ms"] for s in steps] for r in sorted(ranks)])
+        for ph in ("fwd", "bwd")
+    }
+    ms["fwd+bwd"] = ms["fwd"] + ms["bwd"]
+    areas = simulate_ring_areas(ring_work(index), layout, block)
+    found = {name: imbalance_degrees(m) for name, m in (*ms.items(), ("area", areas))}
+    for name, (worker, step) in found.items():
+        print(f"  imbalance ({name:<7}) worker-level {worker:.3f}  step-level {step:.3f}")
+    total = float(ms["fwd+bwd"].sum())
+    busiest = float(ms["fwd+bwd"].amax(0).sum())
+    print(f"  ring kernels: {total:.2f} ms over all pieces; {busiest:.2f} ms if each step waits for its busiest rank")
+    return {"degrees": found, "total_ms": total, "synchronised_ms": busiest}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=524288)
     p.add_argument("--cp", type=int, default=2)
-    p.add_argument("--layout", default="striped", choices=("striped", "zigzag"))
+    p.add_argument("--layout", default="striped", choices=("striped", "balanced", "zigzag"))
+    p.add_argument("--block", type=int, default=128, help="the index's block and the layout's stripe")
+    p.add_argument("--documents", default=None, choices=DOCUMENT_MIXES, help="pack the sample's documents")
+    p.add_argument("--mean-doc", type=int, default=2048, help="mean document length of --documents")
     p.add_argument("--density", type=float, default=0.05)
     p.add_argument("--ranks", type=int, nargs="*", default=None, help="ranks to emulate (default: all)")
     p.add_argument("--rep-ms", type=int, default=300)
@@ -117,27 +152,37 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     seq, dev = args.seq_len, torch.device("cuda")
-    index = natural_index(seq, 128, args.density, torch.Generator().manual_seed(seq), dev)
+    block = args.block
+    index = natural_index(seq, block, args.density, torch.Generator().manual_seed(seq), dev)
     gen = torch.Generator().manual_seed(0)
+    cu = None
+    if args.documents:
+        cu = sampled_document_bounds(args.documents, seq, args.mean_doc, gen)
+        index = index.within(packed_documents(cu.to(dev), seq))
     q, k, v = (torch.randn(1, seq, h, D, generator=gen).to(dev, torch.bfloat16) for h in (HQ, HKV, HKV))
     scale = D**-0.5
-    no_columns = VerticalSlashIndex(torch.full_like(index.vertical[..., :1], -1), index.slash, seq, 128)
-    no_slash = VerticalSlashIndex(index.vertical, torch.full_like(index.slash[..., :1], -1), seq, 128)
+    no_columns = dataclasses.replace(index, vertical=torch.full_like(index.vertical[..., :1], -1))
+    no_slash = dataclasses.replace(index, slash=torch.full_like(index.slash[..., :1], -1))
     single = {
         name: piece_times(q, k, v, tile_tables(ix), scale, args.rep_ms)
         for name, ix in (("whole", index), ("tiles", no_columns), ("bars", no_slash))
     }
-    blocks = torch.arange(seq // 128, device=dev, dtype=torch.int32)
+    blocks = torch.arange(seq // block, device=dev, dtype=torch.int32)
     with_ids = dataclasses.replace(tile_tables(index), query_blocks=blocks, key_blocks=blocks)
     single["positions"] = piece_times(q, k, v, with_ids, scale, args.rep_ms)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {seq} tokens, cp {args.cp} {args.layout}")
+    packed = "" if cu is None else f", {len(cu) - 1} {args.documents} documents (mean {args.mean_doc})"
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {seq} tokens{packed}, cp {args.cp} "
+        f"{args.layout}, block {block}"
+    )
     for name, r in single.items():
         print(f"  single GPU, {name:<9} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
-    layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=128)
-    result = {"seq": seq, "cp": args.cp, "layout": args.layout, "device": torch.cuda.get_device_name(),
-              "separate_columns": args.separate_columns, "allgather": args.allgather, "single": single,
-              "ranks": {}}  # fmt: skip
-    for rank in args.ranks if args.ranks is not None else range(args.cp):
+    layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=block, documents=cu)
+    result = {"seq": seq, "cp": args.cp, "layout": args.layout, "block": block, "device": torch.cuda.get_device_name(),
+              "documents": None if cu is None else cu.tolist(), "separate_columns": args.separate_columns,
+              "allgather": args.allgather, "single": single, "ranks": {}}  # fmt: skip
+    ranks = args.ranks if args.ranks is not None else range(args.cp)
+    for rank in ranks:
         if args.allgather:
             pieces = allgather_piece(q, k, v, index, layout, rank, scale, args.rep_ms)
         else:
@@ -152,6 +197,8 @@ def main() -> None:
             f"ring / single: fwd {bound['fwd']:.3f}, bwd {bound['bwd']:.3f}",
             flush=True,
         )
+    if sorted(ranks) == list(range(args.cp)) and not args.allgather:
+        result["imbalance"] = balance(result["ranks"], index, layout, block)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
