@@ -41,6 +41,13 @@ def test_whole_dense_attention_goes_to_the_fused_library_and_pieces_do_not():
     assert "not flash-attn: flash-attn is not installed" in decision.reason
     piece = dispatch.attention_kernel(q, dense, piece=True)
     assert piece.kernel == "block_bar" and "running result" in piece.reason
+    assert dispatch.attention_kernel(q, dense, piece=True, whole_blocks=True) == piece
+    # A rank's tokens that are not whole tiles: every ring step on PyTorch, said so; forced
+    # kernels fail.
+    split = dispatch.attention_kernel(q, dense, piece=True, whole_blocks=False)
+    assert split.kernel == "reference" and "not whole kernel tiles" in split.reason
+    with pytest.raises(ValueError, match=r"backend='triton'.*a layout the kernels serve"):
+        dispatch.attention_kernel(q, dense, "triton", piece=True, whole_blocks=False)
     assert dispatch.attention_kernel(q, dense, "triton").kernel == "block_bar"
     assert dispatch.attention_kernel(q, dense, "sdpa") == dispatch.Decision("sdpa", "forced")
     # fp32 is outside the fused libraries' dtypes: the plugin's kernels take it.

@@ -322,10 +322,11 @@ def ring_attention(
     index = build_index(pattern, q, k, scale, layout, cp_group, cu_seqlens)
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
-    decision = attention_kernel(q, index, backend, piece=True)
+    step_tables = StepTables(work, queries)
+    decision = attention_kernel(q, index, backend, piece=True, whole_blocks=step_tables.whole_blocks())
     log_decision(decision, f"ring_attention ({exchange}) rank {rank}")
     use_kernels = decision.kernel == "block_bar"
-    step_tables = StepTables(work, queries) if use_kernels else None
+    step_tables = step_tables if use_kernels else None
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
         rank, n_outer * n_inner, q.device
     )

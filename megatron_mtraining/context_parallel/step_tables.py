@@ -32,6 +32,21 @@ from .layout import TokenPositions
 
 # A dense index's tile sizes, the widest the tokens' runs allow first.
 DENSE_BLOCKS = (128, 64, 32, 16)
+# A top-k index's tile is its block, capped here: a wider block is read as several tiles.
+TOPK_TILE_CAP = 128
+
+
+def kernel_tiles(kind: type, block: int | None) -> tuple[int, ...]:
+    """The tile sizes the kernels take an index of type ``kind`` with blocks of ``block``
+    tokens in, the widest first (none: no kernel form). A rank's tokens must come in whole,
+    aligned runs of one of them for a ring step to have tile tables."""
+    if issubclass(kind, VerticalSlashIndex | VerticalSlashPart):
+        return (block,)  # diagonals are counted in blocks: the tile is the block
+    if issubclass(kind, BlockTopKIndex):
+        return (min(block, TOPK_TILE_CAP),)
+    if issubclass(kind, DenseIndex):
+        return DENSE_BLOCKS
+    return ()
 
 
 def _global_blocks(positions: TokenPositions, block: int) -> torch.Tensor | None:
@@ -92,16 +107,13 @@ class StepTables:
         every ring step: each rank's positions run in the same stripes (or zigzag chunks), so
         a chunk's keys are whole blocks where the rows are. Reads nothing from the device and
         builds nothing."""
+        return any(_global_blocks(self.queries, b) is not None for b in self._tiles)
+
+    @property
+    def _tiles(self) -> tuple[int, ...]:
         work = self.work
-        if isinstance(work, BlockTopKIndex):
-            sizes = (min(work.block_size, 128),)
-        elif isinstance(work, DenseIndex):
-            sizes = DENSE_BLOCKS
-        elif isinstance(work, VerticalSlashPart):
-            sizes = (work.index.block_size,)
-        else:
-            return False
-        return any(_global_blocks(self.queries, b) is not None for b in sizes)
+        block = work.index.block_size if isinstance(work, VerticalSlashPart) else getattr(work, "block_size", None)
+        return kernel_tiles(type(work), block)
 
     def of(self, keys: TokenPositions) -> TileTables | None:
         """The tile tables of the step over the chunk at ``keys``, or None when the kernels
@@ -112,13 +124,9 @@ class StepTables:
             return self._bars(keys)
         if isinstance(work, VerticalSlashIndex | VerticalSlashPart):
             return self._vertical_slash(keys)
-        if isinstance(work, BlockTopKIndex):
-            candidates = (min(work.block_size, 128),)
-        elif isinstance(work, DenseIndex):
-            candidates = DENSE_BLOCKS
-        else:
+        if not isinstance(work, BlockTopKIndex | DenseIndex):
             return None
-        aligned = ((b, _global_blocks(queries, b), _global_blocks(keys, b)) for b in candidates)
+        aligned = ((b, _global_blocks(queries, b), _global_blocks(keys, b)) for b in self._tiles)
         block, gq, gk = next(((b, q, k) for b, q, k in aligned if q is not None and k is not None), (None,) * 3)
         if block is None:
             return None
@@ -168,7 +176,7 @@ class StepTables:
         the block counts would hold tens of times the data a top-k selection has."""
         work = self.work
         rowsel = work.blocks[:, self.queries.values].permute(0, 2, 1, 3).contiguous()
-        chosen = selection_union(rowsel, min(work.block_size, 128), -(-work.seq_len // work.block_size))
+        chosen = selection_union(rowsel, min(work.block_size, TOPK_TILE_CAP), -(-work.seq_len // work.block_size))
         most_chosen, most_readers = torch.stack([chosen.sum(-1).amax(), chosen.sum(-2).amax()]).tolist()
         return rowsel, chosen, most_chosen, most_readers
 

@@ -109,9 +109,17 @@ class Decision:
         return f"{self.kernel}: {self.reason}"
 
 
-def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = None, piece: bool = False) -> Decision:
+def attention_kernel(
+    q: torch.Tensor,
+    index: SparseIndex,
+    backend: str | None = None,
+    piece: bool = False,
+    whole_blocks: bool | None = None,
+) -> Decision:
     """Where attention of ``q`` under ``index`` runs: a whole single-device call
-    (``sparse_attention``), or with ``piece`` a piece of a context-parallel rank's attention."""
+    (``sparse_attention``), or with ``piece`` a piece of a context-parallel rank's attention,
+    whose caller passes ``whole_blocks`` (``StepTables.whole_blocks``: whether the rank's
+    tokens are whole kernel tiles; the ring steps have no tile tables otherwise)."""
     setting = _backend_setting(backend)
     if not piece:
         dense = dense_backend(q, index, backend)
@@ -131,6 +139,11 @@ def attention_kernel(q: torch.Tensor, index: SparseIndex, backend: str | None = 
         if setting == "triton":
             fail("backend", "triton", f"an index type the kernels serve, got {type(index).__name__}")
         return Decision("reference", f"no kernel serves a {type(index).__name__}")
+    if piece and whole_blocks is False:
+        why = "context-parallel tokens that are not whole kernel tiles (no ring-step tile tables)"
+        if setting == "triton":
+            fail("backend", "triton", f"a layout the kernels serve, got {why}")
+        return Decision("reference", why)
     if piece:
         return Decision("block_bar", "a context-parallel piece: keys at global positions, an fp32 running result")
     if isinstance(index, BlockTopKIndex):
