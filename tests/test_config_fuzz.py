@@ -30,7 +30,7 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
 
 # (overrides of the tiny config, what the message must say is accepted). The tiny config
 # has 4 heads in 2 query groups, hidden 64, sequence 256, mtraining blocks of 16, MSA blocks
-# of 16 with top-4, MoBA chunks of 32 with top-3, striped layout with stripes of 16.
+# of 16 with top-4, MoBA chunks of 16 with top-3, striped layout with stripes of 16.
 BAD_OVERRIDES = [
     # Out of range where Megatron's parser takes any number: a division by zero in the
     # model's init or the loss, a run that trains nothing, or a bare assertion.
@@ -73,9 +73,18 @@ BAD_OVERRIDES = [
         r"stripe=24 .*a divisor of seq_length / context_parallel_size = 256 / 2 = 128: 1, 2, 4, 8, 16, 32, 64, 128",
     ),
     (["megatron.context_parallel_size=3"], r"cannot be split .* a multiple of stripe x cp_size \(16 x 3 = 48\)"),
+    # Stripes that are not whole tiles of the ring's kernels: every step on the reference path.
+    (
+        ["megatron.context_parallel_size=2", "attention.stripe=8"],
+        r"stripe=8 .*a multiple of 16 for type 'mtraining' \(mtraining\.block_size = 16\) under context parallelism",
+    ),
+    (
+        ["megatron.context_parallel_size=2", "attention.type=dense", "attention.stripe=8"],
+        r"stripe=8 .*a multiple of 16 for type 'dense' under context parallelism: .* tiles of 128, 64, 32, 16 tokens",
+    ),
     (["attention.mtraining.block_size=512"], r"block_size=512 .*a power of two below seq_length \(256\)"),
     (["attention.type=msa", "attention.msa.topk=100"], r"topk=100 .*at most 15: .* 256 / 16 gives 16 blocks"),
-    (["attention.type=moba", "attention.moba.topk=8"], r"topk=8 .*at most 7: .* 256 / 32 gives 8 blocks"),
+    (["attention.type=moba", "attention.moba.topk=16"], r"topk=16 .*at most 15: .* 256 / 16 gives 16 blocks"),
     (["attention.type=msa", "megatron.tensor_model_parallel_size=2"], r"1 for type 'msa'"),
     # The attention settings themselves.
     (["attention.type=sparse"], r"one of dense, moba, msa, mtraining"),

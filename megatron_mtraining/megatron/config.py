@@ -165,6 +165,7 @@ class _AttentionSettings(ValidatedConfig):
                     f"a divisor of seq_length / context_parallel_size = {seq_length} / {cp_size} = {local}: "
                     f"{', '.join(map(str, divisors))}",
                 )
+        self._check_stripe_tiles(cp_size)
         if cp_size > 1:
             try:
                 ContextParallelLayout(self.layout, cp_size, seq_length, stripe=self.stripe)
@@ -173,6 +174,24 @@ class _AttentionSettings(ValidatedConfig):
                     f"seq_length={seq_length} cannot be split over context_parallel_size={cp_size} ranks: {err}"
                 ) from None
         self.pattern_class.check_sequence(self.settings, seq_length, f"{name}.{self.type}")
+
+    def _check_stripe_tiles(self, cp_size: int) -> None:
+        """Under context parallelism a striped layout's stripes are whole tiles of the ring's
+        kernels for the pattern; any other stripe would send every ring step to the PyTorch
+        reference path, orders of magnitude slower on a GPU, without a word."""
+        if cp_size <= 1 or self.layout not in STRIPED_KINDS or self.backend == "reference":
+            return
+        tiles = self.pattern_class.ring_tiles(self.settings)
+        if any(self.stripe % t == 0 for t in tiles):
+            return
+        field = self.pattern_class.size_field
+        source = "" if field is None else f" ({self.type}.{field} = {getattr(self.settings, field)})"
+        fail(
+            f"{type(self).__name__}.stripe",
+            self.stripe,
+            f"a multiple of {min(tiles)} for type '{self.type}'{source} under context parallelism: the ring's "
+            f"kernels take a rank's tokens in whole tiles of {', '.join(map(str, tiles))} tokens",
+        )
 
     def validate_for(self, config) -> None:
         """Checks against a Megatron ``TransformerConfig`` (done when attaching, so a bad
@@ -199,6 +218,7 @@ class _AttentionSettings(ValidatedConfig):
             fail(
                 "TransformerConfig.context_parallel_size", cp, f"1 with {type(self).__name__}.backend={self.backend!r}"
             )
+        self._check_stripe_tiles(cp)
         sizes = config.hierarchical_context_parallel_sizes
         if self.hierarchy is not None and cp > 1:
             want = [self.hierarchy, cp // self.hierarchy]

@@ -19,8 +19,9 @@ from typing import ClassVar
 import torch
 
 from ..context_parallel.layout import ContextParallelLayout
+from ..context_parallel.step_tables import kernel_tiles
 from ..sparse.documents import Documents
-from ..sparse.index import SparseIndex
+from ..sparse.index import BlockTopKIndex, SparseIndex
 from ..sparse.validation import fail
 
 # The per-layer index metrics every pattern logs (``training/attention_metrics.py`` records
@@ -106,6 +107,13 @@ class Pattern:
         return []
 
     # Facts of one settings object.
+    @classmethod
+    def ring_tiles(cls, config) -> tuple[int, ...]:
+        """The tile sizes the ring's kernels take this pattern's index in (``StepTables``):
+        a rank's tokens must come in whole, aligned runs of one of them, or every ring step
+        runs the PyTorch reference path. This base is the top-k patterns'."""
+        return kernel_tiles(BlockTopKIndex, getattr(config, cls.size_field))
+
     @classmethod
     def check_sequence(cls, config, seq_length: int, where: str) -> None:
         """Fails where ``config`` cannot be sparse on ``seq_length`` tokens: a block covering

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..context_parallel.step_tables import kernel_tiles
 from ..sparse.documents import packed_documents
 from ..sparse.index import DenseIndex
 from .base import Pattern
@@ -11,6 +12,10 @@ from .registry import register
 @register
 class DensePattern(Pattern):
     name = "dense"
+
+    @classmethod
+    def ring_tiles(cls, config) -> tuple[int, ...]:
+        return kernel_tiles(DenseIndex, None)
 
     def local_index(self, q, k, scale, cu_seqlens=None) -> DenseIndex:
         documents = packed_documents(cu_seqlens, q.shape[1], q.device)

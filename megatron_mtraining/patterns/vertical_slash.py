@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel.distributed_index import all_reduce_fn, gather_rows, gather_window, rank_positions
+from ..context_parallel.step_tables import kernel_tiles
 from ..sparse.documents import Documents, packed_documents
 from ..sparse.host_tables import to_device
 from ..sparse.index import VerticalSlashIndex
@@ -42,6 +43,10 @@ class VerticalSlashPattern(Pattern):
     name = "mtraining"
     settings = VerticalSlashConfig
     size_field = "block_size"
+
+    @classmethod
+    def ring_tiles(cls, config) -> tuple[int, ...]:
+        return kernel_tiles(VerticalSlashIndex, config.block_size)
 
     def local_index(self, q, k, scale, cu_seqlens=None) -> VerticalSlashIndex:
         return build_vertical_slash_index(q, k, self.config, softmax_scale=scale, cu_seqlens=cu_seqlens)
