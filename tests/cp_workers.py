@@ -306,7 +306,9 @@ def check_ring_with_documents(
             pattern = MSAPattern(msa, q_idx, k_idx)
         else:
             pattern = {"dense": DensePattern(), "vertical_slash": VerticalSlashPattern(vs)}.get(kind)
-            pattern = pattern or MoBAPattern(MoBAConfig(chunk_size=32, topk=3))
+            # On the kernels a rank's tokens are whole tiles (a top-k tile is its block): chunks
+            # of one stripe. The reference path takes chunks spanning two stripes, so ranks.
+            pattern = pattern or MoBAPattern(MoBAConfig(chunk_size=16 if kernels else 32, topk=3))
         index = pattern.local_index(q, k, scale, cu)
         mask = index.to_dense_mask(seq)
         assert not (mask & ~allowed).any(), kind
