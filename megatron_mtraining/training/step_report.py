@@ -107,6 +107,9 @@ HOST_NAMES = 6
 FRAME_LOOKBACK = 4096
 # Python frames a profile with stacks names gaps by: this package's.
 FRAME_PATH = "megatron_mtraining/"
+# A Python function's event name, "path.py(line): name" (kineto's events have no
+# is_python_function before torch 2.13).
+PYTHON_FRAME = re.compile(r".*\.py\(\d+\): ")
 # Host events a gap is explained by: runtime calls (syncs, copies), host reads, the step's
 # ranges and the backward's nodes.
 GAP_HOST_EVENTS = ("cuda", PREFIX, BACKWARD, "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
@@ -377,7 +380,7 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list
     frames = [
         (e.start_ns(), e.end_ns(), e.name())
         for e in events
-        if e.is_python_function() and e.start_thread_id() == thread and FRAME_PATH in e.name()
+        if e.start_thread_id() == thread and FRAME_PATH in e.name() and PYTHON_FRAME.match(e.name())
     ]
     return device, host, frames
 

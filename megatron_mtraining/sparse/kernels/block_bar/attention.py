@@ -209,7 +209,7 @@ def kernel_forward(
     _fwd_kernel[(n_qb * (tables.block // opts["BLOCK_M"]), b * h)](
         q, k, v, out, lse, run_out, run_lse, tables.tiles, tables.tile_count, **_bars(*_bar_source(tables, k, v, columns)),
         NQB=n_qb, T_MAX=tables.tiles.shape[3], qk_scale=scale * LOG2E, ACCUMULATE=accumulate,
-        **_common(q, k, tables), **opts,
+        IN_PLACE=accumulate and out is run_out, **_common(q, k, tables), **opts,
     )  # fmt: skip
     return out, lse
 
@@ -238,7 +238,8 @@ def kernel_backward(
         q, k, v, out, dout, lse, lse if dlse is None else dlse.float().contiguous(), delta, dq, dq_run,
         tables.tiles, tables.tile_count, **bars,
         NQB=n_qb, T_MAX=tables.tiles.shape[3], qk_scale=scale * LOG2E, sm_scale=scale,
-        HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, **common, **dq_opts,
+        HAS_DLSE=dlse is not None, ACCUMULATE=accumulate, IN_PLACE=accumulate and dq is dq_run, **common,
+        **dq_opts,
     )  # fmt: skip
 
     partials = None

@@ -14,7 +14,11 @@ Partial results over several key sets (context-parallel ring steps, the local co
 pass) add up inside the kernels, with no pass of their own over the outputs: with
 ``ACCUMULATE`` the forward's epilogue merges its result with a running fp32 (out,
 lse) of its rows and stores the merged one, and ``_dq_kernel`` adds its dQ to a running
-fp32 sum. Each row has one writer, so this needs no atomics.
+fp32 sum. Each row has one writer, so this needs no atomics. Where the stores overwrite
+the running buffers they read (``IN_PLACE``), a program whose query block has no tile and
+no bar in the call touches none of its rows: at many ranks most of a ring step's query
+blocks attend nothing of the chunk, and reading and writing their fp32 running rows was
+most of the step's time.
 
 Backward without atomics, so it is deterministic:
 * ``_dq_kernel``: row-major like the forward.
@@ -283,6 +287,18 @@ def _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK: tl.constexpr, ST
     return (n_tiles - n_masked) * (BLOCK // STEP), n_tiles * (BLOCK // STEP)
 
 
+@triton.jit
+def _rows_with_work(row_ok, TILE_CNT, trow, c_start, n_bars, HAS_BARS: tl.constexpr, IN_PLACE: tl.constexpr):
+    """The rows a program reads and stores: all of ``row_ok``, or ``IN_PLACE`` none where
+    its query block has no tile and no bar (its running rows already hold the result)."""
+    if IN_PLACE:
+        busy = tl.load(TILE_CNT + trow) > 0
+        if HAS_BARS:
+            busy = busy | (n_bars > c_start)
+        return row_ok & busy
+    return row_ok
+
+
 # Sizes that follow the step's data: unspecialized (see block_bar/tables_kernel.py).
 @triton.jit(do_not_specialize=["T_MAX", "V_MAX", "N_ACTIVE"])
 def _fwd_kernel(
@@ -292,19 +308,18 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_ROWSEL: tl.constexpr, K_PAD: tl.constexpr,
     HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IN_PLACE: tl.constexpr,
 ):  # fmt: skip
     """Output and LSE of the rows over their listed keys; with ``ACCUMULATE``, over those
     keys and the keys of the running fp32 result ``O_RUN`` / ``LSE_RUN`` of the same rows
-    (``O`` / ``LSE`` may be those very buffers: each row is read and written by its own
-    program only)."""
+    (``O`` / ``LSE`` may be those very buffers, ``IN_PLACE``: each row is read and written
+    by its own program only)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
-    q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
     K_base = K + b * SK * kv_stride + kvh * HEAD_DIM
     V_base = V + b * SK * kv_stride + kvh * HEAD_DIM
     stat_off = (b * H + h) * S + rows
@@ -319,6 +334,8 @@ def _fwd_kernel(
         BAR_START, BAR_CNT, ACT_OFF, QBLK, DOC_START, bh, NQB, qb, first_row, HAS_QPOS, HAS_BARS, HAS_DOCS, BLOCK
     )
     trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
+    io_ok = _rows_with_work(row_ok, TILE_CNT, trow, c_start, n_bars, HAS_BARS, IN_PLACE)
+    q = _load_rows(Q + q_off, rows, io_ok, q_stride, d, d_ok)
     sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     # Every tile masked: a branch skipping the mask off the diagonal makes ptxas serialise
     # the forward's matrix products on sm90 (the accumulator of QK^T is then defined by
@@ -346,12 +363,12 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
     if ACCUMULATE:  # merged after the loop, so the loop compiles as for a fresh result
-        run_lse = tl.load(LSE_RUN + stat_off, mask=row_ok, other=float("-inf"))
+        run_lse = tl.load(LSE_RUN + stat_off, mask=io_ok, other=float("-inf"))
         w_new, w_run, lse = merge_weights(lse, run_lse)
-        run_out = _load_rows(O_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
+        run_out = _load_rows(O_RUN + q_off, rows, io_ok, q_stride, d, d_ok)
         out = out * w_new[:, None] + run_out * w_run[:, None]
-    _store_rows(O + q_off, rows, row_ok, q_stride, d, d_ok, out)
-    tl.store(LSE + stat_off, lse, mask=row_ok)
+    _store_rows(O + q_off, rows, io_ok, q_stride, d, d_ok, out)
+    tl.store(LSE + stat_off, lse, mask=io_ok)
 
 
 @triton.jit
@@ -372,18 +389,18 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_BARS: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, IN_PLACE: tl.constexpr,
 ):  # fmt: skip
     """dQ (with ``ACCUMULATE``, added to the fp32 running sum ``DQ_RUN``, which ``DQ`` may
-    be), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels (computed
-    here, where dO is loaded anyway, instead of in fp32 copies of dO and O)."""
+    be, ``IN_PLACE``), and ``delta = rowsum(dO * O) - dLSE`` stored for the dK/dV kernels
+    (computed here, where dO is loaded anyway, instead of in fp32 copies of dO and O; for
+    every row, whether its block has work or not)."""
     qb, b, h, kvh, rows, row_ok, d, d_ok = _program_rows(BLOCK, BLOCK_M, HEAD_DIM, D_PAD, S, H, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
     q_stride = H * HEAD_DIM
     kv_stride = HKV * HEAD_DIM
     q_off = b * S * q_stride + h * HEAD_DIM
-    q = _load_rows(Q + q_off, rows, row_ok, q_stride, d, d_ok)
     do = _load_rows(DO + q_off, rows, row_ok, q_stride, d, d_ok)
     o = _load_rows(O + q_off, rows, row_ok, q_stride, d, d_ok)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
@@ -406,6 +423,8 @@ def _dq_kernel(
     if HAS_DOCS:
         last_start = _start_at(DOC_START, QBLK, qb, last_row, HAS_QPOS, BLOCK)  # the rows' latest
     trow, th = _table_row(b, h, H, TB, TH, NQB, qb)
+    io_ok = _rows_with_work(row_ok, TILE_CNT, trow, c_start, n_bars, HAS_BARS, IN_PLACE)
+    q = _load_rows(Q + q_off, rows, io_ok, q_stride, d, d_ok)
     sel = _row_selection(ROWSEL, b, th, TH, S, rows, row_ok, K_SEL, K_PAD, HAS_ROWSEL)
     split, n_steps = _tile_split(TILES, TILE_CNT, trow, T_MAX, KBLK, own, BLOCK, BLOCK_N, HAS_KPOS, HAS_ROWSEL)
     for j in range(n_steps):
@@ -431,8 +450,8 @@ def _dq_kernel(
             )
     dq *= sm_scale
     if ACCUMULATE:  # read after the loop, so the running sum takes no registers during it
-        dq += _load_rows(DQ_RUN + q_off, rows, row_ok, q_stride, d, d_ok)
-    _store_rows(DQ + q_off, rows, row_ok, q_stride, d, d_ok, dq)
+        dq += _load_rows(DQ_RUN + q_off, rows, io_ok, q_stride, d, d_ok)
+    _store_rows(DQ + q_off, rows, io_ok, q_stride, d, d_ok, dq)
 
 
 @triton.jit
