@@ -381,6 +381,8 @@ def main(argv=None) -> None:
             )
             if gap.get("frame"):
                 print(f"            in {gap['frame']}")
+        if idle.get("frames_missing"):
+            print(f"    no frames: {idle['frames_missing']}")
         if idle.get("by_frame_ms"):
             print("    every gap's time by the package's innermost frame (ms):")
             for frame, ms in idle["by_frame_ms"].items():

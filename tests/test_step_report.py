@@ -215,6 +215,16 @@ def test_a_profile_with_stacks_gives_the_packages_frames_of_the_steps_thread():
     assert without == []
 
 
+def test_a_profile_with_stacks_but_no_frames_says_so():
+    from megatron_mtraining.training.step_report import note_missing_frames
+
+    unnamed, named, cpu = {"idle": {"gaps": 3}}, {"idle": {"gaps": 3, "by_frame_ms": {"f": 1.0}}}, {}
+    for profile in (unnamed, named, cpu):
+        note_missing_frames(profile)
+    assert unnamed["idle"]["frames_missing"] == f"torch {torch.__version__}'s profiler events list no Python functions"
+    assert "frames_missing" not in named["idle"] and cpu == {}
+
+
 def test_compiles_are_reported_by_iteration_and_the_users_hooks_kept(monkeypatch, tmp_path):
     """Triton's JIT hooks, called as Triton calls them around a compile, land in the report:
     those before the steady iterations counted, those in them by kernel and iteration; hooks

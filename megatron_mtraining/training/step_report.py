@@ -385,6 +385,14 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list
     return device, host, frames
 
 
+def note_missing_frames(profile: dict) -> None:
+    """Says so in a profile taken with stacks whose gaps got no frames: torch 2.11's
+    profiler events list no Python functions (2.13's do), so its gaps stay unnamed."""
+    idle = profile.get("idle")
+    if idle is not None and "by_frame_ms" not in idle:
+        idle["frames_missing"] = f"torch {torch.__version__}'s profiler events list no Python functions"
+
+
 class CompileWatch:
     """Every Triton JIT compile of the process while it is installed: (iteration, kernel,
     seconds), the iteration from ``iteration()``. Triton's hooks run before and after each
@@ -483,6 +491,8 @@ class StepReport:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.trace))
         self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
+        if self.stacks:
+            note_missing_frames(self.profile)
         self.profile["iteration"] = self.marks[-1][0] + 1
         self.profiler = None
 
