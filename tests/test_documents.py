@@ -23,7 +23,7 @@ from cp_workers import (
     check_msa_kl_ring,
     check_ring_with_documents,
 )
-from dense_reference import check_index_attention
+from dense_reference import assert_close_rel, check_index_attention, dense_attention, finite
 from documents_reference import block_diagonal, random_boundaries
 from gloo import run, run_on_device
 
@@ -179,6 +179,71 @@ def test_bar_chunks_across_documents(block, step, rng, kdevice, monkeypatch):
     index = columns_in_every_document(rng, cu, q.shape[2], block).to(kdevice)
     assert not (index.to_dense_mask(seq).cpu() & ~block_diagonal(cu, seq)).any()
     check_attention(q, k, v, index, "triton", rng)
+
+
+@KERNELS
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("layout_kind, rank", [("striped", 1), ("striped", 3), ("zigzag", 0)])
+def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice, monkeypatch):
+    """One context-parallel rank's pieces on the kernels, as the ring runs them, on one
+    device: the vertical columns' piece (its rows by their global blocks, the gathered
+    columns as keys), then every ring step's chunk adding into the fp32 running result in
+    place. Out, lse, dq and the K/V gradients from the rank's rows (each chunk's and the
+    columns' scattered back) equal fp64 dense attention under the whole index's
+    block-diagonal mask: bar dK/dV's walk of a column's document over the rank's stripes
+    misses no row, and in-place steps keep the rows they leave untouched."""
+    from megatron_mtraining.context_parallel import ContextParallelLayout
+    from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns
+    from megatron_mtraining.context_parallel.step_index import StepIndex
+    from megatron_mtraining.context_parallel.step_tables import StepTables
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    for name in block_bar.KERNELS:  # two row steps a query block, as the recipes' 64 of 128
+        config = block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
+        monkeypatch.setitem(block_bar.OVERRIDES, name, config)
+    seq, world, block = 512, 4, 32
+    cu = random_boundaries(rng, seq, block=block)
+    q, k, v = (t.detach() for t in inputs(rng, seq, device=kdevice))
+    index = columns_in_every_document(rng, cu, q.shape[2], block).to(kdevice)
+    layout = ContextParallelLayout(layout_kind, world, seq, stripe=block)
+    queries = layout.token_positions(rank, kdevice)
+    cols = vertical_columns(index)
+    present = cols >= 0
+    bars = StepIndex(VerticalSlashPart(index, "bars"), queries, cols)
+    pieces = [(StepTables(bars.index, queries).of(bars.keys), cols.clamp(min=0), present)]
+    steps = StepTables(ring_work(index), queries)
+    for i in range(world):
+        keys = layout.token_positions((rank - i) % world, kdevice)
+        pieces.append((steps.of(keys), keys.values, torch.ones_like(keys.values, dtype=torch.bool)))
+    q_r = layout.shard(q, rank).contiguous()
+    kv = [[torch.where(ok.view(1, -1, 1, 1), x[:, at], 0).contiguous() for x in (k, v)] for _, at, ok in pieces]
+    scale = q.shape[-1] ** -0.5
+
+    running = None
+    for (tables, _, _), (k_p, v_p) in zip(pieces, kv, strict=True):
+        running = block_bar.kernel_forward(q_r, k_p, v_p, tables, scale, running, torch.float32)
+    out, lse = running
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    full_out, full_lse = dense_attention(*leaves, index.to_dense_mask(seq), scale)
+    rows = queries.values
+    ref_out, ref_lse = full_out[:, rows], full_lse[:, :, rows]
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert_close_rel(out, ref_out, 2e-5, "out")
+    assert_close_rel(finite(lse), finite(ref_lse), 1e-5, "lse")
+
+    g_out, g_lse = torch.randn(out.shape, generator=rng).to(kdevice), torch.randn(lse.shape, generator=rng).to(kdevice)
+    want = torch.autograd.grad((ref_out * g_out.double()).sum() + (finite(ref_lse) * g_lse.double()).sum(), leaves)
+    dlse = torch.where(torch.isinf(lse), 0.0, g_lse)
+    dq, dk, dv = None, torch.zeros_like(k, dtype=torch.float64), torch.zeros_like(v, dtype=torch.float64)
+    for (tables, at, ok), (k_p, v_p) in zip(pieces, kv, strict=True):
+        dq, dk_p, dv_p = block_bar.kernel_backward(
+            q_r, k_p, v_p, tables, scale, out, lse, g_out, dlse, dq, torch.float32
+        )
+        dk.index_add_(1, at[ok], dk_p[:, ok].double())
+        dv.index_add_(1, at[ok], dv_p[:, ok].double())
+    assert_close_rel(dq, want[0][:, rows], 4e-5, "dq")
+    assert_close_rel(dk, want[1], 4e-5, "dk")
+    assert_close_rel(dv, want[2], 4e-5, "dv")
 
 
 @KERNELS

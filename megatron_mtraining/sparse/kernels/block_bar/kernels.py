@@ -478,12 +478,36 @@ def _kv_grads(
 
 
 @triton.jit
-def _next_seen_step(col_pos, col_end, after, BLOCK_M: tl.constexpr):
-    """The first ``BLOCK_M``-row step at or after row ``after`` (a step's first row) that
-    some column sees, a column ``c`` seeing the rows from its position to its document's
-    end ``col_end`` (exclusive; 0 for no column); past every end when none does."""
-    seen_from = tl.where(col_end > after, tl.maximum(col_pos, after), 2147483647)
-    return tl.min(seen_from, 0) // BLOCK_M * BLOCK_M
+def _step_position(QBLK, NQB, r0, HAS_QPOS: tl.constexpr, BLOCK: tl.constexpr):
+    """Global position of local row ``r0`` (a step's first row; ``BLOCK_M`` divides
+    ``BLOCK``, so a step's rows are contiguous there too); past every position when ``r0``
+    is past the ``NQB`` local blocks."""
+    if HAS_QPOS:
+        blk = r0 // BLOCK
+        inside = blk < NQB
+        g = tl.load(QBLK + blk, mask=inside, other=0)
+        return tl.where(inside, g * BLOCK + r0 % BLOCK, 2147483647)
+    return r0
+
+
+@triton.jit
+def _local_step(QBLK, NQB, pos, HAS_QPOS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The first local ``BLOCK_M``-row step holding global position ``pos`` or a later one
+    (the local rows ascend in position): on one device the step of ``pos`` itself; on a
+    context-parallel rank, in the first of its blocks at or after ``pos``'s block."""
+    if HAS_QPOS:
+        blk = _first_reader(QBLK, NQB, pos, BLOCK)
+        g = tl.load(QBLK + blk, mask=blk < NQB, other=-1)
+        return blk * BLOCK + tl.where(g == pos // BLOCK, pos % BLOCK // BLOCK_M * BLOCK_M, 0)
+    return pos // BLOCK_M * BLOCK_M
+
+
+@triton.jit
+def _next_seen_position(col_pos, col_end, after):
+    """The first global position at or after ``after`` that some column sees, a column
+    ``c`` seeing the rows from its position to its document's end ``col_end`` (exclusive;
+    0 for no column); past every end when none does."""
+    return tl.min(tl.where(col_end > after, tl.maximum(col_pos, after), 2147483647), 0)
 
 
 @triton.jit
@@ -554,9 +578,10 @@ def _bar_dkdv_kernel(
             first = _first_reader(QBLK, NQB, first_col, BLOCK) * BLOCK
         stop = S
         col_end = col_pos
-        walk: tl.constexpr = HAS_DOCS and not HAS_QPOS
+        walk: tl.constexpr = HAS_DOCS
         if walk:  # rows after the document of the chunk's last column see none of it
-            stop = tl.load(DOC_END + tl.max(col_pos, 0))
+            last_end = tl.load(DOC_END + tl.max(col_pos, 0))
+            stop = tl.minimum(_local_step(QBLK, NQB, last_end - 1, HAS_QPOS, BLOCK, BLOCK_M) + BLOCK_M, S)
             col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
         seen_step = first
         for r0 in range(first, stop, BLOCK_M):
@@ -580,7 +605,8 @@ def _bar_dkdv_kernel(
                     # Short documents with flat statistics keep most columns and diagonals:
                     # most steps then see their columns only inside attended tiles, which
                     # give those pairs already; such a step adds nothing and is skipped.
-                    reached = (col_pos < r0 + BLOCK_M) & (col_end > r0)
+                    g0 = _step_position(QBLK, NQB, r0, HAS_QPOS, BLOCK)
+                    reached = (col_pos < g0 + BLOCK_M) & (col_end > g0)
                     live = tl.max((reached & ~in_tile).to(tl.int32), 0) > 0
                 if live:
                     dk, dv = _bar_step(
@@ -588,7 +614,9 @@ def _bar_dkdv_kernel(
                         in_tile, q_off, q_stride, d, d_ok, qk_scale, HAS_DOCS, PRECISION,
                     )  # fmt: skip
                 if walk:
-                    seen_step = _next_seen_step(col_pos, col_end, r0 + BLOCK_M, BLOCK_M)
+                    after = _step_position(QBLK, NQB, r0 + BLOCK_M, HAS_QPOS, BLOCK)
+                    seen = _next_seen_position(col_pos, col_end, after)
+                    seen_step = _local_step(QBLK, NQB, seen, HAS_QPOS, BLOCK, BLOCK_M)
         out = entries[:, None] * D_PAD + d[None, :]
         ok = (offs < V_MAX)[:, None] & d_ok[None, :]
         tl.store(BAR_DK + out, dk, mask=ok)
