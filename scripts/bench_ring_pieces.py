@@ -7,7 +7,7 @@ with no process group and no transfer.
 
     python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped]
         [--block 128] [--documents MIX [--mean-doc 2048]] [--separate-columns | --allgather]
-        [--out r.json]
+        [--link-gbs 300 50 25] [--out r.json]
 
 Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
 head dim 128, bf16, vertical-slash at density ``--density``, on ``--block``-token blocks,
@@ -27,8 +27,10 @@ When every rank runs on the ring, the worker- and step-level imbalance degrees
 (``imbalance_degrees``: max/mean across ranks in a step, across steps for a rank) are
 printed for the measured fwd+bwd kernel milliseconds of each (rank, step) piece and for the
 attended areas (``simulate_ring_areas``, the figures ``scripts/imbalance.py`` prints): the
-load balance a layout reaches in kernel time, beside the model it was built on. With many
-ranks, a small ``--rep-ms`` (10) keeps the run to a few seconds a rank.
+load balance a layout reaches in kernel time, beside the model it was built on; and the
+ring's time with its transfers at ``--link-gbs`` (``ring_with_transfers``), beside the same
+with every step at its mean rank: what balance can still buy once the links are counted.
+With many ranks, a small ``--rep-ms`` (10) keeps the run to a few seconds a rank.
 """
 
 from __future__ import annotations
@@ -117,9 +119,25 @@ def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, sc
     return {"whole": piece_times(layout.shard(q, rank), k, v, whole, scale, rep_ms)}
 
 
-def balance(ranks: dict, index, layout: ContextParallelLayout, block: int) -> dict:
+def ring_with_transfers(ms: dict, chunk_bytes: int, gbs: float, balanced: bool = False) -> float:
+    """A flat ring's ms (forward + backward) if each step waits for its busiest rank (with
+    ``balanced``, for the mean of its ranks: what perfect balance would reach) and for its
+    transfer at ``gbs`` GB/s, overlapped: the ``chunk_bytes`` of K/V in the forward; those
+    and the fp32 dK/dV accumulators (twice as many bytes) in the backward; no K/V after
+    the last step."""
+    total = 0.0
+    for phase, per_chunk in (("fwd", chunk_bytes), ("bwd", 3 * chunk_bytes)):
+        compute = ms[phase].mean(0) if balanced else ms[phase].amax(0)
+        transfer = torch.full_like(compute, per_chunk / gbs / 1e6)
+        transfer[-1] = 2 * chunk_bytes / gbs / 1e6 if phase == "bwd" else 0.0
+        total += float(torch.maximum(compute, transfer).sum())
+    return total
+
+
+def balance(ranks: dict, index, layout: ContextParallelLayout, block: int, chunk_bytes: int, links: list) -> dict:
     """Worker- and step-level imbalance degrees of every rank's ring steps, in measured
-    kernel time (forward, backward, both) and in attended area; printed."""
+    kernel time (forward, backward, both) and in attended area, and the ring's time with
+    its transfers at each of ``links`` GB/s (``ring_with_transfers``); printed."""
     steps = [f"step {i}" for i in range(layout.cp_size)]
     ms = {
         ph: torch.tensor([[ranks[r]["pieces"][s][f"{ph}_ms"] for s in steps] for r in sorted(ranks)])
@@ -133,7 +151,14 @@ def balance(ranks: dict, index, layout: ContextParallelLayout, block: int) -> di
     total = float(ms["fwd+bwd"].sum())
     busiest = float(ms["fwd+bwd"].amax(0).sum())
     print(f"  ring kernels: {total:.2f} ms over all pieces; {busiest:.2f} ms if each step waits for its busiest rank")
-    return {"degrees": found, "total_ms": total, "synchronised_ms": busiest}
+    timed_links = {}
+    for gbs in links:
+        timed_links[gbs] = [ring_with_transfers(ms, chunk_bytes, gbs, balanced) for balanced in (False, True)]
+        print(
+            f"  with transfers at {gbs:g} GB/s: {timed_links[gbs][0]:.2f} ms; with every step at its mean rank "
+            f"{timed_links[gbs][1]:.2f} ms"
+        )
+    return {"degrees": found, "total_ms": total, "synchronised_ms": busiest, "with_transfers_ms": timed_links}
 
 
 def main() -> None:
@@ -149,6 +174,13 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--separate-columns", action="store_true", help="the columns as a piece of their own")
     p.add_argument("--allgather", action="store_true", help="one piece over the whole K/V (kv_exchange='allgather')")
+    p.add_argument(
+        "--link-gbs",
+        type=float,
+        nargs="*",
+        default=[300.0, 50.0, 25.0],
+        help="link speeds (GB/s) to time the ring's steps with their transfers at (NVLink, NDR, HDR)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     seq, dev = args.seq_len, torch.device("cuda")
@@ -198,7 +230,8 @@ def main() -> None:
             flush=True,
         )
     if sorted(ranks) == list(range(args.cp)) and not args.allgather:
-        result["imbalance"] = balance(result["ranks"], index, layout, block)
+        chunk_bytes = 2 * k.numel() // args.cp * k.element_size()  # a rank's K and V
+        result["imbalance"] = balance(result["ranks"], index, layout, block, chunk_bytes, args.link_gbs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
