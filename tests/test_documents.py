@@ -183,7 +183,7 @@ def test_bar_chunks_across_documents(block, step, rng, kdevice, monkeypatch):
 
 @KERNELS
 @pytest.mark.usefixtures("poisoned_outputs")
-@pytest.mark.parametrize("layout_kind, rank", [("striped", 1), ("striped", 3), ("zigzag", 0)])
+@pytest.mark.parametrize("layout_kind, rank", [("striped", 1), ("balanced", 3), ("zigzag", 0)])
 def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice, monkeypatch):
     """One context-parallel rank's pieces on the kernels, as the ring runs them, on one
     device: the vertical columns' piece (its rows by their global blocks, the gathered
@@ -191,7 +191,8 @@ def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice,
     place. Out, lse, dq and the K/V gradients from the rank's rows (each chunk's and the
     columns' scattered back) equal fp64 dense attention under the whole index's
     block-diagonal mask: bar dK/dV's walk of a column's document over the rank's stripes
-    misses no row, and in-place steps keep the rows they leave untouched."""
+    misses no row, and in-place steps keep the rows they leave untouched. Striped, balanced
+    (stripes placed by the documents, not in a fixed cycle) and zigzag ranks."""
     from megatron_mtraining.context_parallel import ContextParallelLayout
     from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns
     from megatron_mtraining.context_parallel.step_index import StepIndex
@@ -205,7 +206,8 @@ def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice,
     cu = random_boundaries(rng, seq, block=block)
     q, k, v = (t.detach() for t in inputs(rng, seq, device=kdevice))
     index = columns_in_every_document(rng, cu, q.shape[2], block).to(kdevice)
-    layout = ContextParallelLayout(layout_kind, world, seq, stripe=block)
+    documents = cu if layout_kind == "balanced" else None  # placed by its documents
+    layout = ContextParallelLayout(layout_kind, world, seq, stripe=block, documents=documents)
     queries = layout.token_positions(rank, kdevice)
     cols = vertical_columns(index)
     present = cols >= 0
