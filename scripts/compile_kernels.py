@@ -155,11 +155,12 @@ def _case(dtype, head_dim: int, group: int, documents: bool, seq: int = 512, blo
     indexes = {
         "dense": DenseIndex(1, hkv * group, seq, documents=packed_documents(cu_seqlens, seq, q.device)),
         "v-s": build_vertical_slash_index(
-            # Every document sparse (none is dense_below's 1024 tokens here), so that the
-            # documents' variants of the bar kernels have columns to launch on.
+            # Every document sparse (none is dense_below's 1024 tokens here, and none turns
+            # dense where that would cost no more), so that the documents' variants of the
+            # bar kernels have columns to launch on.
             q.float(),
             k.float(),
-            VerticalSlashConfig(block_size=block, dense_below=0),
+            VerticalSlashConfig(block_size=block, dense_below=0, dense_if_cheaper=False),
             scale,
             cu_seqlens=cu_seqlens,
         ),
