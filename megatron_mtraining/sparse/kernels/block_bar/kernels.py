@@ -580,8 +580,9 @@ def _bar_dkdv_kernel(
         col_end = col_pos
         walk: tl.constexpr = HAS_DOCS
         if walk:  # rows after the document of the chunk's last column see none of it
-            last_end = tl.load(DOC_END + tl.max(col_pos, 0))
-            stop = tl.minimum(_local_step(QBLK, NQB, last_end - 1, HAS_QPOS, BLOCK, BLOCK_M) + BLOCK_M, S)
+            stop = tl.load(DOC_END + tl.max(col_pos, 0))
+            if HAS_QPOS:  # the rank's rows up to the step holding that document's last row
+                stop = tl.minimum(_local_step(QBLK, NQB, stop - 1, HAS_QPOS, BLOCK, BLOCK_M) + BLOCK_M, S)
             col_end = tl.load(DOC_END + col_pos, mask=col_ok, other=0)
         seen_step = first
         for r0 in range(first, stop, BLOCK_M):
