@@ -3,12 +3,17 @@ each layout, without processes.
 
     python scripts/imbalance.py [--seq-len 65536] [--cp-size 32] [--block 64] [--seeds 20]
                                 [--documents none uniform lognormal one_long] [--mean-doc 2048]
+                                [--index slash-heavy | natural] [--inner N] [--layouts ...]
                                 [--search 0]
 
 The vertical-slash index is slash-dominated, as in the MTraining paper: per head 8
 local block diagonals, 1/16 of the other diagonals at random, 16 sink and 64
-scattered vertical columns. Vertical columns run in the local pass (every rank,
-balanced), so the ring's work is the tiles (``ring_work``). With packed documents
+scattered vertical columns (``--index natural``: the kernels' benchmark index instead,
+``planning.workload.natural_index`` at 5% density: 4 local block diagonals, far ones and
+columns until the density is reached). Vertical columns run in the local pass (every rank,
+balanced), so the ring's work is the tiles (``ring_work``). ``--inner N``: the
+hierarchical ring's steps (inner rings of ``N`` ranks, outer-major, as the recipes across
+nodes run it) instead of the flat ring's. With packed documents
 (``--documents``, drawn by ``examples.synthetic.sampled_document_bounds`` with mean length
 ``--mean-doc``) the same index is masked to each row's document, and dense attention
 becomes block-diagonal causal: both rows are printed per document mix, and the
@@ -38,6 +43,7 @@ import torch
 
 from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, ring_work, simulate_ring_areas
 from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_document_bounds, slash_heavy_index
+from megatron_mtraining.planning.workload import natural_index
 from megatron_mtraining.sparse import DenseIndex
 from megatron_mtraining.sparse.documents import packed_documents
 
@@ -45,11 +51,16 @@ LAYOUTS = ("striped", "balanced", "zigzag", "contiguous")
 # The smooth maximum's power: high enough to track the most loaded rank, low enough that
 # every rank above the mean pulls.
 SEARCH_POWER = 16
+# The attended fraction of ``--index natural`` (bench_kernels' and bench_ring_pieces' default).
+NATURAL_DENSITY = 0.05
 
 
 def _works(args, mix: str, gen: torch.Generator) -> tuple[dict, torch.Tensor | None]:
     """The ring work of each pattern for one seed and document mix, and the documents."""
-    index = slash_heavy_index(args.seq_len, args.block, args.heads, gen)
+    if args.index == "natural":
+        index = natural_index(args.seq_len, args.block, NATURAL_DENSITY, gen, args.heads)
+    else:
+        index = slash_heavy_index(args.seq_len, args.block, args.heads, gen)
     if mix == "none":
         return {"vertical-slash": ring_work(index)}, None
     cu = sampled_document_bounds(mix, args.seq_len, args.mean_doc, gen)
@@ -121,9 +132,20 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--documents", nargs="+", default=["none"], choices=("none", *DOCUMENT_MIXES))
     p.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the packed mixes")
+    p.add_argument(
+        "--index", default="slash-heavy", choices=("slash-heavy", "natural"), help="the vertical-slash index"
+    )
+    p.add_argument("--inner", type=int, default=None, help="the hierarchical ring's inner size (default: flat ring)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--search", type=int, default=0, help="stripe swaps proposed for the searched layout (0: none)")
     args = p.parse_args()
-    print(f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds}")
+    if args.search and args.inner:
+        p.error("--search swaps stripes for the flat ring's steps: leave out --inner")
+    ring = "flat ring" if args.inner is None else f"hierarchical ring, inner {args.inner}"
+    print(
+        f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds} "
+        f"index={args.index} heads={args.heads}, {ring}"
+    )
     print(
         f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
         f" {'largest tile / mean cell':>25} {'all-gather ID':>18}"
@@ -135,9 +157,9 @@ def main() -> None:
             for pattern, work in works.items():
                 tiles = work.block_areas(args.block)
                 unit = float(tiles.max() / tiles.sum() * args.cp_size**2)
-                for kind in LAYOUTS:
+                for kind in args.layouts:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
-                    area = simulate_ring_areas(work, layout, args.block, tiles)
+                    area = simulate_ring_areas(work, layout, args.block, tiles, args.inner)
                     results.setdefault((pattern, kind), []).append(_row(area, unit))
                     if kind == "balanced" and args.search:
                         area = _search(layout, tiles, args.search, seed)
