@@ -54,6 +54,20 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.fixture
+def block_bar_steps(monkeypatch):
+    """``set(step)``: every ``block_bar`` kernel walks ``step`` keys and rows a step (one
+    warp group, one stage), so an index of wider blocks takes several steps a block."""
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
+
+    def set_steps(step: int) -> None:
+        config = block_bar.LaunchConfig(block_n=step, num_warps=4, num_stages=1, block_m=step)
+        for name in block_bar.KERNELS:
+            monkeypatch.setitem(block_bar.OVERRIDES, name, config)
+
+    return set_steps
+
+
+@pytest.fixture
 def kernel_backward_calls(monkeypatch):
     """Counts the dense Triton backward's calls (the LSE gradient's path)."""
     from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar

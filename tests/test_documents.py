@@ -124,14 +124,9 @@ def test_kernels_within_documents(kind, dtype, rng, kdevice):
 @KERNELS
 @pytest.mark.usefixtures("poisoned_outputs")
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_sub_tiles_within_documents(kind, rng, kdevice, monkeypatch):
+def test_kernel_sub_tiles_within_documents(kind, rng, kdevice, block_bar_steps):
     """Blocks of 32 walked 16 keys / rows a step: document starts inside a step's keys."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
-
-    for name in block_bar.KERNELS:
-        monkeypatch.setitem(
-            block_bar.OVERRIDES, name, block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
-        )
+    block_bar_steps(16)
     seq = 224
     cu = random_boundaries(rng, seq, block=32)
     q, k, v = inputs(rng, seq, hq=2, hkv=1, d=32, device=kdevice)
@@ -163,16 +158,12 @@ def columns_in_every_document(rng, cu: torch.Tensor, heads: int, block: int) -> 
 @KERNELS
 @pytest.mark.usefixtures("poisoned_outputs")
 @pytest.mark.parametrize("block, step", [(16, None), (32, 16)], ids=["block-16", "block-32-step-16"])
-def test_bar_chunks_across_documents(block, step, rng, kdevice, monkeypatch):
+def test_bar_chunks_across_documents(block, step, rng, kdevice, block_bar_steps):
     """A bar dK/dV chunk walks each of its documents' rows apart (skipping the rows between,
     and a row step two documents share walked once): attention and gradients equal fp64
     dense attention under the block-diagonal mask."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
-
     if step is not None:
-        for name in block_bar.KERNELS:
-            config = block_bar.LaunchConfig(block_n=step, num_warps=4, num_stages=1, block_m=step)
-            monkeypatch.setitem(block_bar.OVERRIDES, name, config)
+        block_bar_steps(step)
     seq = 192
     cu = random_boundaries(rng, seq, block=block)
     q, k, v = inputs(rng, seq, device=kdevice)
@@ -184,7 +175,7 @@ def test_bar_chunks_across_documents(block, step, rng, kdevice, monkeypatch):
 @KERNELS
 @pytest.mark.usefixtures("poisoned_outputs")
 @pytest.mark.parametrize("layout_kind, rank", [("striped", 1), ("balanced", 3), ("zigzag", 0)])
-def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice, monkeypatch):
+def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice, block_bar_steps):
     """One context-parallel rank's pieces on the kernels, as the ring runs them, on one
     device: the vertical columns' piece (its rows by their global blocks, the gathered
     columns as keys), then every ring step's chunk adding into the fp32 running result in
@@ -199,9 +190,7 @@ def test_ring_pieces_of_a_rank_within_documents(layout_kind, rank, rng, kdevice,
     from megatron_mtraining.context_parallel.step_tables import StepTables
     from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
-    for name in block_bar.KERNELS:  # two row steps a query block, as the recipes' 64 of 128
-        config = block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
-        monkeypatch.setitem(block_bar.OVERRIDES, name, config)
+    block_bar_steps(16)  # two row steps a query block, as the recipes' 64 of 128
     seq, world, block = 512, 4, 32
     cu = random_boundaries(rng, seq, block=block)
     q, k, v = (t.detach() for t in inputs(rng, seq, device=kdevice))

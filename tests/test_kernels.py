@@ -254,15 +254,10 @@ def test_backend_errors_name_the_choice(rng):
         sparse_attention(q, k, v, DenseIndex(1, 2, 32), backend="triton")
 
 
-def test_sub_tiles_narrower_than_the_block(rng, kdevice, monkeypatch):
+def test_sub_tiles_narrower_than_the_block(rng, kdevice, block_bar_steps):
     """Key sub-tiles (BLOCK_N) and query-row steps of the dK/dV kernels (BLOCK_M) narrower
     than the index block: same results."""
-    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
-
-    for name in block_bar.KERNELS:
-        monkeypatch.setitem(
-            block_bar.OVERRIDES, name, block_bar.LaunchConfig(block_n=16, num_warps=4, num_stages=1, block_m=16)
-        )
+    block_bar_steps(16)
     q, k, v = make_inputs(rng, 1, 150, 4, 2, 16, torch.float32, kdevice)
     check(q, k, v, make_index("vertical_slash", q, k, block=32), rng)
     check(q, k, v, make_index("dense", q, k, block=32), rng)
