@@ -3,7 +3,7 @@ each layout, without processes.
 
     python scripts/imbalance.py [--seq-len 65536] [--cp-size 32] [--block 64] [--seeds 20]
                                 [--documents none uniform lognormal one_long] [--mean-doc 2048]
-                                [--index slash-heavy | natural] [--inner N] [--layouts ...]
+                                [--index slash-heavy | natural] [--layouts ...]
                                 [--search 0]
 
 The vertical-slash index is slash-dominated, as in the MTraining paper: per head 8
@@ -11,9 +11,9 @@ local block diagonals, 1/16 of the other diagonals at random, 16 sink and 64
 scattered vertical columns (``--index natural``: the kernels' benchmark index instead,
 ``planning.workload.natural_index`` at 5% density: 4 local block diagonals, far ones and
 columns until the density is reached). Vertical columns run in the local pass (every rank,
-balanced), so the ring's work is the tiles (``ring_work``). ``--inner N``: the
-hierarchical ring's steps (inner rings of ``N`` ranks, outer-major, as the recipes across
-nodes run it) instead of the flat ring's. With packed documents
+balanced), so the ring's work is the tiles (``ring_work``). The hierarchical ring runs the
+flat ring's steps (``context_parallel.ring_schedule``), so these figures hold for both. With
+packed documents
 (``--documents``, drawn by ``examples.synthetic.sampled_document_bounds`` with mean length
 ``--mean-doc``) the same index is masked to each row's document, and dense attention
 becomes block-diagonal causal: both rows are printed per document mix, and the
@@ -135,16 +135,12 @@ def main() -> None:
     p.add_argument(
         "--index", default="slash-heavy", choices=("slash-heavy", "natural"), help="the vertical-slash index"
     )
-    p.add_argument("--inner", type=int, default=None, help="the hierarchical ring's inner size (default: flat ring)")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--search", type=int, default=0, help="stripe swaps proposed for the searched layout (0: none)")
     args = p.parse_args()
-    if args.search and args.inner:
-        p.error("--search swaps stripes for the flat ring's steps: leave out --inner")
-    ring = "flat ring" if args.inner is None else f"hierarchical ring, inner {args.inner}"
     print(
         f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds} "
-        f"index={args.index} heads={args.heads}, {ring}"
+        f"index={args.index} heads={args.heads}"
     )
     print(
         f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
@@ -159,7 +155,7 @@ def main() -> None:
                 unit = float(tiles.max() / tiles.sum() * args.cp_size**2)
                 for kind in args.layouts:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
-                    area = simulate_ring_areas(work, layout, args.block, tiles, args.inner)
+                    area = simulate_ring_areas(work, layout, args.block, tiles)
                     results.setdefault((pattern, kind), []).append(_row(area, unit))
                     if kind == "balanced" and args.search:
                         area = _search(layout, tiles, args.search, seed)

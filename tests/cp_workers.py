@@ -97,8 +97,8 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             ring_area, local_area = stats.gather()
             total = ring_area.sum() + local_area.sum()
             assert total == float(index.attended_area().sum()), (where, total)
-            if ring_area.shape[1] == world:  # the ring, step by step (flat or hierarchical order)
-                simulated = simulate_ring_areas(ring_work(index), layout, 16, inner=inner_size)
+            if ring_area.shape[1] == world:  # the ring, step by step (one order, flat or hierarchical)
+                simulated = simulate_ring_areas(ring_work(index), layout, 16)
                 assert torch.equal(ring_area, simulated), (where, ring_area, simulated)
             # Timed: every piece with work has forward and backward time. A rank's column
             # piece runs whenever the index has columns, even where none is visible to its

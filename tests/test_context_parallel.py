@@ -56,8 +56,13 @@ def test_flat_ring_equals_single_device(world, kv_exchange, rng):
 
 @pytest.mark.parametrize(
     "world,inner",
-    [(4, 2), pytest.param(8, 4, marks=pytest.mark.slow), pytest.param(8, 2, marks=pytest.mark.slow)],
-    ids=["2x2", "4x2", "2x4"],
+    [
+        (4, 2),
+        pytest.param(8, 4, marks=pytest.mark.slow),
+        pytest.param(8, 2, marks=pytest.mark.slow),
+        pytest.param(4, 1, marks=pytest.mark.slow),
+    ],
+    ids=["2x2", "4x2", "2x4", "1x4"],
 )
 def test_hierarchical_ring_equals_single_device(world, inner, rng):
     """Inner ring of `inner` ranks (a node) x outer ring across nodes: same results."""

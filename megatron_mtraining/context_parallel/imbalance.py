@@ -123,32 +123,24 @@ def simulate_ring_areas(
     layout: ContextParallelLayout,
     block: int,
     tiles: torch.Tensor | None = None,
-    inner: int | None = None,
 ) -> torch.Tensor:
     """``[ranks, steps]`` areas the ring computes for ``index`` under ``layout``
     (for a vertical-slash index pass its tiles, ``ring_work(index)``), without
-    processes. ``block`` must divide the layout's stripes (or zigzag chunks). ``tiles``:
-    ``index.block_areas(block)`` when the caller has it (one count for several layouts).
-    ``inner``: the hierarchical ring's inner size (its steps outer-major, as ``RingStats``
-    records them); None: the flat ring."""
+    processes; flat and hierarchical rings alike (``ring_schedule``). ``block`` must divide
+    the layout's stripes (or zigzag chunks). ``tiles``: ``index.block_areas(block)`` when
+    the caller has it (one count for several layouts)."""
     tiles = index.block_areas(block) if tiles is None else tiles
     owner = torch.empty(tiles.shape[0], dtype=torch.long)
     for r in range(layout.cp_size):
         owner[layout.positions(r)[::block] // block] = r
     per_rank = torch.zeros(layout.cp_size, layout.cp_size, dtype=torch.float64)
     per_rank.index_put_((owner.view(-1, 1).expand_as(tiles), owner.view(1, -1).expand_as(tiles)), tiles.cpu(), True)
-    return per_rank.gather(1, ring_sources(layout.cp_size, inner))
+    return per_rank.gather(1, ring_sources(layout.cp_size))
 
 
-def ring_sources(cp_size: int, inner: int | None = None) -> torch.Tensor:
-    """``[ranks, steps]``: whose chunk each rank holds at each ring step. Flat: rank ``r``
-    holds rank ``(r - s) mod W``'s at step ``s``. Hierarchical (``inner`` ranks a node, steps
-    outer-major): rank ``node * G + local`` holds the chunk of node ``node - o``, local
-    ``local - i`` at step ``o * G + i`` (``ring.py``'s schedule)."""
-    g = cp_size if inner is None else inner
-    if cp_size % g:
-        raise ValueError(f"inner={inner} does not divide cp_size={cp_size}")
+def ring_sources(cp_size: int) -> torch.Tensor:
+    """``[ranks, steps]``: whose chunk each rank holds at each ring step: rank ``r`` holds
+    rank ``(r - s) mod W``'s at step ``s``, on the flat and the hierarchical ring
+    (``ring_schedule.RingSchedule``)."""
     rank, step = torch.arange(cp_size).view(-1, 1), torch.arange(cp_size).view(1, -1)
-    nodes = cp_size // g
-    node = (rank // g - step // g) % nodes
-    return node * g + (rank % g - step % g) % g
+    return (rank - step) % cp_size

@@ -37,6 +37,7 @@ from .imbalance import RingStats
 from .kv_allgather import AllGatherAttention, GatheredKV
 from .layout import ContextParallelLayout, TokenPositions
 from .pieces import Piece, last_attending, nothing_attended
+from .ring_schedule import Accumulators, RingSchedule
 from .step_index import StepIndex
 from .step_tables import StepTables
 
@@ -44,65 +45,51 @@ KV_EXCHANGES = ("auto", "ring", "allgather")
 
 
 class _RingAttention(torch.autograd.Function):
-    """All of a rank's attention as one result: the two-level ring, ``steps[o][i]`` the view
-    of the chunk held at outer step ``o``, inner step ``i``, then the vertical columns
-    (``columns``; None when the index has none). Each outer step posts the inter-node
-    transfer of the chunk it started with, then runs the whole inner ring, so that transfer
-    overlaps the inner compute. A flat ring is the case of one outer step (one node).
-    Every piece adds into one running result (``Piece``). The columns' K/V are taken from
-    each chunk as it passes, and their piece is made once the first step's kernel is
-    launched, so that the host's column work overlaps it; they ride along in the last
-    step's launch where the kernels allow, else run as a piece of their own after the
-    ring.
+    """All of a rank's attention as one result: the ring's steps in ``RingSchedule``'s order,
+    ``steps[o][i]`` the view of the chunk held at outer step ``o``, inner step ``i``, then the
+    vertical columns (``columns``; None when the index has none). Every piece adds into one
+    running result (``Piece``). The columns' K/V are taken from each chunk as it passes, and
+    their piece is made once the first step's kernel is launched, so that the host's column
+    work overlaps it; they ride along in the last step's launch where the kernels allow, else
+    run as a piece of their own after the ring. ``schedule`` has posted its first outer
+    transfer (``RingSchedule.post_first``).
 
     Backward: each piece is recomputed from the final out / lse, so no piece keeps its
-    own result. dK/dV accumulators travel the inner ring back to the rank that brought
-    the chunk into the node, then the outer ring back to the owning node; the columns'
-    gradients go back to their owners by one sum over ranks.
+    own result. dK/dV accumulators go home as ``ring_schedule.Accumulators`` says; the
+    columns' gradients go back to their owners by one sum over ranks.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, columns, steps, inner, outer, group, scale: float, comm_timer):
+    def forward(ctx, q, k, v, columns, steps, schedule, group, scale: float, comm_timer):
         carrier = steps[-1][-1]
         if columns is not None and columns.rides:
             carrier.attends = True
         own_piece = columns is not None and not columns.rides  # the columns' piece ends the result
         last = None if own_piece else last_attending([s for row in steps for s in row])
         result = None
-        inner_x, outer_x = RingExchange(inner, comm_timer, "fwd"), RingExchange(outer, comm_timer, "fwd")
-        outer_kv = (k, v)
-        for o, inner_steps in enumerate(steps):
-            if o + 1 < len(steps):
-                outer_x.start(list(outer_kv))
-            kv = outer_kv
-            for i, step in enumerate(inner_steps):
-                if i + 1 < len(inner_steps):
-                    inner_x.start(list(kv))
-                if columns is not None and (o, i) != (0, 0):  # another rank's chunk
-                    columns.take(step.index.keys, *kv)
-                result = step.forward(q, *kv, scale, result, step is last, columns.kv if columns else None)
-                if columns is not None and (o, i) == (0, 0):  # our own chunk
-                    columns.start(k, v)
-                if i + 1 < len(inner_steps):
-                    kv = tuple(inner_x.wait())
-            if o + 1 < len(steps):
-                outer_kv = tuple(outer_x.wait())
+        for o, i, kv in schedule.chunks([k, v]):
+            step = steps[o][i]
+            if columns is not None and (o, i) != (0, 0):  # another rank's chunk
+                columns.take(step.index.keys, *kv)
+            result = step.forward(q, *kv, scale, result, step is last, columns.kv if columns else None)
+            if columns is not None and (o, i) == (0, 0):  # our own chunk
+                columns.start(k, v)
         if own_piece:
             result = columns.piece.forward(q, *columns.kv, scale, result, True)
         out, lse = result if result is not None else nothing_attended(q)
         ctx.save_for_backward(q, k, v, *(columns.kv if columns else (None, None)), out, lse)
         ctx.columns, ctx.steps, ctx.last = columns, steps, columns.piece if own_piece else last
-        ctx.rings, ctx.group, ctx.scale, ctx.comm_timer = (inner, outer), group, scale, comm_timer
+        ctx.rings, ctx.first_next = (schedule.inner, schedule.outer), schedule.first_next
+        ctx.group, ctx.scale, ctx.comm_timer = group, scale, comm_timer
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, k_cols, v_cols, out, lse = ctx.saved_tensors
         dt = compute_dtype(q.dtype)
-        inner, outer = ctx.rings
-        inner_x, outer_x, inner_g, outer_g = (
-            RingExchange(r, ctx.comm_timer, "bwd") for r in (inner, outer, inner, outer)
-        )
+        schedule = RingSchedule(*ctx.rings, ctx.comm_timer, "bwd")
+        schedule.first_next = ctx.first_next
+        outer_g = RingExchange(schedule.outer, ctx.comm_timer, "bwd")
 
         def zeros():
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
@@ -110,35 +97,27 @@ class _RingAttention(torch.autograd.Function):
         def piece(step, kv, dq):
             return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last, (k_cols, v_cols))
 
+        accumulators = Accumulators(schedule, zeros, ctx.comm_timer)
         dq, col_grads = None, None
-        outer_kv = (k, v)
-        for o, inner_steps in enumerate(ctx.steps):
-            if o + 1 < len(ctx.steps):
-                outer_x.start(list(outer_kv))
-            kv = outer_kv
-            for i, step in enumerate(inner_steps):
-                if i + 1 < len(inner_steps):
-                    inner_x.start(list(kv))
-                dq, grads, cols = piece(step, kv, dq)
-                if cols is not None:  # the step that attended the columns
-                    col_grads = cols
-                # The accumulator of the chunk held now arrived from the inner predecessor.
-                acc = inner_g.wait() if i else zeros()
-                inner_g.start([a + g for a, g in zip(acc, grads, strict=True)])
-                if i + 1 < len(inner_steps):
-                    kv = tuple(inner_x.wait())
-            node_grads = inner_g.wait()  # this outer step's chunk, summed over the whole node
-            acc = outer_g.wait() if o else zeros()
-            outer_g.start([a + g for a, g in zip(acc, node_grads, strict=True)])
-            if o + 1 < len(ctx.steps):
-                outer_kv = tuple(outer_x.wait())
+        for o, i, kv in schedule.chunks([k, v]):
+            dq, grads, cols = piece(ctx.steps[o][i], kv, dq)
+            if cols is not None:  # the step that attended the columns
+                col_grads = cols
+            accumulators.add(i, grads)
+            if i == schedule.g - 1:  # this outer step's current chunk, summed over the node
+                node_part = accumulators.node_part()
+                acc = outer_g.wait() if o else zeros()
+                outer_g.start([a + g for a, g in zip(acc, node_part, strict=True)])
         if ctx.columns is not None and not ctx.columns.rides:
             dq, col_grads, _ = piece(ctx.columns.piece, (k_cols, v_cols), dq)
         dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
+        leftover = accumulators.leftover()
+        if leftover is not None:  # our own chunk's part gathered as a next chunk
+            dk, dv = dk + leftover[0], dv + leftover[1]
         if col_grads is not None:
             dk, dv = ctx.columns.add_grads(col_grads, dk, dv, ctx.group)
         dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 class _VerticalColumns:
@@ -317,8 +296,14 @@ def ring_attention(
     exchange = _exchange(kv_exchange, hierarchy, one_node)
     inner, outer = _rings(members, rank, hierarchy)
     n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
+    step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
+        rank, n_outer * n_inner, q.device
+    )
     # Posted before the index build, which the transfer then overlaps.
     gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
+    schedule = RingSchedule(inner, outer, comm_timer) if gathered is None else None
+    if schedule is not None:
+        schedule.post_first([k, v])
     index = build_index(pattern, q, k, scale, layout, cp_group, cu_seqlens)
     queries = layout.token_positions(rank, q.device)
     work = ring_work(index)
@@ -327,9 +312,6 @@ def ring_attention(
     log_decision(decision, f"ring_attention ({exchange}) rank {rank}")
     use_kernels = decision.kernel == "block_bar"
     step_tables = step_tables if use_kernels else None
-    step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
-        rank, n_outer * n_inner, q.device
-    )
     has_columns = isinstance(index, VerticalSlashIndex) and index.vertical.shape[-1]
 
     # Named ranges show where a call's host time goes in torch.profiler / Nsight traces.
@@ -347,12 +329,9 @@ def ring_attention(
             out, lse = AllGatherAttention.apply(q, k, v, gathered, whole, scale, comm_timer)
         steps, column_piece = [[whole]], None
     else:
-        # Group rank r = node * n_inner + local. At outer step o, inner step i it holds the
-        # chunk of node (node - o), local (local - i).
-        node, local_rank = divmod(rank, n_inner)
-
+        # At step s = o * n_inner + i group rank r holds the chunk of rank r - s (``RingSchedule``).
         def step(o: int, i: int) -> Piece:
-            source = ((node - o) % n_outer) * n_inner + (local_rank - i) % n_inner
+            source = (rank - o * n_inner - i) % group_size
             view = StepIndex(work, queries, layout.token_positions(source, q.device))
             return Piece(view, step_tables, step_timers[o * n_inner + i], view.may_attend())
 
@@ -360,7 +339,7 @@ def ring_attention(
         # The last step carries the columns: its tables are built while earlier steps run.
         columns = _VerticalColumns(index, queries, use_kernels, local_timer, steps[-1][-1]) if has_columns else None
         with record_function("mtraining.ring.steps"):
-            out, lse = _RingAttention.apply(q, k, v, columns, steps, inner, outer, cp_group, scale, comm_timer)
+            out, lse = _RingAttention.apply(q, k, v, columns, steps, schedule, cp_group, scale, comm_timer)
         column_piece = columns.piece if columns is not None else None
     if stats is not None:
         per_step = [int(s.index.attended_area().sum()) if s.attends else 0 for row in steps for s in row]

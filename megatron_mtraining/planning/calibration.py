@@ -127,7 +127,7 @@ def cp_row_work(row: dict) -> tuple[AttentionWork, AttentionWork]:
     sources = {"source": "natural"} if pattern == "mtraining" else {}
     split = WorkSpec(
         pattern, row["tokens"], HEADS, KV_HEADS, HEAD_DIM, settings, layout=row["layout"], stripe=128,
-        cp=row["gpus"], inner=row.get("inner"), **sources,
+        cp=row["gpus"], **sources,
     )  # fmt: skip
     whole = WorkSpec(pattern, row["tokens"], HEADS, KV_HEADS, HEAD_DIM, settings, **sources)
     return attention_work(split), attention_work(whole)

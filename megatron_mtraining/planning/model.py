@@ -13,8 +13,8 @@ optimizer and the data-parallel gradient exchange. Per layer (one micro-batch, o
   parallelism as the ring or the all-gather runs it (``attention_call``): the slowest rank's
   pieces, a fitted cost of the ring's keys at other ranks' positions and of each ring step,
   and the transfers each step cannot hide behind its kernels, NVLink inside a node and the
-  network across nodes (a hierarchical ring hides an outer transfer behind a whole inner
-  ring);
+  network across nodes (a hierarchical ring hides each outer transfer behind a whole inner
+  ring, but the forward's first, which has the index build and the first step);
 * the vertical-slash index build (per pass: the recomputation builds it again), with its
   collectives under CP; MSA's selection (once per layer: it is kept for the recomputation),
   index projections and KL loss (on the KV-outer kernels on one GPU, on the union of tiles
@@ -260,12 +260,9 @@ def work_spec(run: Run, pattern: str) -> WorkSpec:
     if pattern == "mtraining":
         settings = att.mtraining
     source = next((s for s in run.sources if s in PATTERN_SOURCES.get(pattern, ())), None)
-    inner = att.hierarchy if (att.hierarchy and run.cp > 1 and att.hierarchy < run.cp) else None
     layout = att.layout if run.cp > 1 else "striped"
     stripe = att.stripe if layout == "striped" else 128
-    return WorkSpec(
-        pattern, run.seq, run.heads, run.kv_heads, run.head_dim, settings, source, layout, stripe, run.cp, inner
-    )
+    return WorkSpec(pattern, run.seq, run.heads, run.kv_heads, run.head_dim, settings, source, layout, stripe, run.cp)
 
 
 def exchange_of(run: Run) -> str:
@@ -331,22 +328,33 @@ def attention_call(c: Constants, run: Run, pattern: str, work: AttentionWork, in
         ]
         step_ms[-1] += max(columns) * gpu.attention_time_factor
         steps[d] = step_ms
-        # Forward: a chunk's K/V; backward: K/V and the fp32 dK/dV accumulators. Each inner
-        # transfer overlaps one step (the next chunk is posted before the step's kernel); an
-        # outer transfer overlaps a whole inner ring.
-        moved = kv_bytes * (1 if d == "fwd" else 3)
-        inner_ms, outer_ms = moved / (in_bw * 1e9) * 1e3, moved / (out_bw * 1e9) * 1e3
+        # A chunk's K/V (bf16) and dK/dV accumulator (fp32). Each inner transfer overlaps one
+        # step (the next chunk is posted before the step's kernel). Outer transfers
+        # (``ring_schedule``): the forward's first next chunk is posted before the index build
+        # and needed after the first step; every later one, the backward's K/V (the first is
+        # kept from the forward) and accumulators alike, overlaps a whole inner ring.
+        kv_ms, inner_ms = kv_bytes / (out_bw * 1e9) * 1e3, kv_bytes * (1 if d == "fwd" else 3) / (in_bw * 1e9) * 1e3
         rings = [step_ms[o * inner : (o + 1) * inner] for o in range(w // inner)]
         exposed[d] = {in_link: sum(max(0.0, inner_ms - t) for ring in rings for t in ring[:-1])}
         total[d] = {in_link: inner_ms * (w - w // inner)}
         if exchange == "hierarchical":
-            ring_ms = [sum(ring) for ring in rings[:-1]]
-            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + sum(max(0.0, outer_ms - t) for t in ring_ms)
-            total[d][out_link] = total[d].get(out_link, 0.0) + outer_ms * (w // inner - 1)
-            hidden = "is hidden behind" if outer_ms <= min(ring_ms) else "is NOT hidden behind"
+            n_outer = w // inner
+            if d == "fwd":
+                first = max(0.0, kv_ms - index_ms - step_ms[0])
+                windows = [(kv_ms, sum(ring)) for ring in rings[: n_outer - 2]]
+                moved_ms = kv_ms * (n_outer - 1)
+            else:
+                first = 0.0
+                windows = [(kv_ms * ((o < n_outer - 2) + 2), sum(rings[o])) for o in range(n_outer - 1)]
+                moved_ms = sum(ms for ms, _ in windows)
+            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + first + sum(max(0.0, ms - t) for ms, t in windows)
+            total[d][out_link] = total[d].get(out_link, 0.0) + moved_ms
+            slowest = max([kv_ms - index_ms - step_ms[0]] * (d == "fwd") + [ms - t for ms, t in windows])
+            hidden = "is hidden" if slowest <= 0 else f"is NOT hidden ({slowest:.2f} ms exposed at most)"
             path.append(
-                f"{d}: the outer transfer ({out_link}, {outer_ms:.2f} ms a chunk) {hidden} the inner ring "
-                f"({inner} steps, {min(ring_ms):.2f} ms)"
+                f"{d}: the outer transfer ({out_link}, {kv_ms:.2f} ms a chunk's K/V) {hidden} behind "
+                + ("the index build and the first step, then " if d == "fwd" else "")
+                + f"the inner ring ({inner} steps, {min(sum(r) for r in rings):.2f} ms)"
             )
         elif in_link == "network":
             hidden = "hidden behind" if inner_ms <= min(step_ms[:-1]) else "NOT hidden behind"

@@ -12,8 +12,8 @@ triples per rank and ring step, from the real index builders and the ring's own 
   - ``natural``: ``scripts/bench_kernels.py``'s index (:func:`natural_index`), grown to a
     fixed density, the one the kernel and context-parallel tables were measured on.
 
-  The ring's tiles per rank and step come from ``simulate_ring_areas`` on the layout (flat
-  or hierarchical order); the vertical columns are each rank's local piece (``ring_work``).
+  The ring's tiles per rank and step come from ``simulate_ring_areas`` on the layout (one
+  order for the flat and the hierarchical ring); the vertical columns are each rank's local piece (``ring_work``).
 * ``dense``: the causal triangle, split by the same simulation.
 * ``msa`` / ``moba``: every query selects ``topk`` blocks (its own included), so the useful
   area has a closed form. The kernels that take a top-k index under context parallelism
@@ -204,7 +204,6 @@ class WorkSpec:
     layout: str = "striped"
     stripe: int = 128
     cp: int = 1
-    inner: int | None = None
 
     def __post_init__(self):
         sources = PATTERN_SOURCES.get(self.pattern, (None,))
@@ -217,12 +216,11 @@ class WorkSpec:
 
     def replace_layout(self) -> WorkSpec:
         """The same index with no layout (what per-block tables depend on)."""
-        return dataclasses.replace(self, layout="striped", stripe=128, cp=1, inner=None)
+        return dataclasses.replace(self, layout="striped", stripe=128, cp=1)
 
     @property
     def key(self) -> str:
         """The key of a calibration row's work in ``workloads.json``."""
-        ring = "flat" if self.inner is None else f"inner{self.inner}"
         if isinstance(self.settings, VerticalSlashConfig):
             c = self.settings
             settings = (
@@ -231,7 +229,7 @@ class WorkSpec:
             )
         else:
             settings = "-" if self.settings is None else "b{}-k{}".format(*self.settings)
-        return f"{self.pattern}:{self.source}:{settings}:{self.seq}:{self.layout}:{self.stripe}:{self.cp}:{ring}"
+        return f"{self.pattern}:{self.source}:{settings}:{self.seq}:{self.layout}:{self.stripe}:{self.cp}"
 
 
 # While ``recording`` runs: every work asked for, computed afresh (``--refresh-workloads``).
@@ -283,7 +281,7 @@ def compute_work(spec: WorkSpec) -> AttentionWork:
             return AttentionWork(*head, t, torch.tensor([bar], dtype=torch.float64), t.sum(1) + bar, tiles, bar)
         tiles, bar = _block_areas(spec.replace_layout())
         layout = ContextParallelLayout(spec.layout, cp, seq, stripe=spec.stripe)
-        ring = simulate_ring_areas(tiles_index, layout, block, tiles, spec.inner)
+        ring = simulate_ring_areas(tiles_index, layout, block, tiles)
         # A rank's bars are its rows' (the ring simulation's rows, summed over steps).
         columns = simulate_ring_areas(bars, layout, block, bar).sum(1)
         return AttentionWork(*head, ring, columns, ring.sum(1) + columns, float(ring.sum()), float(columns.sum()))
@@ -291,7 +289,7 @@ def compute_work(spec: WorkSpec) -> AttentionWork:
         ring = torch.tensor([[spec.heads * seq * (seq + 1) / 2]], dtype=torch.float64)
     else:
         layout = ContextParallelLayout(spec.layout, cp, seq, stripe=spec.stripe)
-        ring = simulate_ring_areas(DenseIndex(1, spec.heads, seq), layout, block, inner=spec.inner)
+        ring = simulate_ring_areas(DenseIndex(1, spec.heads, seq), layout, block)
     total, none = float(ring.sum()), torch.zeros(cp, dtype=torch.float64)
     if spec.pattern == "dense":
         return AttentionWork(*head, ring, none, ring.sum(1), total, 0.0)
