@@ -1,11 +1,12 @@
 """Sparse context-parallel attention: the ring (flat or hierarchical) and its entry point.
 
 Q and O stay on their rank; K/V chunks travel around the ring (inside a node, and
-from node to node for the hierarchical ring), each rank attending its queries to
+from node to node for the hierarchical ring, in the flat ring's step order:
+``ring_schedule``), each rank attending its queries to
 every chunk under the per-step view of one global sparse index (``StepIndex``) and
 adding each chunk's part into one running (out, lse), inside the attention kernel
 where the kernels run. Transfers are posted before the compute they overlap. In the
-backward, dK/dV accumulators travel with their chunk back to its owner. A
+backward, dK/dV accumulators follow their chunk back to its owner. A
 vertical-slash index's vertical columns are attended locally, against their gathered
 K/V rather than on the ring, which keeps the ring's work balanced; on the kernels, in
 the launch of the last ring step, so that its tiles and the columns share one program
@@ -265,8 +266,9 @@ def ring_attention(
     (``megatron_mtraining.patterns``) whose index is built here from the distributed
     q/k (``distributed_index.IndexSource``).
     ``hierarchy``: None (flat ring) or ``(inner_group, outer_group)`` for the
-    hierarchical ring (inner ring inside a node, outer ring across nodes, the
-    inter-node transfer overlapped with the whole inner ring). cp_size 1 runs the
+    hierarchical ring (inner ring inside a node, outer ring across nodes, each
+    inter-node transfer but the forward's first overlapped with a whole inner ring; the
+    steps in the flat ring's order, which striping balances). cp_size 1 runs the
     local kernel. ``kv_exchange``: ``ring``, ``allgather`` (every rank gathers the
     whole K/V and attends it in one piece, ``kv_allgather``; flat groups only) or
     ``auto`` (the all-gather for a flat group on one node, else the ring; see
