@@ -13,7 +13,8 @@ from megatron_mtraining.context_parallel import (
     ring_work,
     simulate_ring_areas,
 )
-from megatron_mtraining.context_parallel.hierarchy import new_hierarchy
+from megatron_mtraining.context_parallel.hierarchy import hierarchy_ranks, new_hierarchy
+from megatron_mtraining.context_parallel.ring_schedule import Accumulators, RingSchedule
 from megatron_mtraining.patterns.dense import DensePattern
 from megatron_mtraining.patterns.moba import MoBAPattern
 from megatron_mtraining.patterns.msa import MSAPattern
@@ -538,3 +539,57 @@ def check_msa_kl_ring(rank, world, seed, backend, dtype, cases, ring_lse=False):
             whole = layout.unshard(parts)
             tol = rtol * full.abs().max().item()
             torch.testing.assert_close(whole, full, rtol=rtol, atol=tol, msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
+
+
+def check_ring_schedule(rank, world, inner_size):
+    """``RingSchedule`` and ``Accumulators`` alone, on chunks that name their owner: at step
+    ``s`` rank ``r`` holds rank ``(r - s) mod W``'s chunk, forward and backward; every rank's
+    own dK/dV is the sum of the parts of every rank that held its chunk; K/V cross nodes
+    ``O - 1`` times a rank in the forward and ``O - 2`` in the backward (the first next chunk
+    is kept), accumulators ``O`` times; within a node a rank sends at most one chunk a step
+    but for its next chunk's one hop to local 0."""
+    inner, outer = hierarchy_ranks(list(range(world)), rank, new_hierarchy(inner_size))
+    g, n_outer, node, local = len(inner), len(outer), rank // inner_size, rank % inner_size
+    sends = []
+    batch = dist.batch_isend_irecv
+
+    def counted(ops):
+        sends.extend((op.peer // inner_size != node, op.tensor.numel()) for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    def chunk(value: float, sizes: tuple[int, int]) -> list[torch.Tensor]:
+        return [torch.full((n,), value, dtype=torch.float64) for n in sizes]
+
+    def counts(numel: int) -> tuple[int, int]:
+        """(messages across nodes, within the node) of this size so far."""
+        found = [across for across, n in sends if n == numel]
+        return sum(found), len(found) - sum(found)
+
+    two = n_outer > 1
+    dist.batch_isend_irecv = counted
+    try:
+        own = chunk(rank, (3, 2))
+        fwd = RingSchedule(inner, outer)
+        fwd.post_first(own)
+        held = [int(c[0][0]) for _, _, c in fwd.chunks(own)]
+        assert held == [(rank - s) % world for s in range(world)], (rank, held)
+        across, within = counts(3)
+        ring_hops = g - 1 if local < g - 1 or not two else 0
+        assert (across, within) == (n_outer - 1, n_outer * (ring_hops + (two and local > 0))), (rank, across, within)
+        sends.clear()
+
+        bwd = RingSchedule(inner, outer, phase="bwd")
+        bwd.first_next = fwd.first_next
+        accumulators = Accumulators(bwd, lambda: chunk(0.0, (5, 4)))
+        for o, i, c in bwd.chunks(own):
+            s = o * g + i
+            assert int(c[0][0]) == (rank - s) % world, (rank, o, i)
+            accumulators.add(i, chunk(rank * 1000.0 + s, (5, 4)))
+        dk, dv = accumulators.own()
+        want = sum(((rank + s) % world) * 1000.0 + s for s in range(world))
+        assert torch.equal(dk, torch.full((5,), want, dtype=torch.float64)), (rank, dk, want)
+        assert torch.equal(dv, torch.full((4,), want, dtype=torch.float64)), (rank, dv, want)
+        assert counts(3)[0] == max(0, n_outer - 2), rank
+        assert counts(5)[0] == (n_outer if two else 0), rank
+    finally:
+        dist.batch_isend_irecv = batch

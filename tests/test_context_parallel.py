@@ -12,6 +12,7 @@ from cp_workers import (
     check_host_reads,
     check_msa_kl_ring,
     check_ring_equals_single_device,
+    check_ring_schedule,
     check_ring_with_kernels,
     check_ring_with_nothing_attended,
 )
@@ -52,6 +53,17 @@ def test_flat_ring_equals_single_device(world, kv_exchange, rng):
     distributed index equals the single-device one."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run(world, check_ring_equals_single_device, seed, 256, None, PATTERNS, kv_exchange)
+
+
+@pytest.mark.parametrize(
+    "world,inner",
+    [(4, 2), (6, 2), (6, 3), (4, 1), (4, 4), pytest.param(8, 2, marks=pytest.mark.slow)],
+    ids=["2x2", "2x3", "3x2", "1x4", "flat4", "2x4"],
+)
+def test_ring_schedule_order_sums_and_traffic(world, inner):
+    """The schedule alone, inner x outer ranks (flat: one node): the flat ring's order at
+    every step, exact dK/dV sums, and the transfers across and within nodes."""
+    run(world, check_ring_schedule, inner)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,6 @@ from ..sparse.dispatch import attention_kernel, log_decision
 from ..sparse.index import SparseIndex, VerticalSlashIndex, VerticalSlashPart, compact
 from ..sparse.reference import compute_dtype
 from ..sparse.validation import check_choice, check_qkv, check_softmax_scale, fail
-from .comm import RingExchange
 from .distributed_index import build_index, scatter_rows
 from .hierarchy import hierarchy_ranks
 from .imbalance import RingStats
@@ -90,7 +89,6 @@ class _RingAttention(torch.autograd.Function):
         dt = compute_dtype(q.dtype)
         schedule = RingSchedule(*ctx.rings, ctx.comm_timer, "bwd")
         schedule.first_next = ctx.first_next
-        outer_g = RingExchange(schedule.outer, ctx.comm_timer, "bwd")
 
         def zeros():
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
@@ -105,16 +103,9 @@ class _RingAttention(torch.autograd.Function):
             if cols is not None:  # the step that attended the columns
                 col_grads = cols
             accumulators.add(i, grads)
-            if i == schedule.g - 1:  # this outer step's current chunk, summed over the node
-                node_part = accumulators.node_part()
-                acc = outer_g.wait() if o else zeros()
-                outer_g.start([a + g for a, g in zip(acc, node_part, strict=True)])
         if ctx.columns is not None and not ctx.columns.rides:
             dq, col_grads, _ = piece(ctx.columns.piece, (k_cols, v_cols), dq)
-        dk, dv = outer_g.wait()  # our own chunk's, after a full turn of both rings
-        leftover = accumulators.leftover()
-        if leftover is not None:  # our own chunk's part gathered as a next chunk
-            dk, dv = dk + leftover[0], dv + leftover[1]
+        dk, dv = accumulators.own()  # every rank's parts of our own chunk
         if col_grads is not None:
             dk, dv = ctx.columns.add_grads(col_grads, dk, dv, ctx.group)
         dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)

@@ -114,15 +114,18 @@ class RingSchedule:
 
 
 class Accumulators:
-    """The backward's dK/dV accumulators of one rank over ``RingSchedule``'s steps:
-    ``add(i, grads)`` after each step's kernel (its part of the chunk held), ``node_part()``
-    after each outer step (the node's sum for this rank's current chunk, to send on the outer
-    ring), ``leftover()`` at the end (what the last outer step gathered for this rank's own
-    chunk as a next chunk; None with one node)."""
+    """The backward's dK/dV accumulators of one rank over ``RingSchedule``'s steps: ``add(i,
+    grads)`` after each step's kernel (its part of the chunk held then); ``own()`` at the end:
+    this rank's own chunk's dK/dV, every rank's parts added. After each outer step the node's
+    sum for this rank's current chunk joins the outer ring (the sum so far from the nodes
+    before), so it reaches its owner after a full turn; with two chunks the last outer step's
+    part of the own chunk as a next chunk is added there."""
 
     def __init__(self, schedule: RingSchedule, zeros, timer=None):
         self.s, self.zeros = schedule, zeros
         self.x = PeerExchange(timer, "bwd")
+        self.outer_x = RingExchange(schedule.outer, timer, "bwd")
+        self.outer_started = False
         self.seed: Chunk | None = None  # the next chunk's part, which seeds it as current
         self.done: Chunk | None = None
         self._expect = (False, False)  # what the pending exchange receives: (chain, home)
@@ -130,25 +133,25 @@ class Accumulators:
     def add(self, i: int, grads: Chunk) -> None:
         s, g, local = self.s, self.s.g, self.s.local
         # None: zeros (the first outer step; at local 0 of two chunks a next chunk's accumulator starts)
-        start = (self.seed if i == 0 else self._take_done()) or self.zeros()
+        start = (self.seed if i == 0 else self._take()) or self.zeros()
         acc = [a + b for a, b in zip(start, grads, strict=True)]
-        sends, receives = [], []
-        if local + 1 < g:
-            sends.append((s.inner[local + 1], acc))
-        elif s.two_chunks:  # current chunk g - 1 - i's node part, home
-            sends.append((s.inner[g - 1 - i], acc))
-        else:
-            sends.append((s.inner[0], acc))
-        if local > 0 or not s.two_chunks:
+        # From local G - 1 with two chunks current chunk G - 1 - i's node part goes home;
+        # with one the ring closes.
+        dst = local + 1 if local + 1 < g else (g - 1 - i if s.two_chunks else 0)
+        chain, home = local > 0 or not s.two_chunks, s.two_chunks and local == g - 1 - i
+        receives = []
+        if chain:
             receives.append((s.inner[(local - 1) % g], acc))
-        if s.two_chunks and local == g - 1 - i:
+        if home:
             receives.append((s.inner[g - 1], acc))
-        self.x.start(sends, receives)
-        self._expect = (local > 0 or not s.two_chunks, s.two_chunks and local == g - 1 - i)
+        self.x.start([(s.inner[dst], acc)], receives)
+        self._expect = (chain, home)
+        if i == g - 1:
+            self._outer_step()
 
-    def _take_done(self) -> Chunk | None:
+    def _take(self) -> Chunk | None:
         """Waits for the last step's receives: returns the chain's accumulator from the
-        previous local (or None), keeping a node part that came home."""
+        previous local (None at local 0 of two chunks), keeping a node part that came home."""
         got = self.x.wait()
         chain, home = self._expect
         chain_acc = got.pop(0) if chain else None
@@ -156,15 +159,22 @@ class Accumulators:
             self.done = got.pop(0)
         return chain_acc
 
-    def node_part(self) -> Chunk:
-        """After the outer step's last ``add``: the node's sum for this rank's current chunk;
-        keeps the next chunk's part as the seed of the next outer step."""
-        chain = self._take_done()
-        if not self.s.two_chunks:  # the whole node's sum came round the inner ring
-            return chain
-        self.seed = chain if chain is not None else self.zeros()
-        done, self.done = self.done, None
-        return done
+    def _outer_step(self) -> None:
+        """The node's sum for this rank's current chunk onto the outer ring, added to the
+        nodes' before; the next chunk's part kept as the seed of the next outer step."""
+        chain = self._take()
+        if self.s.two_chunks:
+            self.seed = chain or self.zeros()
+            part, self.done = self.done, None
+        else:  # the whole node's sum came round the inner ring
+            part = chain
+        before = self.outer_x.wait() if self.outer_started else self.zeros()
+        self.outer_x.start([a + b for a, b in zip(before, part, strict=True)])
+        self.outer_started = True
 
-    def leftover(self) -> Chunk | None:
-        return self.seed
+    def own(self) -> Chunk:
+        """This rank's own chunk's dK/dV, after the last ``add``."""
+        total = self.outer_x.wait()
+        if self.s.two_chunks:
+            total = [a + b for a, b in zip(total, self.seed, strict=True)]
+        return total
