@@ -29,8 +29,10 @@ Backward: each chunk's accumulator follows its chunk through a node: current chu
 from local ``j`` to ``G - 1``, whence the node's part goes straight home to local ``j``;
 next chunk ``j``'s from local 0 to ``j - 1``, and on to local ``j``, where it seeds the
 accumulator of the same chunk as current one outer step later. Home, the node's part joins
-the outer ring, as in the two-level ring. Each (rank, step) thus moves one K/V chunk and one
-accumulator within a node, as before, and one of each across nodes per outer step.
+the outer ring, as in the two-level ring. Within a node a rank thus sends one K/V chunk and
+one accumulator a step, as before, and once an outer step one next chunk more (to local 0,
+which then receives nothing from local ``G - 1``); across nodes one K/V chunk (none in the
+backward's first outer step) and one accumulator per outer step.
 """
 
 from __future__ import annotations
