@@ -339,17 +339,15 @@ def attention_call(c: Constants, run: Run, pattern: str, work: AttentionWork, in
         total[d] = {in_link: inner_ms * (w - w // inner)}
         if exchange == "hierarchical":
             n_outer = w // inner
+            # (transfer, the compute that hides it): forward K/V, the first behind the index
+            # build and the first step; backward accumulators (fp32) and K/V but the first.
             if d == "fwd":
-                first = max(0.0, kv_ms - index_ms - step_ms[0])
-                windows = [(kv_ms, sum(ring)) for ring in rings[: n_outer - 2]]
-                moved_ms = kv_ms * (n_outer - 1)
+                windows = [(kv_ms, index_ms + step_ms[0])] + [(kv_ms, sum(r)) for r in rings[: n_outer - 2]]
             else:
-                first = 0.0
                 windows = [(kv_ms * ((o < n_outer - 2) + 2), sum(rings[o])) for o in range(n_outer - 1)]
-                moved_ms = sum(ms for ms, _ in windows)
-            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + first + sum(max(0.0, ms - t) for ms, t in windows)
-            total[d][out_link] = total[d].get(out_link, 0.0) + moved_ms
-            slowest = max([kv_ms - index_ms - step_ms[0]] * (d == "fwd") + [ms - t for ms, t in windows])
+            exposed[d][out_link] = exposed[d].get(out_link, 0.0) + sum(max(0.0, ms - t) for ms, t in windows)
+            total[d][out_link] = total[d].get(out_link, 0.0) + sum(ms for ms, _ in windows)
+            slowest = max(ms - t for ms, t in windows)
             hidden = "is hidden" if slowest <= 0 else f"is NOT hidden ({slowest:.2f} ms exposed at most)"
             path.append(
                 f"{d}: the outer transfer ({out_link}, {kv_ms:.2f} ms a chunk's K/V) {hidden} behind "
