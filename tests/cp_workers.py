@@ -571,15 +571,14 @@ def check_ring_schedule(rank, world, inner_size):
         own = chunk(rank, (3, 2))
         fwd = RingSchedule(inner, outer)
         fwd.post_first(own)
-        held = [int(c[0][0]) for _, _, c in fwd.chunks(own)]
-        assert held == [(rank - s) % world for s in range(world)], (rank, held)
+        held = [(int(c[0][0]), fwd.source(o, i)) for o, i, c in fwd.chunks(own)]
+        assert held == [((rank - s) % world,) * 2 for s in range(world)], (rank, held)
         across, within = counts(3)
         ring_hops = g - 1 if local < g - 1 or not two else 0
         assert (across, within) == (n_outer - 1, n_outer * (ring_hops + (two and local > 0))), (rank, across, within)
         sends.clear()
 
-        bwd = RingSchedule(inner, outer, phase="bwd")
-        bwd.first_next = fwd.first_next
+        bwd = RingSchedule(inner, outer, phase="bwd", first_next=fwd.first_next)
         accumulators = Accumulators(bwd, lambda: chunk(0.0, (5, 4)))
         for o, i, c in bwd.chunks(own):
             s = o * g + i

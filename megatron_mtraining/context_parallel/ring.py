@@ -87,8 +87,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, k_cols, v_cols, out, lse = ctx.saved_tensors
         dt = compute_dtype(q.dtype)
-        schedule = RingSchedule(*ctx.rings, ctx.comm_timer, "bwd")
-        schedule.first_next = ctx.first_next
+        schedule = RingSchedule(*ctx.rings, ctx.comm_timer, "bwd", first_next=ctx.first_next)
 
         def zeros():
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
@@ -322,9 +321,9 @@ def ring_attention(
             out, lse = AllGatherAttention.apply(q, k, v, gathered, whole, scale, comm_timer)
         steps, column_piece = [[whole]], None
     else:
-        # At step s = o * n_inner + i group rank r holds the chunk of rank r - s (``RingSchedule``).
+        # Each step's chunk is the one ``RingSchedule.source`` names (the flat ring's order).
         def step(o: int, i: int) -> Piece:
-            source = (rank - o * n_inner - i) % group_size
+            source = schedule.source(o, i)
             view = StepIndex(work, queries, layout.token_positions(source, q.device))
             return Piece(view, step_tables, step_timers[o * n_inner + i], view.may_attend())
 

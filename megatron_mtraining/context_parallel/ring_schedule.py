@@ -52,13 +52,23 @@ class RingSchedule:
     ``inner`` (the node's global ranks, in local order) and ``outer`` (the global ranks of
     this local index on every node, in node order)."""
 
-    def __init__(self, inner: list[int], outer: list[int], timer=None, phase: str = "fwd"):
+    def __init__(
+        self, inner: list[int], outer: list[int], timer=None, phase: str = "fwd", first_next: Chunk | None = None
+    ):
         self.inner, self.outer, self.n_outer = inner, outer, len(outer)
-        self.g, self.local = len(inner), inner.index(dist.get_rank())
+        me = dist.get_rank()
+        self.g, self.local, self.node = len(inner), inner.index(me), outer.index(me)
         self.two_chunks = self.n_outer > 1  # with one node the next chunk is the current one
         self.timer, self.phase = timer, phase
         self.outer_x = RingExchange(outer, timer, phase)
-        self.first_next: Chunk | None = None  # this rank's next chunk of outer step 0
+        # This rank's next chunk of outer step 0: received by the forward, kept for the backward.
+        self.first_next = first_next
+
+    def source(self, o: int, i: int) -> int:
+        """The group rank (``node * G + local``) whose chunk this rank holds at outer step
+        ``o``, inner step ``i``."""
+        w = self.n_outer * self.g
+        return (self.node * self.g + self.local - o * self.g - i) % w
 
     def post_first(self, own: Chunk) -> None:
         """Sends this rank's own chunk one node on, which is that node's next chunk of outer
