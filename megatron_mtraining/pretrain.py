@@ -61,8 +61,9 @@ def _parse_cli(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--step-stacks",
         action="store_true",
-        help="with --step-report: record the profiled step with Python stacks, so that each of its longest "
-        "device-idle gaps names the innermost frame of this package the host was in (slows that step's host)",
+        help="with --step-report: sample the profiled step's Python stacks and count its device syncs, so that "
+        "each of its longest device-idle gaps names the innermost frame of this package the host was in, and the "
+        "report sums host time and syncs by frame",
     )
     parser.add_argument(
         "--check-finite",

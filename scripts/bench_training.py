@@ -119,8 +119,9 @@ def _parse(argv):
     p.add_argument(
         "--stacks",
         action="store_true",
-        help="profile with Python stacks: each gap also names the package's innermost frame the host was in "
-        "(pretrain's --step-stacks; slows the profiled step's host, not the steady iterations)",
+        help="sample the profiled step's Python stacks and count its device syncs: each gap also names the "
+        "package's innermost frame the host was in (pretrain's --step-stacks; slows the profiled step's host a "
+        "little, not the steady iterations)",
     )
     p.add_argument("--iters", type=int, default=6, help="iterations per row: 2 warmup, steady ones, the profiled one")
     p.add_argument("--timeout", type=int, default=400, help="seconds per row")
@@ -381,12 +382,18 @@ def main(argv=None) -> None:
             )
             if gap.get("frame"):
                 print(f"            in {gap['frame']}")
-        if idle.get("frames_missing"):
-            print(f"    no frames: {idle['frames_missing']}")
         if idle.get("by_frame_ms"):
             print("    every gap's time by the package's innermost frame (ms):")
             for frame, ms in idle["by_frame_ms"].items():
                 print(f"      {ms:8.2f}  {frame}")
+        host = r["profile"].get("host")
+        if host:
+            print(f"    sampled host time by frame (ms; {host['samples']} samples every {host['interval_ms']} ms):")
+            for frame, ms in host["host_ms_by_frame"].items():
+                print(f"      {ms:8.2f}  {frame}")
+            print(f"    {host['syncs']} device syncs, by frame:")
+            for frame, n in host["syncs_by_frame"].items():
+                print(f"      {n:6d}  {frame}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def run(
     config (``load_config``, which the entry point has already read and checked); with
     ``step_report``, rank 0 writes the step report there (``step_report.py``), profiling
     iteration ``profile_step`` (0-based; default the second to last), and that step's trace to
-    ``step_trace`` if given, with Python stacks if ``step_stacks``; ``check_finite``
+    ``step_trace`` if given, its host sampled if ``step_stacks``; ``check_finite``
     guards every layer against non-finite values (``finite_guard.py``)."""
     STATE.check_finite = check_finite
     from megatron.core.enums import ModelType

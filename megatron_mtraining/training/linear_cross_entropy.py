@@ -48,7 +48,7 @@ except ImportError:  # the CPU path needs no Triton
 if triton is not None:
 
     @triton.jit
-    def _row_stats_kernel(LOGITS, LABELS, LSE, LOSS, V, stride, BLOCK: tl.constexpr):
+    def _loss_row_stats_kernel(LOGITS, LABELS, LSE, LOSS, V, stride, BLOCK: tl.constexpr):
         """Per row: the log-sum-exp by an online max / sum-exp over blocks of the vocabulary
         (one read of the logits), and the loss ``lse - logits[label]`` (a label outside
         ``[0, V)`` counts as logit 0, as in Megatron's vocab-parallel cross entropy)."""
@@ -71,7 +71,7 @@ if triton is not None:
         tl.store(LOSS + row, lse - tl.where(valid, target, 0.0))
 
     @triton.jit
-    def _softmax_grad_kernel(LOGITS, LABELS, LSE, MASK, V, stride, BLOCK: tl.constexpr):
+    def _loss_softmax_grad_kernel(LOGITS, LABELS, LSE, MASK, V, stride, BLOCK: tl.constexpr):
         """Overwrites a row of logits with ``(exp(l - lse) - onehot(label)) * mask``."""
         row = tl.program_id(0).to(tl.int64)
         base = LOGITS + row * stride
@@ -98,13 +98,13 @@ def row_stats_triton(logits, labels, losses, block: int = BLOCK_V) -> torch.Tens
     """Writes each row's loss into ``losses`` (fp32 ``[n]``); returns the rows' fp32 LSE."""
     rows, vocab = logits.shape
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _row_stats_kernel[(rows,)](logits, labels, lse, losses, vocab, logits.stride(0), BLOCK=block, num_warps=8)
+    _loss_row_stats_kernel[(rows,)](logits, labels, lse, losses, vocab, logits.stride(0), BLOCK=block, num_warps=8)
     return lse
 
 
 def softmax_grad_triton_(logits, labels, lse, mask, block: int = BLOCK_V) -> None:
     rows, vocab = logits.shape
-    _softmax_grad_kernel[(rows,)](logits, labels, lse, mask, vocab, logits.stride(0), BLOCK=block, num_warps=8)
+    _loss_softmax_grad_kernel[(rows,)](logits, labels, lse, mask, vocab, logits.stride(0), BLOCK=block, num_warps=8)
 
 
 def row_stats_torch(logits, labels, losses) -> torch.Tensor:

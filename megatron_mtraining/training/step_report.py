@@ -31,11 +31,12 @@ runs) writes a JSON report when the run ends:
   value that changes from step to step compiles again, seconds each, in steps the median
   then leaves out of sight.
 ``--step-trace PATH`` also writes the profiled step's trace, the operators, ranges and kernels
-as the profiler linked them. ``--step-stacks`` records the profiled step with Python stacks, and
-each gap then also names the innermost of this package's Python frames the host was in
-(``idle_gaps``): the runtime call a gap ends at is often only where the host got to after
-Python work in some caller. Stacks slow the profiled step's host, so its gaps grow; the
-steady iterations' times are not affected.
+as the profiler linked them. ``--step-stacks`` samples the host's Python stacks through the
+profiled step (``host_sampler``) and counts its device syncs: each gap then also names the
+innermost of this package's frames the host was in (``idle_gaps``), as the runtime call a gap
+ends at is often only where the host got to after Python work in some caller, and ``host``
+sums the sampled host time and the syncs by frame. Sampling slows the profiled step's host a
+little, so its gaps grow; the steady iterations' times are not affected.
 
 The annotations cost a few microseconds of host time per module call and are only installed
 with ``--step-report``.
@@ -54,6 +55,7 @@ from pathlib import Path
 import torch
 
 from ..megatron.profiler_ranges import PREFIX, part_range
+from .host_sampler import HostSampler
 
 LAYER_TAG = "layer:"
 BACKWARD = "autograd::engine::evaluate_function: "
@@ -83,6 +85,7 @@ TOP_KERNELS = 12
 NAMED_KERNELS = (
     (re.compile(r"_block_select_kernel$"), "msa_index"),  # MSA's top-k selection, replayed from a CUDA graph
     (re.compile(r"_topk_blocks_kernel$"), "index"),  # MoBA's gate top-k
+    (re.compile(r"^_loss_(row_stats|softmax_grad)_kernel$"), "loss"),  # the fused loss's, launched outside operators
     # cuDNN's SDPA and its backward's pre- and post-passes; FlashAttention-2's kernels.
     (re.compile(r"cudnn_generated_fort_native_sdpa|cudnn::fusion::(compute_dot_do_o|convert_dq)|\bflash_(fwd|bwd)_"),
      "attention"),
@@ -103,13 +106,8 @@ def _named_part(kernel: str, part: str) -> str:
 IDLE_GAPS = 10
 MIN_GAP_MS = 0.05
 HOST_NAMES = 6
-# How many earlier frames ``_innermost_frames`` looks back over for the one running at a gap.
-FRAME_LOOKBACK = 4096
-# Python frames a profile with stacks names gaps by: this package's.
-FRAME_PATH = "megatron_mtraining/"
-# A Python function's event name, "path.py(line): name" (kineto's events have no
-# is_python_function before torch 2.13).
-PYTHON_FRAME = re.compile(r".*\.py\(\d+\): ")
+# The range that ties the host sampler's clock to the profiler's.
+CLOCK_MARK = "host_sampler_clock"
 # Host events a gap is explained by: runtime calls (syncs, copies), host reads, the step's
 # ranges and the backward's nodes.
 GAP_HOST_EVENTS = ("cuda", PREFIX, BACKWARD, "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
@@ -246,9 +244,9 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
     was still launching (Python-bound). ``gaps_ms``: the sum over every gap of at least
     ``MIN_GAP_MS``, so many short gaps show even when no single one stands out; ``events``:
     how many device events ran (kernels, copies, fills), a launch-bound step's other sign.
-    With ``frames`` (the package's Python frames of one thread, as (start ns, end ns,
-    "file(line): function"), from a profile with stacks), each gap also names ``frame``, the
-    innermost of them running at its middle, and ``by_frame_ms`` sums every gap by that frame."""
+    With ``frames`` (disjoint (start ns, end ns, "file(line): function") intervals of what the
+    host ran, ``HostSampler.intervals``), each gap also names ``frame``, the one at its middle,
+    and ``by_frame_ms`` sums every gap by that frame."""
     spans = sorted(device)
     gaps = []
     end, last = None, None
@@ -280,8 +278,8 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
         ],
     }
     if frames:
-        innermost = _innermost_frames(frames)
-        frame_at = {lo: innermost((lo + hi) // 2) for _, lo, hi, *_ in gaps}  # a gap by its start
+        at = _frame_at(frames)
+        frame_at = {lo: at((lo + hi) // 2) for _, lo, hi, *_ in gaps}  # a gap by its start
         by_frame = collections.Counter()
         for length, lo, *_ in gaps:
             by_frame[frame_at[lo]] += length
@@ -291,28 +289,24 @@ def idle_gaps(device: list[tuple[int, int, str]], host: list[tuple[int, int, str
     return report
 
 
-def _innermost_frames(frames):
-    """``at(t)``: the latest-starting of ``frames`` (one thread's, so nested) that runs at
-    ``t``, its name; None where none does. Looks back from ``t`` over at most
-    ``FRAME_LOOKBACK`` frames: the innermost running frame starts after the frames that its
-    callers called before it and have returned, which a deep lookback would walk."""
-    frames = sorted(frames, key=lambda f: (f[0], -f[1]))  # a callee that starts with its caller after it
+def _frame_at(frames):
+    """``at(t)``: the name of the one of the disjoint intervals ``frames`` that holds ``t``; None
+    where none does."""
+    frames = sorted(frames)
     starts = [f[0] for f in frames]
 
     def at(t: int) -> str | None:
-        i = bisect.bisect_right(starts, t)
-        for _start, end, name in reversed(frames[max(0, i - FRAME_LOOKBACK) : i]):
-            if end > t:
-                return name
-        return None
+        i = bisect.bisect_right(starts, t) - 1
+        return frames[i][2] if i >= 0 and frames[i][1] > t else None
 
     return at
 
 
-def breakdown(prof, wall_s: float, on_device: bool) -> dict:
+def breakdown(prof, wall_s: float, on_device: bool, frames=()) -> dict:
     """The device time of a profiled step by part and phase, per layer, and idle.
 
-    ``on_device``: kernel time; else (a CPU run) the host self time of ATen operations."""
+    ``on_device``: kernel time; else (a CPU run) the host self time of ATen operations.
+    ``frames``: what the host ran, for ``idle_gaps``."""
     events = prof.events()
     classify = _Classifier(events)
     launched = _launched_here(prof, events) if on_device else None
@@ -348,7 +342,7 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
         },
     }
     if on_device:
-        device, host, frames = device_and_host_events(prof)
+        device, host = device_and_host_events(prof)
         busy = _busy_ms(device)
         # Each device event once: ``summed_ms`` above it means the attribution counted a
         # kernel under two host events.
@@ -359,12 +353,10 @@ def breakdown(prof, wall_s: float, on_device: bool) -> dict:
     return report
 
 
-def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list[tuple[int, int, str]]]:
+def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]]]:
     """A profile's device events (kernels, copies and fills: the device-side copies of
-    annotated ranges span gaps), the host events a gap is explained by
-    (``GAP_HOST_EVENTS``) and, in a profile with stacks, the package's Python frames on the
-    thread that ran the step's first range (the DataLoader's pin-memory thread runs beside
-    it), both as (start ns, end ns, name), for ``idle_gaps``."""
+    annotated ranges span gaps) and the host events a gap is explained by
+    (``GAP_HOST_EVENTS``) as (start ns, end ns, name), for ``idle_gaps``."""
     events = prof.profiler.kineto_results.events()
     cpu = torch.autograd.DeviceType.CPU
     device = [e for e in events if e.device_type() != cpu and not e.is_user_annotation()]
@@ -373,24 +365,13 @@ def device_and_host_events(prof) -> tuple[list, list[tuple[int, int, str]], list
         for e in events
         if e.device_type() == cpu and e.name().startswith(GAP_HOST_EVENTS)
     ]
-    step = next((e for e in events if e.device_type() == cpu and e.name().startswith(PREFIX)), None)
-    if step is None:  # no range of the step: no thread to read frames of
-        return device, host, []
-    thread = step.start_thread_id()
-    frames = [
-        (e.start_ns(), e.end_ns(), e.name())
-        for e in events
-        if e.start_thread_id() == thread and FRAME_PATH in e.name() and PYTHON_FRAME.match(e.name())
-    ]
-    return device, host, frames
+    return device, host
 
 
-def note_missing_frames(profile: dict) -> None:
-    """Says so in a profile taken with stacks whose gaps got no frames: torch 2.11's
-    profiler events list no Python functions (2.13's do), so its gaps stay unnamed."""
-    idle = profile.get("idle")
-    if idle is not None and "by_frame_ms" not in idle:
-        idle["frames_missing"] = f"torch {torch.__version__}'s profiler events list no Python functions"
+def clock_offset_ns(prof, mark: str, at_ns: int) -> int:
+    """The profiler's clock less ``time.time_ns()``: range ``mark`` started at ``at_ns``."""
+    events = prof.profiler.kineto_results.events()
+    return next(e.start_ns() for e in events if e.name() == mark) - at_ns
 
 
 class CompileWatch:
@@ -451,6 +432,7 @@ class StepReport:
         self.evaluations: list[tuple[int, float]] = []  # (mark it follows, seconds)
         self.evaluation_start = None
         self.profiler = None
+        self.sampler = None
         self.profile = None
         self.metrics: dict[str, float] = {}
 
@@ -470,8 +452,13 @@ class StepReport:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities, with_stack=self.stacks)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
+            if self.stacks:
+                self.sampler = HostSampler()
+                with torch.profiler.record_function(CLOCK_MARK):
+                    self.sampler_clock = time.time_ns()
+                self.sampler.start()
             self.profile_start = self._sync()
 
     def begin_evaluation(self) -> None:
@@ -485,14 +472,20 @@ class StepReport:
         self.evaluations.append((len(self.marks) - 1, self._sync() - self.evaluation_start))
 
     def _stop_profile(self, now: float) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
         self.profiler.__exit__(None, None, None)
         if self.trace is not None:
             # The operators, ranges and kernels as the profiler linked them: what the parts are read from.
             self.trace.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(self.trace))
-        self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available())
-        if self.stacks:
-            note_missing_frames(self.profile)
+        frames = ()
+        if self.sampler is not None:
+            frames = self.sampler.intervals(clock_offset_ns(self.profiler, CLOCK_MARK, self.sampler_clock))
+        self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available(), frames)
+        if self.sampler is not None:
+            self.profile["host"] = self.sampler.summary()
+            self.sampler = None
         self.profile["iteration"] = self.marks[-1][0] + 1
         self.profiler = None
 
