@@ -4,6 +4,7 @@ score recall (``msa_recall``) against an fp64 brute force, and their context-par
 against the same references (the MSA figures: the single-device ones) on gloo processes."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -513,7 +514,7 @@ def test_block_attended_equals_the_key_lists_in_a_fixed_number_of_operations(pos
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_mtraining.sparse.index import position_lookup
-    from megatron_mtraining.sparse.metrics import _block_attended, _listed_attended
+    from megatron_mtraining.sparse.metrics import _block_attended
 
     class Ops(TorchDispatchMode):
         count = 0
@@ -529,8 +530,47 @@ def test_block_attended_equals_the_key_lists_in_a_fixed_number_of_operations(pos
     keys = None if positions == "all" else torch.cat([torch.randperm(s, generator=rng)[:120], torch.full((5,), -1)])
     n_keys = s if keys is None else len(keys)
     column = torch.arange(s + 1) if keys is None else position_lookup(keys, s, missing=n_keys)
-    want = _listed_attended(index, rows.tolist(), column, b, hq, len(rows), n_keys)[..., :n_keys]
+    want = torch.zeros(b, hq, len(rows), n_keys + 1, dtype=torch.bool)
+    for slot, row in enumerate(rows.tolist()):
+        lists = index.key_lists(row, row + 1)  # [B, Hs, 1, width] positions, -1: none
+        for i, h in itertools.product(range(b), range(hq)):
+            for key in lists[i, h // (hq // hs), 0].tolist():
+                if key >= 0:
+                    want[i, h, slot, column[key]] = True
+    want = want[..., :n_keys]
     with Ops() as ops:
         got = _block_attended(index, rows, len(rows), keys, n_keys, hq)
     assert torch.equal(got, want)
     assert ops.count <= 20  # whatever the number of rows
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "documents"])
+def test_chunk_key_lists_equal_each_chunks_in_a_fixed_number_of_operations(packed, rng):
+    """The recall's key lists of a vertical-slash index for several query blocks at once equal
+    each block's ``bounded_key_lists``, in as many operations for six blocks as for one (with
+    documents, a call per block cost ~100 launches: the packed step's host time)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    seq = 200
+    q, k = _inputs(rng, seq)
+    cu = torch.tensor([0, 70, 90, seq], dtype=torch.int32) if packed else None
+    pattern = VerticalSlashPattern(DOCUMENTS_CFG) if packed else _patterns(q, rng)["vertical_slash"]
+    index = pattern.local_index(q, k, D**-0.5, cu_seqlens=cu)
+    chunk = index.query_chunk
+    starts = sorted(torch.randperm(-(-seq // chunk), generator=rng)[:6].mul(chunk).tolist())
+    got = index.chunk_key_lists(starts)
+    for i, q0 in enumerate(starts):
+        assert torch.equal(got[:, :, i : i + 1], index.bounded_key_lists(q0, min(q0 + chunk, seq)))
+    counts = []
+    for some in (starts[:1], starts):
+        with Ops() as ops:
+            index.chunk_key_lists(some)
+        counts.append(ops.count)
+    assert counts[0] == counts[1], counts

@@ -59,10 +59,7 @@ class Documents:
     def ends(self) -> torch.Tensor:
         """``[S]`` int32: the end (exclusive) of each position's document (made once: the
         tile tables of every attention call over these documents carry it)."""
-        ends = self.__dict__.get("_ends")
-        if ends is None:
-            ends = self.__dict__["_ends"] = self.cu_seqlens[self.ids.long() + 1]
-        return ends
+        return self._made(("ends",), lambda: self.cu_seqlens[self.ids.long() + 1])
 
     def block_firsts(self, block: int) -> torch.Tensor:
         """``[ceil(S / block)]`` int64: the document start of each ``block``-row block's first
@@ -70,17 +67,28 @@ class Documents:
         before ``first // block`` hold no key any row of the block sees."""
         return self.starts[::block].long()
 
+    def _made(self, key: tuple, make):
+        """``make()``, made once per ``key``: every layer of a micro-batch holds these
+        documents, and the index's consumers ask for the same tables many times a layer."""
+        kept = self.__dict__.setdefault("_tables", {})
+        if key not in kept:
+            kept[key] = make()
+        return kept[key]
+
     def spans(self, block: int) -> torch.Tensor:
         """``[n]`` int64: how many ``block``-token blocks each document touches."""
         cu = self.cu_seqlens.long()
-        return (cu[1:] - 1) // block - cu[:-1] // block + 1
+        return self._made(("spans", block), lambda: (cu[1:] - 1) // block - cu[:-1] // block + 1)
 
     def segment_offsets(self, block: int) -> torch.Tensor:
         """``[n]`` int64: the first (block, document) segment of each document, ``cu[m] // block
         + m``: position ``p`` lies in segment ``p // block + ids[p]``, so document ``m``'s
         blocks are segments ``offsets[m]`` on (one slot left unused after a document that
         ends on a block edge)."""
-        return self.cu_seqlens[:-1].long() // block + torch.arange(self.count, device=self.device)
+        return self._made(
+            ("segment_offsets", block),
+            lambda: self.cu_seqlens[:-1].long() // block + torch.arange(self.count, device=self.device),
+        )
 
     def mask(self) -> torch.Tensor:
         """``[S, S]`` bool, ``starts[i] <= j`` (no causality): for tests and debugging only."""

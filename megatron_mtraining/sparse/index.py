@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from .documents import Documents, check_documents
+from .host_tables import to_device
 from .validation import check_int, check_tensor, fail
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -84,6 +85,16 @@ class SparseIndex:
         metric), to which the padding costs little. The same as ``key_lists`` for the types
         whose lists read nothing."""
         return self.key_lists(q_start, q_end)
+
+    def chunk_key_lists(self, starts: list[int]) -> torch.Tensor:
+        """``[B, Hs, len(starts), width]``: the ``bounded_key_lists`` of the chunks starting at
+        ``starts`` (multiples of ``query_chunk``), -1 padded to the widest, for the types that
+        list one set of keys for all the rows of a chunk."""
+        lists = [self.bounded_key_lists(q0, min(q0 + self.query_chunk, self.seq_len)) for q0 in starts]
+        if any(keys.shape[2] != 1 for keys in lists):
+            fail(f"{type(self).__name__}.chunk_key_lists", "a list per row", "one key list per chunk")
+        width = max(keys.shape[-1] for keys in lists)
+        return torch.cat([torch.nn.functional.pad(keys, (0, width - keys.shape[-1]), value=-1) for keys in lists], 2)
 
     def query_ranges(self, num_rows: int) -> list[tuple[int, int]]:
         """The row chunks ``key_lists`` is called with."""
@@ -573,6 +584,13 @@ class VerticalSlashIndex(SparseIndex):
 
     def bounded_key_lists(self, q_start: int, q_end: int) -> torch.Tensor:
         return torch.cat(self.tile_and_bar_keys(q_start, bounded=True), dim=-1)
+
+    def chunk_key_lists(self, starts: list[int]) -> torch.Tensor:
+        # Every chunk's query block in one ``block_columns`` call: its launches once, not per chunk.
+        qb = to_device(torch.tensor(starts, dtype=torch.int32) // self.block_size, self.device)
+        columns = self.block_columns(qblocks=qb, bounded=True)
+        tiles = _blocks_to_tokens(columns.block_idx, self.block_size, self.seq_len)
+        return torch.cat([tiles, columns.column_idx.long()], dim=-1)
 
     def tile_and_bar_keys(self, q_start: int, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Key positions of the query block at ``q_start``: (its tiles' tokens, its bars);

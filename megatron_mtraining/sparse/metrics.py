@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .documents import Documents
+from .host_tables import to_device
 from .index import BlockTopKIndex, DenseIndex, SparseIndex, position_lookup, single_device
 from .msa import MSAConfig, block_max_scores
 from .validation import check_index_qk, check_int, check_qk, check_softmax_scale, fail
@@ -224,38 +225,21 @@ def _block_attended(
 
 def _listed_attended(index: SparseIndex, rows, column, bsz: int, hq: int, n_rows: int, n_keys: int) -> torch.Tensor:
     """Which local keys ``index`` attends, bool ``[B, Hq, R, n_keys + 1]`` (the last column
-    takes keys absent here), from its key lists, a run of rows inside an index chunk at a time."""
-    seq = index.seq_len
-    attended = torch.zeros(bsz, hq, n_rows, n_keys + 1, dtype=torch.bool, device=column.device)
-    chunk, lists = index.query_chunk, {}
-    for slot, first, end in _runs(rows, chunk):
-        q0 = first // chunk * chunk
-        if q0 not in lists:  # runs come in order: one chunk's key lists at a time
-            lists = {q0: index.bounded_key_lists(q0, min(q0 + chunk, seq))}
-        keys = lists[q0]
-        if keys.shape[2] != 1:  # a list a row; else one list for the chunk's rows, marked once
-            keys = keys[:, :, first - q0 : end - q0]
-        # Marked before the rows and query heads are broadcast: a bounded list can be far
-        # wider than what it lists (the vertical-slash lists with documents are padded to
-        # every sparse document's cap).
-        marks = torch.zeros(*keys.shape[:3], n_keys + 1, dtype=torch.bool, device=column.device)
-        marks.scatter_(-1, column[torch.where(keys >= 0, keys, seq).long()], True)
-        hs = keys.shape[1]
-        target = attended.view(bsz, hs, hq // hs, n_rows, n_keys + 1)[:, :, :, slot : slot + end - first]
-        target.copy_(marks.unsqueeze(2).expand_as(target))
-    return attended
-
-
-def _runs(rows, chunk: int) -> list[list[int]]:
-    """``[slot, first, end)``: the maximal runs of consecutive ``rows`` inside one key-list
-    chunk each, with the slot of their first row."""
-    runs = []
-    for slot, row in enumerate(rows):
-        if runs and row == runs[-1][2] and row % chunk:
-            runs[-1][2] += 1
-        else:
-            runs.append([slot, row, row + 1])
-    return runs
+    takes keys absent here), from its key lists: those of every index chunk holding a row in
+    one call (``chunk_key_lists``), marked once per chunk and read by each of its rows. A
+    fixed number of launches, where a call per chunk cost ~100 a chunk with documents
+    (docs/benchmarks.md)."""
+    seq, chunk = index.seq_len, index.query_chunk
+    starts = sorted({row // chunk * chunk for row in rows})
+    keys = index.chunk_key_lists(starts)  # [B, Hs, chunks, width]
+    # Marked before the rows and query heads are broadcast: a bounded list can be far wider
+    # than what it lists (the vertical-slash lists with documents are padded to every sparse
+    # document's cap).
+    marks = torch.zeros(*keys.shape[:3], n_keys + 1, dtype=torch.bool, device=column.device)
+    marks.scatter_(-1, column[torch.where(keys >= 0, keys, seq).long()], True)
+    place = {q0: i for i, q0 in enumerate(starts)}
+    of_row = to_device(torch.tensor([place[row // chunk * chunk] for row in rows]), column.device)
+    return marks.index_select(2, of_row).repeat_interleave(hq // keys.shape[1], dim=1)
 
 
 @torch.no_grad()

@@ -262,8 +262,13 @@ class MeasuredCoreAttention(SparseCoreAttention):
 
     def _record(self, name: str, value: float | torch.Tensor, group, tracker=None) -> None:
         # Device tensors stay on the device: reading them here would stall the launch queue
-        # once per layer.
-        tensor = torch.as_tensor(value).to(device=torch.cuda.current_device(), dtype=torch.float32)
+        # once per layer. A number is filled in on the device: copied from pageable host
+        # memory, it would wait for the stream to drain (``sparse/host_tables.py``).
+        device = torch.cuda.current_device()
+        if isinstance(value, torch.Tensor):
+            tensor = value.to(device=device, dtype=torch.float32)
+        else:
+            tensor = torch.full((), value, dtype=torch.float32, device=device)
         tracker = get_attention_metrics_tracker() if tracker is None else tracker
         tracker.record(name, tensor, self.layer_number, self.config.num_layers, group)
 
