@@ -192,8 +192,12 @@ class MeasuredCoreAttention(SparseCoreAttention):
             with part_range("index"):
                 source = self._source(pattern, q, k, None, cu_seqlens)
                 index = build_index(source, q, k, self.softmax_scale, cu_seqlens=cu_seqlens)
+            # The metrics after the attention's launches: the device runs the attention while
+            # the host launches the metrics' small operations. Before it, they ran on an empty
+            # queue, which the vertical-slash build's read of its list widths had just drained.
+            out = super()._attend(q, k, v, index, layout)
             self._index_metrics(q, k, index, cu_seqlens)
-            return super()._attend(q, k, v, index, layout)
+            return out
         self._measured_micro_batch = flag.micro_batch
         weight, tracker = flag.weight, flag.tracker
         causal = _causal_pairs(q, layout.seq_len, cu_seqlens)
