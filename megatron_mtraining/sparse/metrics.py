@@ -176,9 +176,9 @@ def recall_from_parts(
     window per run of rows inside a document, on the Triton kernels on CUDA), whose sum
     pass also adds up the mass on the keys the index attends: no ``[B, Hq, R, keys]``
     tensor of probabilities is made. The keys a top-k index attends are marked for every row at
-    once from its chosen blocks (``_block_attended``); the other types' from their key lists, a
-    run of rows inside an index chunk at a time."""
-    bsz, n_rows, hq, _ = q_rows.shape
+    once from its chosen blocks (``_block_attended``); the other types' from the key lists of
+    every index chunk holding a row, in one call (``_listed_attended``)."""
+    n_rows, hq = q_rows.shape[1], q_rows.shape[2]
     seq = index.seq_len
     n_keys = k.shape[1]
     row_positions = rows
@@ -194,7 +194,7 @@ def recall_from_parts(
     if isinstance(index, BlockTopKIndex):
         attended = _block_attended(index, row_positions, n_rows, key_positions, n_keys, hq)
     else:
-        attended = _listed_attended(index, rows, column, bsz, hq, n_rows, n_keys)[..., :n_keys]
+        attended = _listed_attended(index, rows, column, hq, n_keys)[..., :n_keys]
     total, kept = all_reduce_sum(torch.stack(parts.kept_sums(row_max, attended)))
     share = kept / total  # [M, B, Hq, longest window]: each window's rows, in the rows' order
     return torch.cat([share[m, ..., :w] for m, w in enumerate(windows.rows)], -1).float()
@@ -223,7 +223,7 @@ def _block_attended(
     return mask.repeat_interleave(hq // mask.shape[1], dim=1).index_select(-1, key_block)
 
 
-def _listed_attended(index: SparseIndex, rows, column, bsz: int, hq: int, n_rows: int, n_keys: int) -> torch.Tensor:
+def _listed_attended(index: SparseIndex, rows, column, hq: int, n_keys: int) -> torch.Tensor:
     """Which local keys ``index`` attends, bool ``[B, Hq, R, n_keys + 1]`` (the last column
     takes keys absent here), from its key lists: those of every index chunk holding a row in
     one call (``chunk_key_lists``), marked once per chunk and read by each of its rows. A
