@@ -806,8 +806,13 @@ def check_layer_host_reads(rank, world, kind, want):
     CPU) under full recompute, as ``bench_training.py`` runs it, each ``want[part]``: the
     forward (the layer under ``no_grad``), the backward (the layer again, with the index the
     forward kept, then its backward), and what a logging step's metrics add to the forward
-    (nothing to the backward)."""
+    (nothing to the backward). ``kind`` ending in ``-docs``: a sample of two packed documents
+    (THD, as ``reset_attention_mask`` gives them), each with its own sparse index."""
     from host_reads import HostReads
+
+    from megatron_mtraining.training.documents import packed_seq_params
+
+    pattern, packed = kind.removesuffix("-docs"), kind.endswith("-docs")
 
     from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
 
@@ -824,24 +829,31 @@ def check_layer_host_reads(rank, world, kind, want):
 
     for name in ("kernel_forward", "kernel_backward"):
         setattr(block_bar, name, counted(name, getattr(block_bar, name)))
+    attention = attention_config(pattern)
+    if packed:  # every document gets statistics
+        attention = attention_config(pattern, **{pattern: {**PATTERNS[pattern][pattern], "dense_below": 0}})
     config = transformer_config(
-        attention_config(kind), num_layers=1, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1,
+        attention, num_layers=1, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
     )  # fmt: skip
     model = GPTModel(config, measured(get_gpt_decoder_block_spec(config)), VOCAB, SEQ)
     core = model.decoder.layers[0].self_attention.core_attention
     seq = SEQ // 2  # the kernels' interpretation is most of the time
-    tokens = full_batch()["tokens"][:1, :seq]
+    tokens = full_batch()["tokens"][:1, :seq].clone()
     positions = torch.arange(seq).view(1, -1)
+    if packed:
+        tokens[tokens == VOCAB - 1] = 0
+        tokens[0, 2 * seq // 5 - 1] = VOCAB - 1  # two documents: an EOD closes the first
     set_training_iteration(config, 0)
     reads = {}
     for step, weight in enumerate((0, 1)):
         get_attention_metrics_tracker().clear()
         collect_attention_metrics(config, weight, seed=step)
+        # Each micro-batch's boundaries are a new tensor, read on the host once (its first layer).
+        documents = packed_seq_params(tokens, VOCAB - 1, reset_position_ids=True) if packed else None
         with HostReads() as forward:
             # A loss of the logits: Megatron's cross entropy, which training replaces with the
             # fused one at TP 1, masks by indexing.
-            loss = model(tokens, positions, None).float().square().mean()
+            loss = model(tokens, positions, None, packed_seq_params=documents).float().square().mean()
         with HostReads() as backward:
             loss.backward()
         reads[weight] = (forward.count, backward.count)

@@ -17,12 +17,17 @@ HOST_MEMORY_ID_CHECK = 1
 # The held-out recall's rows are drawn on the host every logging step, then checked and listed
 # (a tolist each) per layer: host memory, nothing waits for the device.
 HELDOUT_ROWS = 2
+# Packed documents: each micro-batch's boundaries are read on the host once (by its first
+# layer), and the vertical-slash build reads its per-document lists' longest width once a
+# layer, to cut them (``vertical_slash.cut_vertical``; the recompute takes the kept index).
+DOCUMENT_BOUNDS, LIST_WIDTH = 1, 1
 # Per layer: the forward (under full recompute, without autograd), the backward (the layer
 # again, with its kept index, then its backward) and what a logging step's metrics (attended
 # fraction, index recall, held-out recall) add to the forward.
 LAYER_READS = {
     "mtraining": {"forward": 0, "backward": 0, "metrics": HELDOUT_ROWS},
     "moba": {"forward": HOST_MEMORY_ID_CHECK, "backward": 0, "metrics": HELDOUT_ROWS},
+    "mtraining-docs": {"forward": DOCUMENT_BOUNDS + LIST_WIDTH, "backward": 0, "metrics": HELDOUT_ROWS},
 }
 ON_A_GPU = "counts the reads of CPU tensors, which stand for a GPU's; on a GPU the layer runs on the CPU"
 
