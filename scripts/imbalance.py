@@ -23,9 +23,12 @@ ranks in a step, across steps for a rank; 1.0 = balanced), min-max over seeds, a
 granularity of the work: its largest tile over the mean area of a (rank, step) cell (an
 indivisible tile larger than a cell's mean would force a most loaded rank above it).
 
-The last column is the all-gather exchange's worker-level imbalance (``ring_attention(...,
-kv_exchange="allgather")``): each rank attends the whole gathered K/V in one piece, so its
-one sync is the whole pass, and the degree is max/mean of the ranks' total areas.
+The ``all-gather ID`` column is the all-gather exchange's worker-level imbalance
+(``ring_attention(..., kv_exchange="allgather")``): each rank attends the whole gathered K/V
+in one piece, so its one sync is the whole pass, and the degree is max/mean of the ranks'
+total areas. The last, ``ring time``, is the ring's time over a balanced ring's when every
+step waits for its busiest rank (``ring_time_degree``): the worker-level degree averages the
+steps alike, and the light ones (a few percent of the work each) can carry it.
 
 ``--search N`` adds the ``searched`` layout: the balanced layout improved by ``N``
 proposed swaps of two stripes between ranks, each kept if it lowers a smooth maximum of
@@ -41,7 +44,13 @@ import argparse
 import numpy as np
 import torch
 
-from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, ring_work, simulate_ring_areas
+from megatron_mtraining.context_parallel import (
+    ContextParallelLayout,
+    imbalance_degrees,
+    ring_time_degree,
+    ring_work,
+    simulate_ring_areas,
+)
 from megatron_mtraining.examples.synthetic import DOCUMENT_MIXES, sampled_document_bounds, slash_heavy_index
 from megatron_mtraining.planning.workload import natural_index
 from megatron_mtraining.sparse import DenseIndex
@@ -116,11 +125,11 @@ def _search(layout: ContextParallelLayout, tiles: torch.Tensor, proposals: int, 
     return torch.from_numpy(a)
 
 
-def _row(area: torch.Tensor, unit: float) -> tuple[float, float, float, float]:
+def _row(area: torch.Tensor, unit: float) -> tuple[float, ...]:
     """A layout's printed figures from its ``[ranks, steps]`` ring areas: the ring's worker-
-    and step-level degrees, the granularity ``unit``, and the all-gather's worker-level
-    degree (its one sync: the ranks' total areas)."""
-    return (*imbalance_degrees(area), unit, imbalance_degrees(area.sum(1, keepdim=True))[0])
+    and step-level degrees, the granularity ``unit``, the all-gather's worker-level degree
+    (its one sync: the ranks' total areas) and the ring's time degree (``ring_time_degree``)."""
+    return (*imbalance_degrees(area), unit, imbalance_degrees(area.sum(1, keepdim=True))[0], ring_time_degree(area))
 
 
 def main() -> None:
@@ -144,7 +153,7 @@ def main() -> None:
     )
     print(
         f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
-        f" {'largest tile / mean cell':>25} {'all-gather ID':>18}"
+        f" {'largest tile / mean cell':>25} {'all-gather ID':>18} {'ring time':>18}"
     )
     for mix in args.documents:
         results: dict = {}
@@ -161,10 +170,10 @@ def main() -> None:
                         area = _search(layout, tiles, args.search, seed)
                         results.setdefault((pattern, "searched"), []).append(_row(area, unit))
         for (pattern, kind), found in results.items():
-            w, s, u, g = ([f[i] for f in found] for i in range(4))
+            w, s, u, g, t = ([f[i] for f in found] for i in range(5))
             print(
                 f"{mix:<10} {pattern:<15} {kind:<11} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}"
-                f" {min(u):>12.3f} - {max(u):<7.3f} {min(g):>8.3f} - {max(g):<7.3f}"
+                f" {min(u):>12.3f} - {max(u):<7.3f} {min(g):>8.3f} - {max(g):<7.3f} {min(t):>8.3f} - {max(t):<7.3f}"
             )
 
 

@@ -198,6 +198,25 @@ def test_imbalance_at_32_ranks(rng, capsys):
     assert degrees["zigzag"][0] > 1.25
 
 
+def test_ring_time_degree_weighs_steps_by_their_work(rng):
+    """The ring's time degree is the sum of the steps' maxima over the sum of their means (the
+    time of a ring whose steps wait for their busiest rank, over a balanced one's); the
+    worker-level degree averages the steps' ratios alike."""
+    from megatron_mtraining.context_parallel import ring_time_degree
+
+    area = torch.rand(8, 8, generator=rng, dtype=torch.float64) + 0.1
+    want = sum(max(float(area[r, s]) for r in range(8)) for s in range(8)) / sum(
+        sum(float(area[r, s]) for r in range(8)) / 8 for s in range(8)
+    )
+    assert ring_time_degree(area) == pytest.approx(want, rel=1e-12)
+    # A balanced heavy step and a light one on a single rank: the light step's ratio of 4
+    # halves the worker-level degree's way to it, and adds 3% to the ring's time.
+    area = torch.tensor([[100.0, 4.0], [100.0, 0.0], [100.0, 0.0], [100.0, 0.0]])
+    assert imbalance_degrees(area)[0] == pytest.approx(2.5)
+    assert ring_time_degree(area) == pytest.approx(104 / 101)
+    assert ring_time_degree(torch.ones(4, 4)) == 1.0
+
+
 def test_simulated_areas_sum_to_the_index_area(rng):
     index = slash_heavy_index(4096, 64, heads=2, gen=rng)
     tiles = ring_work(index)

@@ -30,6 +30,15 @@ def imbalance_degrees(area: torch.Tensor) -> tuple[float, float]:
     return float(worker[busy_steps].mean()), float(step.mean())
 
 
+def ring_time_degree(area: torch.Tensor) -> float:
+    """The ring's time over a balanced ring's, when every step waits for its busiest rank: the
+    sum over steps of the most loaded rank's area over the sum of the steps' means. The
+    worker-level degree weighs every step alike, so a step holding 1% of the work moves it as
+    much as one holding 8%; this one weighs them by their work, as the ring's time does."""
+    a = area.double()
+    return float(a.amax(0).sum() / a.mean(0).sum().clamp_min(1e-30))
+
+
 class KernelTimer:
     """Milliseconds spent per phase ("fwd", "bwd") by the work run under ``phase``:
     CUDA events on the current stream (read without stalling until ``elapsed``), or
