@@ -7,8 +7,9 @@ slows every operator. So a thread samples the interpreter's stacks instead, ever
 ``interval_s``, and names each sample by the innermost frame of this package, of the thread
 that runs the step's Python work: the step's thread, or while it waits in
 ``backward`` the autograd engine's thread that runs custom functions' backwards. The samples
-become consecutive intervals, ``[t_i, t_(i+1))`` named by sample ``i``, in the profiler's
-clock, which ``step_report.idle_gaps`` reads as it reads nested frames.
+become consecutive intervals, ``[t_i, t_(i+1))`` named by sample ``i``, which
+``step_report.idle_gaps`` reads in the profiler's clock: ``start`` marks its own start with a
+profiler range (``CLOCK_MARK``), which ties the two clocks.
 
 Device syncs are counted by the same frames: ``torch.cuda.set_sync_debug_mode("warn")`` makes
 each synchronizing CUDA operation warn in the thread that called it, and a warnings hook takes
@@ -29,8 +30,11 @@ import torch
 FRAME_PATH = "megatron_mtraining/"
 # What torch's sync debug mode warns with.
 SYNC_WARNING = "called a synchronizing CUDA operation"
-# Frames of a thread that waits for another to run the step's Python work.
-WAITING = frozenset({"_engine_run_backward", "run_backward"})
+# The innermost frame of a thread that waits in C for the autograd engine's (torch's
+# ``backward`` and ``autograd.grad`` both call it).
+WAITING = frozenset({"_engine_run_backward"})
+# The profiler range ``start`` runs at its start time.
+CLOCK_MARK = "host_sampler_clock"
 # A sample taken while the main thread waits in backward and no thread runs package code.
 AUTOGRAD = "(autograd's built-in backward)"
 # How many names the report keeps.
@@ -77,7 +81,8 @@ class HostSampler:
     for the step that the thread calling ``start`` runs.
 
     ``intervals(offset_ns)``: (start ns, end ns, name) per sample, shifted by ``offset_ns``
-    into another clock (the profiler's); ``summary()``: samples and syncs by frame."""
+    into another clock (the profiler's: ``CLOCK_MARK`` started at ``started_ns``);
+    ``summary()``: samples and syncs by frame."""
 
     def __init__(self, interval_s: float = 5e-4, path: str = FRAME_PATH):
         self.interval_s = interval_s
@@ -87,8 +92,11 @@ class HostSampler:
         self._stop = threading.Event()
         self._thread = None
         self._restore = None
+        self.started_ns = None
 
     def start(self) -> None:
+        with torch.profiler.record_function(CLOCK_MARK):
+            self.started_ns = time.time_ns()
         self._restore = (sys.getswitchinterval(), warnings.showwarning)
         # The sampler gets the interpreter between the step's bytecodes only this often.
         sys.setswitchinterval(min(self._restore[0], self.interval_s))
@@ -134,11 +142,10 @@ class HostSampler:
         host = collections.Counter()
         for start, end, name in self.intervals():
             host[name] += (end - start) / 1e6
-        report = {
+        return {
             "interval_ms": self.interval_s * 1e3,
             "samples": len(self.samples),
             "host_ms_by_frame": {name: round(ms, 3) for name, ms in host.most_common(TOP)},
+            "syncs": sum(self.syncs.values()),
+            "syncs_by_frame": dict(self.syncs.most_common(TOP)),
         }
-        report["syncs"] = sum(self.syncs.values())
-        report["syncs_by_frame"] = dict(self.syncs.most_common(TOP))
-        return report

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from ..megatron.profiler_ranges import PREFIX, part_range
-from .host_sampler import HostSampler
+from .host_sampler import CLOCK_MARK, HostSampler
 
 LAYER_TAG = "layer:"
 BACKWARD = "autograd::engine::evaluate_function: "
@@ -106,8 +106,6 @@ def _named_part(kernel: str, part: str) -> str:
 IDLE_GAPS = 10
 MIN_GAP_MS = 0.05
 HOST_NAMES = 6
-# The range that ties the host sampler's clock to the profiler's.
-CLOCK_MARK = "host_sampler_clock"
 # Host events a gap is explained by: runtime calls (syncs, copies), host reads, the step's
 # ranges and the backward's nodes.
 GAP_HOST_EVENTS = ("cuda", PREFIX, BACKWARD, "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
@@ -456,8 +454,6 @@ class StepReport:
             self.profiler.__enter__()
             if self.stacks:
                 self.sampler = HostSampler()
-                with torch.profiler.record_function(CLOCK_MARK):
-                    self.sampler_clock = time.time_ns()
                 self.sampler.start()
             self.profile_start = self._sync()
 
@@ -481,7 +477,7 @@ class StepReport:
             self.profiler.export_chrome_trace(str(self.trace))
         frames = ()
         if self.sampler is not None:
-            frames = self.sampler.intervals(clock_offset_ns(self.profiler, CLOCK_MARK, self.sampler_clock))
+            frames = self.sampler.intervals(clock_offset_ns(self.profiler, CLOCK_MARK, self.sampler.started_ns))
         self.profile = breakdown(self.profiler, now - self.profile_start, torch.cuda.is_available(), frames)
         if self.sampler is not None:
             self.profile["host"] = self.sampler.summary()
