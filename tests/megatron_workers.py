@@ -810,12 +810,10 @@ def check_layer_host_reads(rank, world, kind, want):
     (THD, as ``reset_attention_mask`` gives them), each with its own sparse index."""
     from host_reads import HostReads
 
+    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
     from megatron_mtraining.training.documents import packed_seq_params
 
     pattern, packed = kind.removesuffix("-docs"), kind.endswith("-docs")
-
-    from megatron_mtraining.sparse.kernels.block_bar import attention as block_bar
-
     assert os.environ.get("MTRAINING_ATTENTION_BACKEND") == "triton"
     init_megatron()
     launches = collections.Counter()
@@ -829,9 +827,9 @@ def check_layer_host_reads(rank, world, kind, want):
 
     for name in ("kernel_forward", "kernel_backward"):
         setattr(block_bar, name, counted(name, getattr(block_bar, name)))
-    attention = attention_config(pattern)
-    if packed:  # every document gets statistics
-        attention = attention_config(pattern, **{pattern: {**PATTERNS[pattern][pattern], "dense_below": 0}})
+    # With documents, every document gets statistics.
+    extra = {pattern: {**PATTERNS[pattern][pattern], "dense_below": 0}} if packed else {}
+    attention = attention_config(pattern, **extra)
     config = transformer_config(
         attention, num_layers=1, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
     )  # fmt: skip
