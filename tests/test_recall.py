@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.context_parallel.recall import (
@@ -507,21 +508,22 @@ def test_distributed_msa_recall_on_the_window_kernels(rng, monkeypatch):
     run(2, _check_distributed_msa_recall, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), 256, torch.float32)
 
 
+class Ops(TorchDispatchMode):
+    """Counts the ATen operations run while active."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("positions", ["all", "some"])
 def test_block_attended_equals_the_key_lists_in_a_fixed_number_of_operations(positions, rng):
     """A top-k index's attended keys for the recall are built for every row at once (issue 21:
     the key lists cost a round of operations per row for wide blocks), equal to the lists'."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megatron_mtraining.sparse.index import position_lookup
     from megatron_mtraining.sparse.metrics import _block_attended
-
-    class Ops(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += 1
-            return func(*args, **(kwargs or {}))
 
     b, s, hs, hq, bs, topk = 2, 200, 2, 4, 16, 3
     blocks = torch.randint(-1, -(-s // bs), (b, s, hs, topk), generator=rng).int()
@@ -549,15 +551,6 @@ def test_chunk_key_lists_equal_each_chunks_in_a_fixed_number_of_operations(packe
     """The recall's key lists of a vertical-slash index for several query blocks at once equal
     each block's ``bounded_key_lists``, in as many operations for six blocks as for one (with
     documents, a call per block cost ~100 launches: the packed step's host time)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += 1
-            return func(*args, **(kwargs or {}))
-
     seq = 200
     q, k = _inputs(rng, seq)
     cu = torch.tensor([0, 70, 90, seq], dtype=torch.int32) if packed else None
