@@ -18,6 +18,8 @@ Rows:
   come, the rest replayed from a CUDA graph) and eagerly (``MTRAINING_INDEX_GRAPHS=0``),
   with the statistics, the top-p selection and the tile tables also timed alone (eager);
   ``--profile-index`` lists the kernels' device times of both builds;
+* under the training step's allocator (``training.allocator``: expandable segments unless
+  ``PYTORCH_CUDA_ALLOC_CONF`` is set), so rows run one after another do not fragment it;
 * peak memory of forward + backward against the q/k/v/o and gradient tensors, the device
   time of each backward kernel, and the shared memory, registers and spills of each
   compiled kernel;
@@ -75,8 +77,12 @@ from megatron_mtraining.sparse import (
 )
 from megatron_mtraining.sparse.cuda_graphs import GRAPHS_ENV
 from megatron_mtraining.sparse.kernels.block_bar.tables import block_topk_tables, tile_tables
+from megatron_mtraining.training.allocator import use_expandable_segments
 
 HQ, HKV, D = 16, 2, 128
+# The training step's allocator, before any CUDA allocation (the benchmarks importing this
+# module get it too).
+ALLOC_CONF = use_expandable_segments()
 
 
 def timed(fn, rep_ms: int) -> float:
@@ -812,7 +818,7 @@ def main():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     gen = torch.Generator().manual_seed(args.seed)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  capability "
-          f"{torch.cuda.get_device_capability()}")  # fmt: skip
+          f"{torch.cuda.get_device_capability()}  allocator {ALLOC_CONF}")  # fmt: skip
     print(f"{'kernel':<34} {'seq':>7} {'density':>8} {'fwd_ms':>9} {'bwd_ms':>9} {'fwd_TF':>8} {'bwd_TF':>8} "
           f"{'x cuDNN':>8}")  # fmt: skip
     rows, extra = [], {}
@@ -831,7 +837,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows, **extra, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__}, f, indent=1)  # fmt: skip
+                       "torch": torch.__version__, "allocator": ALLOC_CONF}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -68,8 +68,11 @@ from megatron_mtraining.sparse.kernels.kv_outer import attention as kv
 from megatron_mtraining.sparse.kernels.kv_outer.attention import PassConfig
 from megatron_mtraining.sparse.kernels.msa_kl import kv_attention, kv_loss, loss
 from megatron_mtraining.sparse.kernels.shared import arch
+from megatron_mtraining.training.allocator import use_expandable_segments
 
 HQ, HKV, D, DI, BLOCK, TOPK = 16, 2, 128, 128, 128, 16
+# The training step's allocator, before any CUDA allocation.
+use_expandable_segments()
 
 # Built-in sweep: "" is the default table; the others vary rows, key steps, warps, stages.
 SWEEP = [

@@ -108,6 +108,27 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.parametrize("preset", [None, "garbage_collection_threshold:0.6"])
+def test_training_and_gpu_benchmarks_share_the_allocator_setting(preset):
+    """Expandable segments unless the user set ``PYTORCH_CUDA_ALLOC_CONF``: the setting the entry
+    point takes (``start_process``) and the one importing the GPU benchmarks gives, before any
+    CUDA allocation, so kernel figures run under the training step's allocator."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if preset is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = preset
+    probe = "import os, sys; sys.path.insert(0, 'scripts'); {} ; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    imports = {
+        "entry point": "from megatron_mtraining.training.allocator import use_expandable_segments; "
+        "use_expandable_segments()",
+        "benchmarks": "import bench_kernels, bench_msa_kl, bench_documents, bench_ring_pieces",
+    }
+    for what, code in imports.items():
+        result = subprocess.run(
+            [sys.executable, "-c", probe.format(code)], cwd=REPO, env=env, capture_output=True, text=True, check=True
+        )
+        assert result.stdout.split()[-1] == (preset or "expandable_segments:True"), what
+
+
 def test_help(tmp_path):
     result = _launch(tmp_path, "--help")
     assert result.returncode == 0

@@ -4,7 +4,8 @@
 * ``yaml_config``: the run config (Megatron arguments and the plugin's attention), checked
   before anything starts; ``dry_run``: ``--dry-run``; ``memory``: the memory estimate.
 * ``megatron_args``: Megatron's arguments for a run; ``job``: the whole training job
-  (:func:`~megatron_mtraining.training.job.run`).
+  (:func:`~megatron_mtraining.training.job.run`); ``allocator``: the CUDA allocator setting
+  it and the GPU benchmarks run with.
 * What Megatron's ``pretrain`` calls back: ``forward_step`` (model provider, batch, forward
   step, loss function), ``datasets``, and ``checkpoint_checks`` before it loads a checkpoint.
 * What the steps compute and report: ``chunked_loss`` and ``linear_cross_entropy`` (the loss

@@ -11,6 +11,7 @@ import torch
 from megatron.training.utils.common_utils import print_rank_0
 
 from ..megatron.msa_loss import get_attention_metrics_tracker
+from .allocator import use_expandable_segments
 from .checkpoint_checks import check_checkpoint
 from .datasets import train_valid_test_datasets_provider
 from .dry_run import check_attention
@@ -47,9 +48,8 @@ def start_process(run_config: RunConfig):
     # overlap) and refuses 1 with FSDP; a launcher's value wins.
     if not any(run_config.megatron.get(k) for k in ("use_torch_fsdp2", "use_megatron_fsdp")):
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    # The logits-sized blocks of long sequences fragment the default allocator (measured in
-    # docs/benchmarks.md); read at the first CUDA allocation, so set before any.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Read at the first CUDA allocation, so set before any.
+    use_expandable_segments()
     _single_process_rendezvous()
     use_prebuilt_dataset_helpers()
     use_atomic_checkpoint_tracker()
