@@ -61,9 +61,11 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = sparse_attention(qr, kr, vr, index)
         grads = torch.autograd.grad((out * g_out).sum() + (lse.double() * g_lse).sum(), (qr, kr, vr))
-        for layout_kind in ("contiguous", "zigzag", "striped"):
-            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
-            where = f"cp={world} inner={inner_size} {kv_exchange} rank={rank} {kind} {layout_kind}"
+        # With nodes, striping numbered node-major too (the node gather's balanced layout).
+        node_major = [("striped", inner_size)] if inner_size else []
+        for layout_kind, node_size in [("contiguous", None), ("zigzag", None), ("striped", None), *node_major]:
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, node_size=node_size)
+            where = f"cp={world} inner={inner_size} {kv_exchange} rank={rank} {kind} {layout_kind} node {node_size}"
             lq, lk, lv = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
             local_pattern = pattern
             if isinstance(pattern, MSAPattern):  # each rank has its tokens' index queries and keys
@@ -101,6 +103,10 @@ def check_ring_equals_single_device(rank, world, seed, seq, inner_size=None, kin
             if ring_area.shape[1] == world:  # the ring, step by step (one order, flat or hierarchical)
                 simulated = simulate_ring_areas(ring_work(index), layout, 16)
                 assert torch.equal(ring_area, simulated), (where, ring_area, simulated)
+            elif inner_size and kv_exchange == "allgather":  # the node gather, by outer step
+                assert ring_area.shape[1] == world // inner_size, where
+                simulated = simulate_ring_areas(ring_work(index), layout, 16, node_size=inner_size)
+                assert torch.equal(ring_area, simulated), (where, ring_area, simulated)
             # Timed: every piece with work has forward and backward time. A rank's column
             # piece runs whenever the index has columns, even where none is visible to its
             # queries outside their tiles (area 0): telling would read the index on the host.
@@ -133,8 +139,6 @@ def check_hierarchy_errors(rank, world):
         ring_attention(q, kv, kv, {}, layout, None)
     with pytest.raises(ValueError, match=r"kv_exchange='p2p'.*auto, ring, allgather"):
         ring_attention(q, kv, kv, DensePattern(), layout, None, kv_exchange="p2p")
-    with pytest.raises(ValueError, match=r"kv_exchange='allgather'.*with a hierarchy"):
-        ring_attention(q, kv, kv, DensePattern(), layout, None, hierarchy=(inner, outer), kv_exchange="allgather")
 
 
 def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch.float32, kv_exchange="ring"):
@@ -171,13 +175,20 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = sparse_attention(qr, kr, vr, index)
         grads = torch.autograd.grad((out * g_out).sum(), (qr, kr, vr))
+        node_gather = inner_size is not None and kv_exchange == "allgather"
+        node_size = inner_size if node_gather else None  # the node gather's balanced numbering
         for layout_kind in ("striped", "zigzag"):
-            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16)
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, node_size=node_size)
             where = f"kernels cp={world} inner={inner_size} {kv_exchange} {dtype} rank={rank} {kind} {layout_kind}"
             # Every step has tile tables (no silent fallback) wide enough for every list.
             mine = layout.token_positions(rank, "cpu")
-            for src in range(world):
-                step = StepTables(ring_work(index), mine).of(layout.token_positions(src, "cpu"))
+            chunks = [layout.token_positions(src, "cpu") for src in range(world)]
+            if node_gather:
+                chunks = [
+                    layout.gathered(tuple(range(n, n + inner_size)), "cpu").keys for n in range(0, world, inner_size)
+                ]
+            for keys in chunks:
+                step = StepTables(ring_work(index), mine).of(keys)
                 assert step is not None, where
                 assert step.tile_count.max() <= step.tiles.shape[-1], where
                 assert step.tile_t_count.max() <= step.tiles_t.shape[-1], where
@@ -197,8 +208,8 @@ def check_ring_with_kernels(rank, world, seed, seq, inner_size=None, dtype=torch
                 backend="triton",
                 kv_exchange=kv_exchange,
             )
-            if kv_exchange == "ring":
-                # The columns ride the last step's launch: one launch per ring step, no column piece.
+            if kv_exchange == "ring" or node_gather:
+                # The columns ride the last step's launch: one launch per step, no column piece.
                 has_columns = isinstance(index, VerticalSlashIndex) and bool((index.vertical >= 0).any())
                 assert launches[-1] == has_columns and not any(launches[:-1]), (where, launches)
                 assert len(launches) <= world, (where, launches)

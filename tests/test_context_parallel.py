@@ -82,6 +82,18 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
     run(world, check_ring_equals_single_device, seed, 256, inner, ("dense", "vertical_slash", "msa"))
 
 
+@pytest.mark.parametrize(
+    "world,inner",
+    [(4, 2), pytest.param(8, 4, marks=pytest.mark.slow), pytest.param(8, 2, marks=pytest.mark.slow)],
+    ids=["2x2", "4x2", "2x4"],
+)
+def test_node_gather_equals_single_device(world, inner, rng):
+    """K/V gathered inside nodes of `inner` ranks, the outer ring across nodes: same results,
+    and the areas recorded per outer step are the simulation's (``node_size``)."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    run(world, check_ring_equals_single_device, seed, 256, inner, ("dense", "vertical_slash", "msa"), "allgather")
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     "world,inner,dtype,kv_exchange",
@@ -90,12 +102,14 @@ def test_hierarchical_ring_equals_single_device(world, inner, rng):
         pytest.param(2, None, torch.float16, "ring", marks=pytest.mark.slow),  # fp32 on the same path
         (2, None, torch.float32, "allgather"),
         (4, 2, torch.float32, "ring"),
+        (4, 2, torch.float32, "allgather"),
     ],
-    ids=["flat-fp32", "flat-fp16", "allgather-fp32", "2x2-fp32"],
+    ids=["flat-fp32", "flat-fp16", "allgather-fp32", "2x2-fp32", "2x2-node-gather-fp32"],
 )
 def test_ring_on_kernels(world, inner, dtype, kv_exchange, rng):
     """Ring steps and the local vertical-column pass on the Triton kernels (positions),
-    accumulating in the kernels: flat, hierarchical, and over all-gathered K/V; in fp16
+    accumulating in the kernels: flat, hierarchical, over all-gathered K/V and gathered inside
+    nodes; in fp16
     the last piece writes the output and dQ in the inputs' dtype."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     run_on_device(world, check_ring_with_kernels, seed, 128, inner, dtype, kv_exchange)
@@ -121,7 +135,7 @@ def test_ring_on_kernels_reads_nothing_on_host(world, kv_exchange):
 
 def test_auto_exchange_is_the_all_gather_on_one_node_only():
     """``auto``: the all-gather for a flat group on one host, the ring across hosts or with
-    a hierarchy; explicit choices are kept, ``allgather`` with a hierarchy is refused."""
+    a hierarchy; explicit choices are kept, ``allgather`` with a hierarchy gathers inside nodes."""
     from megatron_mtraining.context_parallel.ring import _exchange
 
     assert _exchange("auto", None, one_node=True) == "allgather"
@@ -129,8 +143,7 @@ def test_auto_exchange_is_the_all_gather_on_one_node_only():
     assert _exchange("auto", ("inner", "outer"), one_node=True) == "ring"
     assert _exchange("ring", None, one_node=True) == "ring"
     assert _exchange("allgather", None, one_node=False) == "allgather"
-    with pytest.raises(ValueError, match=r"kv_exchange='allgather'.*with a hierarchy"):
-        _exchange("allgather", ("inner", "outer"), one_node=True)
+    assert _exchange("allgather", ("inner", "outer"), one_node=True) == "node_allgather"
 
 
 def test_hierarchy_and_group_errors():
@@ -180,6 +193,32 @@ def test_layout_errors_name_the_field():
         ContextParallelLayout("ring", 4, 64)
     with pytest.raises(ValueError, match=r"ContextParallelLayout.seq_len=66 .*2 x cp_size \(8\)"):
         ContextParallelLayout("zigzag", 4, 66)
+    with pytest.raises(ValueError, match=r"ContextParallelLayout.node_size=3 .*a divisor of cp_size \(4\)"):
+        ContextParallelLayout("striped", 4, 64, stripe=4, node_size=3)
+
+
+@pytest.mark.parametrize("kind", ["striped", "balanced"])
+def test_node_major_numbering_puts_consecutive_stripes_on_consecutive_nodes(kind, rng):
+    """``node_size``: rank ``node * G + local`` holds what the flat numbering gives rank
+    ``local * O + node``, so stripe ``i`` of striping sits on node ``i mod O``; the gathered
+    tokens of a node are its ranks' together, ascending, with the orders between them."""
+    cu = (0, 40, 48, 200, 256) if kind == "balanced" else None
+    flat = ContextParallelLayout(kind, 8, 256, stripe=8, documents=cu)
+    nodes = ContextParallelLayout(kind, 8, 256, stripe=8, documents=cu, node_size=4)
+    for node in range(2):
+        for local in range(4):
+            assert torch.equal(nodes.positions(node * 4 + local), flat.positions(local * 2 + node))
+    if kind == "striped":
+        for r in range(8):
+            assert torch.equal(nodes.positions(r)[::8] // 8 % 2, torch.full((4,), r // 4))
+    x = torch.randn(1, 256, 2, generator=rng)
+    for ranks in ((0, 1, 2, 3), (4, 5, 6, 7), (1, 6)):
+        got = nodes.gathered(ranks, "cpu")
+        concatenated = torch.cat([nodes.shard(x, r) for r in ranks], 1)
+        keys = got.keys.values
+        assert torch.equal(keys, torch.cat([nodes.positions(r) for r in ranks]).sort().values)
+        assert torch.equal(concatenated.index_select(1, got.to_ascending), x[:, keys])
+        assert torch.equal(x[:, keys].index_select(1, got.to_rank_major), concatenated)
 
 
 def test_imbalance_at_32_ranks(rng, capsys):

@@ -132,19 +132,26 @@ def simulate_ring_areas(
     layout: ContextParallelLayout,
     block: int,
     tiles: torch.Tensor | None = None,
+    node_size: int | None = None,
 ) -> torch.Tensor:
     """``[ranks, steps]`` areas the ring computes for ``index`` under ``layout``
     (for a vertical-slash index pass its tiles, ``ring_work(index)``), without
     processes; flat and hierarchical rings alike (``ring_schedule``). ``block`` must divide
     the layout's stripes (or zigzag chunks). ``tiles``: ``index.block_areas(block)`` when
-    the caller has it (one count for several layouts)."""
+    the caller has it (one count for several layouts). ``node_size``: the ranks of a node
+    under the exchange that gathers K/V inside nodes (``node_gather``), whose steps are the
+    outer ones: rank ``node * G + local`` holds node ``node - o``'s chunks at step ``o``."""
     tiles = index.block_areas(block) if tiles is None else tiles
+    w = layout.cp_size
     owner = torch.empty(tiles.shape[0], dtype=torch.long)
-    for r in range(layout.cp_size):
+    for r in range(w):
         owner[layout.positions(r)[::block] // block] = r
-    per_rank = torch.zeros(layout.cp_size, layout.cp_size, dtype=torch.float64)
+    per_rank = torch.zeros(w, w, dtype=torch.float64)
     per_rank.index_put_((owner.view(-1, 1).expand_as(tiles), owner.view(1, -1).expand_as(tiles)), tiles.cpu(), True)
-    return per_rank.gather(1, ring_sources(layout.cp_size))
+    if node_size is None:
+        return per_rank.gather(1, ring_sources(w))
+    per_node = per_rank.view(w, w // node_size, node_size).sum(-1)  # [ranks, source nodes]
+    return per_node.gather(1, ring_sources(w // node_size).repeat_interleave(node_size, 0))
 
 
 def ring_sources(cp_size: int) -> torch.Tensor:

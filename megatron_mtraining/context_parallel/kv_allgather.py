@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..sparse.reference import compute_dtype
 from .imbalance import KernelTimer, timed
-from .layout import ContextParallelLayout
+from .layout import GatheredTokens
 from .pieces import Piece, nothing_attended
 
 # torch 2.13 renamed the tensor collectives (the old names warn); the GPU image's 2.11 has
@@ -32,46 +32,53 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class GatheredKV:
-    """K and V of every rank, gathered asynchronously: posted when constructed (before the
-    index build, which the transfer then overlaps), awaited by ``wait``, which returns
-    them in global token order."""
+    """K and V of the ranks of ``group`` (the CP group, or a node's ranks), gathered
+    asynchronously: posted when constructed (before what the transfer then overlaps: the
+    index build, or the step before), awaited by ``wait``, which returns them in ascending
+    global order (``tokens``: the layout's ``gathered`` of the group's ranks)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, layout: ContextParallelLayout, group):
-        self.layout, self.group = layout, group
-        # [W * B, L, H, D], rank-major: the shape every backend gathers into. Posted without
-        # autograd (the gradient is ``AllGatherAttention``'s), as ``wait`` runs inside it.
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, tokens: GatheredTokens, group):
+        self.tokens, self.group, self.size = tokens, group, dist.get_world_size(group)
+        # [size * B, L, H, D], rank-major: the shape every backend gathers into. Posted without
+        # autograd (the gradient is the caller's), as ``wait`` runs inside its forward.
         with torch.no_grad():
-            self.buffers = [x.new_empty((layout.cp_size * x.shape[0], *x.shape[1:])) for x in (k, v)]
+            self.buffers = [x.new_empty((self.size * x.shape[0], *x.shape[1:])) for x in (k, v)]
             self.work = [
                 _all_gather(buf, x.contiguous(), group=group, async_op=True)
                 for buf, x in zip(self.buffers, (k, v), strict=True)
             ]
 
-    def wait(self, timer: KernelTimer | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with timed(timer, "fwd"):
+    def wait(self, timer: KernelTimer | None, phase: str = "fwd") -> tuple[torch.Tensor, torch.Tensor]:
+        with timed(timer, phase):
             for w in self.work:
                 w.wait()
-        # [W * B, L, H, D] -> [B, W * L, H, D] (a view for B = 1), then one gather into order.
-        inverse, w = self.layout.global_order(self.buffers[0].device), self.layout.cp_size
+        # [size * B, L, H, D] -> [B, size * L, H, D] (a view for B = 1), then one gather into order.
+        order = self.tokens.to_ascending
         return tuple(
-            buf.unflatten(0, (w, -1)).movedim(0, 1).flatten(1, 2).index_select(1, inverse) for buf in self.buffers
+            buf.unflatten(0, (self.size, -1)).movedim(0, 1).flatten(1, 2).index_select(1, order) for buf in self.buffers
         )
 
 
-def reduce_scatter_to_owners(grads, layout: ContextParallelLayout, group, timer: KernelTimer | None):
-    """Each rank's share of the sum over ranks of whole-sequence gradients ``grads``
-    (``[B, S, H, D]`` each, in global order), in its own token order."""
-    order = layout.rank_major_order(grads[0].device)
-    posted = []
-    for g in grads:
-        # [B, S, ...] -> [W * B, L, ...]: rank r's tokens, in its order, r-th.
-        stacked = g.index_select(1, order).unflatten(1, (layout.cp_size, layout.local_len)).movedim(1, 0)
-        mine = g.new_empty((g.shape[0], layout.local_len, *g.shape[2:]))
-        posted.append((mine, _reduce_scatter(mine, stacked.flatten(0, 1).contiguous(), group=group, async_op=True)))
-    with timed(timer, "bwd"):
-        for _, w in posted:
-            w.wait()
-    return [mine for mine, _ in posted]
+class OwnersShare:
+    """Each rank's share of the sum over the ranks of ``group`` of gradients ``grads`` (``[B,
+    size * L, H, D]`` each, over ``tokens``' keys, ascending), in its own token order: posted
+    when constructed, awaited by ``wait``."""
+
+    def __init__(self, grads, tokens: GatheredTokens, group):
+        size = dist.get_world_size(group)
+        self.posted = []
+        for g in grads:
+            # [B, size * L, ...] -> [size * B, L, ...]: rank r's tokens, in its order, r-th.
+            stacked = g.index_select(1, tokens.to_rank_major).unflatten(1, (size, -1)).movedim(1, 0)
+            mine = g.new_empty(stacked.shape[1:])
+            work = _reduce_scatter(mine, stacked.flatten(0, 1).contiguous(), group=group, async_op=True)
+            self.posted.append((mine, work))
+
+    def wait(self, timer: KernelTimer | None) -> list[torch.Tensor]:
+        with timed(timer, "bwd"):
+            for _, w in self.posted:
+                w.wait()
+        return [mine for mine, _ in self.posted]
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -90,7 +97,7 @@ class AllGatherAttention(torch.autograd.Function):
         out, lse = result if result is not None else nothing_attended(q)
         ctx.save_for_backward(q, k_all, v_all, out, lse)
         ctx.piece, ctx.scale = piece, scale
-        ctx.layout, ctx.group, ctx.comm_timer = gathered.layout, gathered.group, comm_timer
+        ctx.tokens, ctx.group, ctx.comm_timer = gathered.tokens, gathered.group, comm_timer
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -98,6 +105,6 @@ class AllGatherAttention(torch.autograd.Function):
         q, k_all, v_all, out, lse = ctx.saved_tensors
         dq, grads, _ = ctx.piece.backward(q, k_all, v_all, ctx.scale, out, lse, dout, dlse, None, True)
         dt = compute_dtype(q.dtype)
-        dk, dv = reduce_scatter_to_owners([g.to(dt) for g in grads], ctx.layout, ctx.group, ctx.comm_timer)
+        dk, dv = OwnersShare([g.to(dt) for g in grads], ctx.tokens, ctx.group).wait(ctx.comm_timer)
         dq = torch.zeros_like(q) if dq is None else dq.to(q.dtype)
         return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None

@@ -17,6 +17,14 @@ the global positions.
   has its own layout, so everything derived from one (positions, orders) is kept for the
   latest documents only, per rank and device.
 
+``node_size`` (``G``; default None, one node) numbers the ranks for a group spread over
+``O = cp_size / G`` nodes, ``rank = node * G + local``: the kind places its tokens on *flat*
+ranks ``local * O + node``, so consecutive flat ranks (consecutive stripes) go round the
+nodes first. The
+hierarchical exchange that gathers K/V inside a node (``node_gather``) then puts each
+block diagonal of the attention on one outer step for every rank, as striping puts it on one
+ring step (``docs/benchmarks.md``, "All-gather inside a node, ring across nodes").
+
 ``token_positions(rank, device)`` holds a rank's positions on the host and the device
 with what is derived from them (``TokenPositions``), once per layout, rank and device:
 every layer and iteration of a run reuses it.
@@ -53,12 +61,17 @@ class ContextParallelLayout:
     seq_len: int
     stripe: int = 128
     documents: tuple[int, ...] | None = None
+    node_size: int | None = None
 
     def __post_init__(self):
         check_choice("ContextParallelLayout.kind", self.kind, KINDS)
         check_int("ContextParallelLayout.cp_size", self.cp_size, minimum=1)
         check_int("ContextParallelLayout.seq_len", self.seq_len, minimum=1)
         check_int("ContextParallelLayout.stripe", self.stripe, minimum=1)
+        if self.node_size is not None:
+            check_int("ContextParallelLayout.node_size", self.node_size, minimum=1)
+            if self.cp_size % self.node_size:
+                fail("ContextParallelLayout.node_size", self.node_size, f"a divisor of cp_size ({self.cp_size})")
         striped = self.stripe * self.cp_size
         unit = {"contiguous": self.cp_size, "zigzag": 2 * self.cp_size, "striped": striped, "balanced": striped}[
             self.kind
@@ -80,10 +93,17 @@ class ContextParallelLayout:
     def local_len(self) -> int:
         return self.seq_len // self.cp_size
 
+    def flat_rank(self, rank: int) -> int:
+        """The rank whose tokens the kind places on ``rank`` (``node_size``: ``local * O + node``)."""
+        if self.node_size is None:
+            return rank
+        node, local = divmod(rank, self.node_size)
+        return local * (self.cp_size // self.node_size) + node
+
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """Global positions of the tokens rank ``rank`` holds, in its order (int64)."""
         check_int("rank", rank, minimum=0, maximum=self.cp_size - 1)
-        w = self.cp_size
+        w, rank = self.cp_size, self.flat_rank(rank)
         if self.kind == "contiguous":
             pos = torch.arange(rank * self.local_len, (rank + 1) * self.local_len)
         elif self.kind == "zigzag":
@@ -119,17 +139,16 @@ class ContextParallelLayout:
         """Inverse of :meth:`shard`: the full sequence from every rank's part, in rank order."""
         if len(parts) != self.cp_size:
             fail("len(parts)", len(parts), f"cp_size ({self.cp_size}) parts, one per rank")
-        return torch.cat(parts, dim).index_select(dim, self.global_order(parts[0].device))
+        return torch.cat(parts, dim).index_select(dim, self.gathered(self.ranks, parts[0].device).to_ascending)
 
-    def rank_major_order(self, device) -> torch.Tensor:
-        """Every rank's positions, rank after rank: what ``shard`` of each rank, concatenated,
-        gathers."""
-        return _cached(_orders, self, torch.device(device))[0]
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.cp_size))
 
-    def global_order(self, device) -> torch.Tensor:
-        """The inverse of ``rank_major_order``: where each global position lies among the
-        ranks' parts concatenated in rank order."""
-        return _cached(_orders, self, torch.device(device))[1]
+    def gathered(self, ranks: tuple[int, ...], device) -> GatheredTokens:
+        """The tokens of ``ranks`` together (what an all-gather over them brings), ascending;
+        of ``self.ranks``, the whole sequence."""
+        return _cached(_gathered, self, tuple(ranks), torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,12 +175,26 @@ def _cached(make, layout: ContextParallelLayout, *args):
     return value
 
 
+@dataclass(frozen=True)
+class GatheredTokens:
+    """The tokens of several ranks: ``keys`` ascending, ``to_ascending`` (where each of them lies
+    among the ranks' parts concatenated in the ranks' order) and ``to_rank_major`` (its
+    inverse: where each row of that concatenation lies among ``keys``)."""
+
+    keys: TokenPositions
+    to_ascending: torch.Tensor
+    to_rank_major: torch.Tensor
+
+
 @functools.lru_cache(maxsize=64)
-def _orders(layout: ContextParallelLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    order = torch.cat([layout.positions(r) for r in range(layout.cp_size)])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(layout.seq_len)
-    return order.to(device), inverse.to(device)
+def _gathered(layout: ContextParallelLayout, ranks: tuple[int, ...], device: torch.device) -> GatheredTokens:
+    concatenated = torch.cat([layout.positions(r) for r in ranks])
+    to_ascending = torch.argsort(concatenated)
+    to_rank_major = torch.empty_like(to_ascending)
+    to_rank_major[to_ascending] = torch.arange(len(to_ascending))
+    return GatheredTokens(
+        TokenPositions(concatenated[to_ascending], device), to_ascending.to(device), to_rank_major.to(device)
+    )
 
 
 class TokenPositions:

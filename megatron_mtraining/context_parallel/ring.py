@@ -36,8 +36,9 @@ from .hierarchy import hierarchy_ranks
 from .imbalance import RingStats
 from .kv_allgather import AllGatherAttention, GatheredKV
 from .layout import ContextParallelLayout, TokenPositions
+from .node_gather import NodeGatherSchedule
 from .pieces import Piece, last_attending, nothing_attended
-from .ring_schedule import Accumulators, RingSchedule
+from .ring_schedule import RingSchedule
 from .step_index import StepIndex
 from .step_tables import StepTables
 
@@ -69,17 +70,17 @@ class _RingAttention(torch.autograd.Function):
         result = None
         for o, i, kv in schedule.chunks([k, v]):
             step = steps[o][i]
-            if columns is not None and (o, i) != (0, 0):  # another rank's chunk
+            if columns is not None:  # the own chunk too: a node's gathered chunks hold others'
                 columns.take(step.index.keys, *kv)
             result = step.forward(q, *kv, scale, result, step is last, columns.kv if columns else None)
-            if columns is not None and (o, i) == (0, 0):  # our own chunk
-                columns.start(k, v)
+            if columns is not None and (o, i) == (0, 0):
+                columns.start()
         if own_piece:
             result = columns.piece.forward(q, *columns.kv, scale, result, True)
         out, lse = result if result is not None else nothing_attended(q)
         ctx.save_for_backward(q, k, v, *(columns.kv if columns else (None, None)), out, lse)
         ctx.columns, ctx.steps, ctx.last = columns, steps, columns.piece if own_piece else last
-        ctx.rings, ctx.first_next = (schedule.inner, schedule.outer), schedule.first_next
+        ctx.schedule = schedule
         ctx.group, ctx.scale, ctx.comm_timer = group, scale, comm_timer
         return out.to(q.dtype), lse
 
@@ -87,7 +88,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, k_cols, v_cols, out, lse = ctx.saved_tensors
         dt = compute_dtype(q.dtype)
-        schedule = RingSchedule(*ctx.rings, ctx.comm_timer, "bwd", first_next=ctx.first_next)
+        schedule = ctx.schedule.backward()
 
         def zeros():
             return [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
@@ -95,7 +96,7 @@ class _RingAttention(torch.autograd.Function):
         def piece(step, kv, dq):
             return step.backward(q, *kv, ctx.scale, out, lse, dout, dlse, dq, step is ctx.last, (k_cols, v_cols))
 
-        accumulators = Accumulators(schedule, zeros, ctx.comm_timer)
+        accumulators = schedule.accumulators(zeros)
         dq, col_grads = None, None
         for o, i, kv in schedule.chunks([k, v]):
             dq, grads, cols = piece(ctx.steps[o][i], kv, dq)
@@ -122,8 +123,8 @@ class _VerticalColumns:
     chunk passes every rank, so the column K/V are whole by the last step, at the cost of
     one small copy per step and no collective of their own (a sum over ranks after the
     first step's kernel waited for that kernel and for the other rank; docs/benchmarks.md,
-    "Context-parallel layouts in one launch"). ``start`` takes this rank's own chunk's and makes the columns'
-    piece and its tables while the first step's kernel runs. Backward, ``add_grads``: the
+    "Context-parallel layouts in one launch"), the own chunk at the first step included.
+    ``start`` makes the columns' piece and its tables while the first step's kernel runs. Backward, ``add_grads``: the
     columns' gradients, summed over ranks, added to the owners' dK/dV."""
 
     def __init__(self, index: VerticalSlashIndex, queries: TokenPositions, use_kernels: bool, timer, carrier):
@@ -147,12 +148,13 @@ class _VerticalColumns:
             self.kv = tuple(torch.where(held, r, b) for r, b in zip(rows, before, strict=True))
         return found
 
-    def start(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Once the first step's kernel is launched: this rank's own columns, and the
-        columns' piece and its tables, which the host builds while that kernel runs."""
+    def start(self) -> None:
+        """Once the first step's kernel is launched: where this rank's own columns lie among
+        its keys, and the columns' piece and its tables, which the host builds while that
+        kernel runs."""
         if self.piece is not None:
             return
-        self.mine = self.take(self.queries, k, v)
+        self.mine = self.queries.index_of(self.positions, self.index.seq_len)
         with record_function("mtraining.ring.column_piece"):
             self.piece = _column_piece(self.index, self.queries, self.positions, self.use_kernels, self.timer)
             if self.rides:
@@ -203,18 +205,18 @@ def _rings(members: list[int], rank: int, hierarchy) -> tuple[list[int], list[in
 
 
 def _exchange(kv_exchange: str, hierarchy, one_node: bool) -> str:
-    """The K/V exchange to run. ``auto``: the all-gather on a flat group whose ranks share a
-    node (``one_node``), the ring otherwise. On one node the all-gather kept more of the
-    single-GPU throughput than the ring on 2 and on 8 H200s (docs/benchmarks.md, "Context
-    parallelism over all-gathered K/V" and "8 x H200"). Across nodes
-    its K/V bytes would cross the slow link with nothing to hide them but the index build,
-    where the ring overlaps every transfer with a step's kernel."""
-    if kv_exchange == "allgather" and hierarchy is not None:
-        fail(
-            "kv_exchange", kv_exchange, "'ring' or 'auto' with a hierarchy (the all-gather has no inner or outer ring)"
-        )
+    """The K/V exchange to run: ``ring``, ``allgather`` or, with a hierarchy, ``allgather``
+    inside each node and the ring across nodes (``node_allgather``, ``node_gather``). ``auto``:
+    the all-gather on a flat group whose ranks share a node (``one_node``), the ring
+    otherwise. On one node the all-gather kept more of the single-GPU throughput than the
+    ring on 2 and on 8 H200s (docs/benchmarks.md, "Context parallelism over all-gathered
+    K/V" and "8 x H200"). Across nodes its K/V bytes would cross the slow link with nothing
+    to hide them but the index build, where the ring overlaps every transfer with a step's
+    kernel; with a hierarchy ``auto`` keeps the ring until the node gather has run on NCCL."""
     if kv_exchange == "auto":
         return "allgather" if hierarchy is None and one_node else "ring"
+    if kv_exchange == "allgather" and hierarchy is not None:
+        return "node_allgather"
     return kv_exchange
 
 
@@ -259,11 +261,13 @@ def ring_attention(
     hierarchical ring (inner ring inside a node, outer ring across nodes, each
     inter-node transfer but the forward's first overlapped with a whole inner ring; the
     steps in the flat ring's order, which striping balances). cp_size 1 runs the
-    local kernel. ``kv_exchange``: ``ring``, ``allgather`` (every rank gathers the
-    whole K/V and attends it in one piece, ``kv_allgather``; flat groups only) or
-    ``auto`` (the all-gather for a flat group on one node, else the ring; see
-    ``_exchange``). ``stats``: filled with the attended area per ring step (outer-major;
-    one step for the all-gather) and of the local vertical-column pass, and with
+    local kernel. ``kv_exchange``: ``ring``, ``allgather`` (flat: every rank gathers the
+    whole K/V and attends it in one piece, ``kv_allgather``; with a hierarchy: each node
+    gathers the K/V of one node at a time, which travel the outer ring, ``node_gather``;
+    balanced with the layout's ``node_size`` set to the inner size) or ``auto`` (the all-gather
+    for a flat group on one node, else the ring; see ``_exchange``). ``stats``: filled with
+    the attended area per ring step (outer-major; one step for the all-gather, one per outer
+    step for the node gather) and of the local vertical-column pass, and with
     ``time_kernels`` their kernel times and the exposed transfer wait (imbalance
     accounting). ``backend``: as for ``sparse_attention``; a step whose
     tokens are not whole kernel blocks runs on the reference path. ``cu_seqlens``: the
@@ -287,13 +291,19 @@ def ring_attention(
     one_node = kv_exchange == "auto" and hierarchy is None and _on_one_node(members, cp_group)
     exchange = _exchange(kv_exchange, hierarchy, one_node)
     inner, outer = _rings(members, rank, hierarchy)
-    n_inner, n_outer = (1, 1) if exchange == "allgather" else (len(inner), len(outer))
+    n_inner, n_outer = {"allgather": (1, 1), "node_allgather": (1, len(outer)), "ring": (len(inner), len(outer))}[
+        exchange
+    ]
     step_timers, local_timer, comm_timer = (stats if stats is not None else RingStats()).new_timers(
         rank, n_outer * n_inner, q.device
     )
     # Posted before the index build, which the transfer then overlaps.
-    gathered = GatheredKV(k, v, layout, cp_group) if exchange == "allgather" else None
-    schedule = RingSchedule(inner, outer, comm_timer) if gathered is None else None
+    gathered = GatheredKV(k, v, layout.gathered(layout.ranks, q.device), cp_group) if exchange == "allgather" else None
+    schedule = None
+    if exchange == "ring":
+        schedule = RingSchedule(inner, outer, comm_timer)
+    elif exchange == "node_allgather":
+        schedule = NodeGatherSchedule(inner, outer, hierarchy[0], layout, comm_timer)
     if schedule is not None:
         schedule.post_first([k, v])
     index = build_index(pattern, q, k, scale, layout, cp_group, cu_seqlens)
@@ -321,10 +331,10 @@ def ring_attention(
             out, lse = AllGatherAttention.apply(q, k, v, gathered, whole, scale, comm_timer)
         steps, column_piece = [[whole]], None
     else:
-        # Each step's chunk is the one ``RingSchedule.source`` names (the flat ring's order).
+        # Each step's K/V are those the schedule names: one rank's chunk in the flat ring's
+        # order, or a node's chunks.
         def step(o: int, i: int) -> Piece:
-            source = schedule.source(o, i)
-            view = StepIndex(work, queries, layout.token_positions(source, q.device))
+            view = StepIndex(work, queries, schedule.keys(o, i, layout, q.device))
             return Piece(view, step_tables, step_timers[o * n_inner + i], view.may_attend())
 
         steps = [[step(o, i) for i in range(n_inner)] for o in range(n_outer)]

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import PeerExchange, RingExchange
+from .layout import ContextParallelLayout, TokenPositions
 
 Chunk = list[torch.Tensor]
 
@@ -69,6 +70,17 @@ class RingSchedule:
         ``o``, inner step ``i``."""
         w = self.n_outer * self.g
         return (self.node * self.g + self.local - o * self.g - i) % w
+
+    def keys(self, o: int, i: int, layout: ContextParallelLayout, device) -> TokenPositions:
+        """The positions of the chunk held at step ``(o, i)``."""
+        return layout.token_positions(self.source(o, i), device)
+
+    def backward(self) -> RingSchedule:
+        """The backward's pass, after the forward's: the same order, the first next chunk kept."""
+        return RingSchedule(self.inner, self.outer, self.timer, "bwd", first_next=self.first_next)
+
+    def accumulators(self, zeros) -> Accumulators:
+        return Accumulators(self, zeros, self.timer)
 
     def post_first(self, own: Chunk) -> None:
         """Sends this rank's own chunk one node on, which is that node's next chunk of outer
