@@ -39,9 +39,10 @@ _cpu_applied = False
 _cpu_training_applied = False
 
 
-def apply_patches(layout_kind: str, stripe: int = 128) -> LayoutChoice:
+def apply_patches(layout_kind: str, stripe: int = 128, node_size: int | None = None) -> LayoutChoice:
     """Makes Megatron split batches and RoPE over the CP ranks in the order of
-    ``ContextParallelLayout(layout_kind, cp_size, seq_len, stripe=stripe)``.
+    ``ContextParallelLayout(layout_kind, cp_size, seq_len, stripe=stripe, node_size=node_size)``
+    (``node_size``: ranks numbered node-major, for the exchange that gathers K/V inside nodes).
 
     ``zigzag`` reproduces Megatron's own split. ``balanced`` places each micro-batch by its
     documents, which the split reads from ``batch["cu_seqlens"]`` (absent: striped).
@@ -51,13 +52,13 @@ def apply_patches(layout_kind: str, stripe: int = 128) -> LayoutChoice:
     written for; then nothing is changed.
     """
     global _applied
-    choice = LayoutChoice(layout_kind, stripe)
+    choice = LayoutChoice(layout_kind, stripe, node_size)
     if _applied is not None:
         if choice == _applied:
             return choice
         differ = ", ".join(
             f"{name}={getattr(_applied, field)!r} (now {getattr(choice, field)!r})"
-            for name, field in (("layout_kind", "kind"), ("stripe", "stripe"))
+            for name, field in (("layout_kind", "kind"), ("stripe", "stripe"), ("node_size", "node_size"))
             if getattr(_applied, field) != getattr(choice, field)
         )
         raise ValueError(f"the Megatron patches are already applied with {differ}; call remove_patches() first")

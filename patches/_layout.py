@@ -24,17 +24,24 @@ _ROPE_MODULES = {
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    """Layout kind and stripe; the CP size, sequence length and documents come from each call."""
+    """Layout kind, stripe and ``node_size`` (``ContextParallelLayout``'s: the ranks of a node
+    when they are numbered node-major, for the exchange that gathers K/V inside nodes; None:
+    flat); the CP size, sequence length and documents come from each call."""
 
     kind: str
     stripe: int = 128
+    node_size: int | None = None
 
     def __post_init__(self):
         check_choice("layout_kind", self.kind, KINDS)
         check_int("stripe", self.stripe, minimum=1)
+        if self.node_size is not None:
+            check_int("node_size", self.node_size, minimum=1)
 
     def layout(self, cp_size: int, seq_len: int, documents=None) -> ContextParallelLayout:
-        return ContextParallelLayout(self.kind, cp_size, seq_len, stripe=self.stripe, documents=documents)
+        return ContextParallelLayout(
+            self.kind, cp_size, seq_len, stripe=self.stripe, documents=documents, node_size=self.node_size
+        )
 
     def positions(self, cp_size: int, seq_len: int, rank: int, device, what: str, documents=None) -> torch.Tensor:
         """Global positions of ``rank``'s tokens on ``device`` (made once per layout, rank and

@@ -145,13 +145,13 @@ def _cp_split_functions() -> tuple:
 MEGATRON_CP_SPLIT = _cp_split_functions()
 
 
-def use_layout(layout: str, stripe: int) -> None:
+def use_layout(layout: str, stripe: int, node_size: int | None = None) -> None:
     """Megatron's CP batch split and RoPE slice for ``layout``: unpatched for zigzag (its own
     order), the plugin's patches otherwise. Removes what the previous case applied."""
     patches.remove_patches()
     assert _cp_split_functions() == MEGATRON_CP_SPLIT, "remove_patches() left a patched function behind"
-    if layout != "zigzag":
-        patches.apply_patches(layout, stripe)
+    if layout != "zigzag" or node_size is not None:
+        patches.apply_patches(layout, stripe, node_size)
         assert all(a is not b for a, b in zip(_cp_split_functions(), MEGATRON_CP_SPLIT, strict=True)), (
             "a patch was not installed"
         )
@@ -278,7 +278,8 @@ def assert_matches(name: str, loss, grads, ref) -> None:
 
 
 def check_cp_parity(rank, world, path, runs):
-    """``runs``: (kind, layout, hierarchical) triples, each compared with its cp_size-1 reference.
+    """``runs``: (kind, layout, hierarchy) triples, each compared with its cp_size-1 reference;
+    ``hierarchy``: None (flat), or the exchange over nodes of 2 ranks, ``ring`` or ``allgather``.
 
     Every case goes through Megatron's batch split and RoPE slice (patched for the layout), so
     the whole model runs in the layout's token order as in training. Consecutive cases differ
@@ -287,20 +288,22 @@ def check_cp_parity(rank, world, path, runs):
     refs = torch.load(path, weights_only=False)
     hier_sizes = [2, world // 2] if world >= 4 else None
     init_megatron(world, hier_sizes)
-    for kind, layout, hierarchical in runs:
+    for kind, layout, hierarchy in runs:
         # Whole tiles of the ring's kernels, which the config requires: MoBA's are its chunks.
         stripe = 32 if kind == "moba" else 16
-        use_layout(layout, stripe)
-        attention = attention_config(kind, layout=layout, stripe=stripe, hierarchy=2 if hierarchical else None)
+        attention = attention_config(
+            kind, layout=layout, stripe=stripe, hierarchy=2 if hierarchy else None, kv_exchange=hierarchy or "auto"
+        )
+        use_layout(layout, stripe, attention.layout_node_size)
         ref = refs[kind]
         model = build_model(attention)
         model.load_state_dict(ref["state"])
         get_attention_metrics_tracker().clear()
         with recorded_msa_selections() as selections:
             loss, grads = loss_and_grads(model, local_batch())
-        name = f"{kind} cp={world} {layout}{' 2x2' if hierarchical else ''}"
+        name = f"{kind} cp={world} {layout}{f' 2x2 {hierarchy}' if hierarchy else ''}"
         if kind == "msa":
-            check_msa_selections(name, selections, ref["selection"], layout, stripe)
+            check_msa_selections(name, selections, ref["selection"], attention)
         assert_matches(name, loss, grads, ref)
         if kind == "msa":
             torch.testing.assert_close(
@@ -308,11 +311,11 @@ def check_cp_parity(rank, world, path, runs):
             )
 
 
-def check_msa_selections(name, selections, want, layout: str, stripe: int) -> None:
+def check_msa_selections(name, selections, want, attention) -> None:
     """The blocks each layer selected for this rank's rows equal the reference's: checked
     before the gradients, which a different selection changes everywhere."""
     group = parallel_state.get_context_parallel_group()
-    rows = ContextParallelLayout(layout, group.size(), SEQ, stripe=stripe).positions(dist.get_rank(group))
+    rows = attention.cp_layout(group.size(), SEQ).positions(dist.get_rank(group))
     assert len(selections) == len(want), f"{name}: {len(selections)} MSA selections recorded, not {len(want)}"
     for number, ((_, index), blocks) in enumerate(zip(selections, want, strict=True), start=1):
         differ = (index.blocks[:, rows] != blocks[:, rows]).any(-1)
@@ -718,7 +721,7 @@ def check_msa_cp_parity_on_kl_kernels(rank, world, path):
     for name in ("kl_fused", "kl_dk"):  # a step's backward in one pass or two (deterministic mode)
         launch = getattr(fused, name)
         setattr(fused, name, lambda *args, _launch=launch, **kwargs: calls.append(1) or _launch(*args, **kwargs))
-    check_cp_parity(rank, world, path, [("msa", "striped", False), ("msa", "zigzag", False)])
+    check_cp_parity(rank, world, path, [("msa", "striped", None), ("msa", "zigzag", None)])
     assert calls, "no ring step ran the fused KL kernels"
 
 

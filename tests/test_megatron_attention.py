@@ -16,6 +16,7 @@ import pytest
 import torch
 from gloo import run
 
+from megatron_mtraining.context_parallel import ContextParallelLayout
 from megatron_mtraining.megatron import (
     MSASelfAttention,
     MTrainingAttentionConfig,
@@ -76,15 +77,25 @@ def test_config_from_dict_builds_the_pattern_sections():
         ({"moba": [1, 2]}, r"MTrainingAttentionConfig\.moba='list'.*MoBAConfig"),
         ({"tyep": "msa"}, r"attention\.tyep='msa'.*attention settings"),
         ({"kv_exchange": "p2p"}, r"MTrainingAttentionConfig\.kv_exchange='p2p'.*auto, ring, allgather"),
-        (
-            {"kv_exchange": "allgather", "hierarchy": 2},
-            r"MTrainingAttentionConfig\.kv_exchange='allgather'.*'ring' or 'auto' with hierarchy=2",
-        ),
     ],
 )
 def test_bad_config_names_the_field(values, match):
     with pytest.raises(ValueError, match=match):
         MTrainingAttentionConfig.from_dict(values)
+
+
+def test_node_gather_numbers_the_layout_node_major():
+    """K/V gathered inside nodes (``allgather`` with a hierarchy) number the layout's ranks
+    node-major, the batch split's and RoPE's too (``layout_node_size``); the ring keeps flat."""
+    gather = MTrainingAttentionConfig.from_dict(
+        {"layout": "striped", "stripe": 16, "hierarchy": 2, "kv_exchange": "allgather"}
+    )
+    ring = MTrainingAttentionConfig.from_dict({"layout": "striped", "stripe": 16, "hierarchy": 2})
+    assert gather.layout_node_size == 2 and ring.layout_node_size is None
+    flat = ring.cp_layout(4, 256)
+    assert flat == ContextParallelLayout("striped", 4, 256, stripe=16)
+    for rank in range(4):
+        assert torch.equal(gather.cp_layout(4, 256).positions(rank), flat.positions(rank % 2 * 2 + rank // 2))
 
 
 def test_constructor_rejects_unknown_section_keys():
@@ -408,23 +419,24 @@ def test_cpu_patches_run_megatron_ddp_and_optimizer():
 
 def test_cp2_equals_cp1(references):
     # Layouts alternate so that every switch (apply, replace, remove the patches) happens in one process.
-    runs = [(kind, layout, False) for kind in workers.PATTERNS for layout in ("zigzag", "striped", "contiguous")]
+    runs = [(kind, layout, None) for kind in workers.PATTERNS for layout in ("zigzag", "striped", "contiguous")]
     run(2, workers.check_cp_parity, references, runs)
 
 
 @pytest.mark.slow  # CP 2 parity runs by default; the 2x2 ring on the kernels in test_context_parallel
 def test_cp4_equals_cp1(references):
-    """Flat and hierarchical (2x2) rings in the zigzag and striped layouts; hierarchical groups
-    in the wrong rank order are refused."""
+    """Flat and hierarchical (2x2) rings in the zigzag and striped layouts, and K/V gathered
+    inside nodes (2x2, the layout numbered node-major through the patches); hierarchical
+    groups in the wrong rank order are refused."""
     runs = [
-        (kind, layout, hierarchical)
+        (kind, layout, hierarchy)
         for kind in workers.PATTERNS
-        for layout, hierarchical in (("zigzag", False), ("striped", False), ("zigzag", True))
+        for layout, hierarchy in (("zigzag", None), ("striped", None), ("zigzag", "ring"))
     ]
     # The hierarchy changes only the ring's schedule, which every type meets in zigzag 2x2;
     # striped 2x2 only for mtraining (the layout's reason to exist) and MSA (selection and KL
-    # across ranks) keeps the runtime down.
-    runs += [(kind, "striped", True) for kind in ("mtraining", "msa")]
+    # across ranks) keeps the runtime down; so for the node gather.
+    runs += [(kind, "striped", exchange) for kind in ("mtraining", "msa") for exchange in ("ring", "allgather")]
     run(4, workers.check_cp4, references, runs)
 
 

@@ -78,7 +78,9 @@ class _AttentionSettings(ValidatedConfig):
     ``hierarchical_context_parallel_sizes = [hierarchy, cp_size // hierarchy]``, which creates
     the groups. ``kv_exchange`` is how K/V reach a rank's queries under context parallelism
     (``ring_attention``'s: ``auto``, the all-gather on a flat group whose ranks share a node
-    and the ring otherwise; ``ring``; ``allgather``, flat only). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
+    and the ring otherwise; ``ring``; ``allgather``: with a hierarchy, gathered inside each
+    node and passed round the nodes, the layout's ranks then numbered node-major,
+    ``layout_node_size``). ``backend`` forces the sparse attention backend (None: as ``sparse_attention``'s
     ``auto``: for dense attention on CUDA flash-attn where it is installed, else PyTorch's
     fused attention (cuDNN / FlashAttention-2); Triton kernels for the other CUDA calls,
     the PyTorch reference otherwise); ``flash_attn`` and ``sdpa`` only for ``type="dense"``
@@ -99,12 +101,6 @@ class _AttentionSettings(ValidatedConfig):
                 where = f"{type(self).__name__}.{pattern.name}"
                 object.__setattr__(self, pattern.name, _pattern_from_dict(pattern.settings, value, where))
         super().__post_init__()
-        if self.kv_exchange == "allgather" and self.hierarchy is not None:
-            fail(
-                f"{type(self).__name__}.kv_exchange",
-                self.kv_exchange,
-                f"'ring' or 'auto' with hierarchy={self.hierarchy} (the all-gather has no inner or outer ring)",
-            )
         if self.backend in DENSE_ONLY_BACKENDS and self.type != "dense":
             fail(
                 f"{type(self).__name__}.backend",
@@ -134,6 +130,20 @@ class _AttentionSettings(ValidatedConfig):
                     pattern.settings, parsed[pattern.name], f"{where}.{pattern.name}"
                 )
         return cls(**parsed)
+
+    @property
+    def layout_node_size(self) -> int | None:
+        """The layout's ``node_size`` (its ranks numbered node-major): the hierarchy's inner size
+        where K/V are gathered inside nodes (``kv_exchange='allgather'`` with a hierarchy), which
+        that numbering balances; None (flat) otherwise. The patches take it too
+        (``apply_patches``), so that the batch split and RoPE follow the attention's layout."""
+        return self.hierarchy if self.kv_exchange == "allgather" else None
+
+    def cp_layout(self, cp_size: int, seq_length: int, documents=None) -> ContextParallelLayout:
+        """The layout of a sequence of ``seq_length`` tokens over ``cp_size`` ranks."""
+        return ContextParallelLayout(
+            self.layout, cp_size, seq_length, stripe=self.stripe, documents=documents, node_size=self.layout_node_size
+        )
 
     @property
     def pattern_class(self) -> type[Pattern]:
@@ -168,7 +178,7 @@ class _AttentionSettings(ValidatedConfig):
         self._check_stripe_tiles(cp_size)
         if cp_size > 1:
             try:
-                ContextParallelLayout(self.layout, cp_size, seq_length, stripe=self.stripe)
+                self.cp_layout(cp_size, seq_length)
             except ValueError as err:
                 raise ValueError(
                     f"seq_length={seq_length} cannot be split over context_parallel_size={cp_size} ranks: {err}"

@@ -160,17 +160,26 @@ class SparseCoreAttention(MegatronModule):
             applied is not None
             and applied.kind == cfg.layout
             and (cfg.layout not in STRIPED_KINDS or applied.stripe == cfg.stripe)
+            and applied.node_size == cfg.layout_node_size
         ):
             if layout is not None and cfg.layout == "balanced":
                 self._check_split_documents(layout)
             return
-        want = f"megatron_mtraining.patches.apply_patches({cfg.layout!r}, {cfg.stripe})"
+        node_size = cfg.layout_node_size
+        want = f"megatron_mtraining.patches.apply_patches({cfg.layout!r}, {cfg.stripe}"
+        want += ")" if node_size is None else f", node_size={node_size})"
         if applied is None:
             got = "are not applied, so Megatron splits CP batches and RoPE in its zigzag order"
         else:
             got = f"are applied with layout {applied.kind!r} and stripe {applied.stripe}"
+            got += "" if applied.node_size is None else f" and node_size {applied.node_size}"
+        numbered = (
+            ""
+            if node_size is None
+            else f" (ranks numbered node-major in nodes of {node_size}: K/V gathered inside nodes)"
+        )
         raise ValueError(
-            f"attention.layout={cfg.layout!r}, attention.stripe={cfg.stripe} needs Megatron's CP batch split and RoPE "
+            f"attention.layout={cfg.layout!r}, attention.stripe={cfg.stripe}{numbered} needs Megatron's CP batch split and RoPE "
             f"slice in the same layout, but the patches {got}: call {want} before building the model"
             + ("" if applied is None else " (remove_patches() first)")
         )
@@ -225,9 +234,7 @@ class SparseCoreAttention(MegatronModule):
         if cp_size > 1:
             cfg = self.attention_config
             # balanced places the tokens by the documents (their bounds read on the host).
-            layout = ContextParallelLayout(
-                cfg.layout, cp_size, q.shape[1] * cp_size, stripe=cfg.stripe, documents=cu_seqlens
-            )
+            layout = cfg.cp_layout(cp_size, q.shape[1] * cp_size, documents=cu_seqlens)
             # Again per forward: removing or changing the patches after the build would
             # silently misplace every token.
             self._check_patches(cp_size, layout)

@@ -55,7 +55,8 @@ def start_process(run_config: RunConfig):
     use_atomic_checkpoint_tracker()
     defaults = megatron_defaults(cpu=apply_cpu_patches(training=True))
     # Before the model exists, so Megatron's batch split and RoPE slice follow the layout.
-    apply_patches(run_config.attention.layout, run_config.attention.stripe)
+    attention = run_config.attention
+    apply_patches(attention.layout, attention.stripe, attention.layout_node_size)
     args = parse_megatron_args(run_config, defaults)
     check_attention(run_config, args)
     return args
