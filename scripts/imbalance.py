@@ -30,6 +30,11 @@ total areas. The last, ``ring time``, is the ring's time over a balanced ring's 
 step waits for its busiest rank (``ring_time_degree``): the worker-level degree averages the
 steps alike, and the light ones (a few percent of the work each) can carry it.
 
+``--node-gather G`` adds, for each layout, the exchange that gathers K/V inside nodes of ``G``
+ranks and rings across nodes (``ring_attention(..., hierarchy, kv_exchange="allgather")``,
+``context_parallel.node_gather``), whose steps are the outer ones, under the layout numbered
+node-major (``ContextParallelLayout.node_size``): rows ``<layout>, node gather``.
+
 ``--search N`` adds the ``searched`` layout: the balanced layout improved by ``N``
 proposed swaps of two stripes between ranks, each kept if it lowers a smooth maximum of
 every step's per-rank areas (``_search``), on the sample's own tiles of each pattern.
@@ -146,13 +151,19 @@ def main() -> None:
     )
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--search", type=int, default=0, help="stripe swaps proposed for the searched layout (0: none)")
+    p.add_argument(
+        "--node-gather",
+        type=int,
+        default=0,
+        help="ranks a node: also the exchange gathering K/V inside nodes (0: none)",
+    )
     args = p.parse_args()
     print(
         f"seq_len={args.seq_len} cp_size={args.cp_size} block={args.block} seeds={args.seeds} "
         f"index={args.index} heads={args.heads}"
     )
     print(
-        f"{'documents':<10} {'pattern':<15} {'layout':<11} {'worker-level ID':>18} {'step-level ID':>18}"
+        f"{'documents':<10} {'pattern':<15} {'layout':<22} {'worker-level ID':>18} {'step-level ID':>18}"
         f" {'largest tile / mean cell':>25} {'all-gather ID':>18} {'ring time':>18}"
     )
     for mix in args.documents:
@@ -166,13 +177,24 @@ def main() -> None:
                     layout = ContextParallelLayout(kind, args.cp_size, args.seq_len, stripe=args.block, documents=cu)
                     area = simulate_ring_areas(work, layout, args.block, tiles)
                     results.setdefault((pattern, kind), []).append(_row(area, unit))
+                    if args.node_gather:
+                        node_major = ContextParallelLayout(
+                            kind,
+                            args.cp_size,
+                            args.seq_len,
+                            stripe=args.block,
+                            documents=cu,
+                            node_size=args.node_gather,
+                        )
+                        area = simulate_ring_areas(work, node_major, args.block, tiles, node_size=args.node_gather)
+                        results.setdefault((pattern, f"{kind}, node gather"), []).append(_row(area, unit))
                     if kind == "balanced" and args.search:
                         area = _search(layout, tiles, args.search, seed)
                         results.setdefault((pattern, "searched"), []).append(_row(area, unit))
         for (pattern, kind), found in results.items():
             w, s, u, g, t = ([f[i] for f in found] for i in range(5))
             print(
-                f"{mix:<10} {pattern:<15} {kind:<11} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}"
+                f"{mix:<10} {pattern:<15} {kind:<22} {min(w):>8.3f} - {max(w):<7.3f} {min(s):>8.3f} - {max(s):<7.3f}"
                 f" {min(u):>12.3f} - {max(u):<7.3f} {min(g):>8.3f} - {max(g):<7.3f} {min(t):>8.3f} - {max(t):<7.3f}"
             )
 
