@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import types
 from pathlib import Path
 
 import gloo
@@ -169,6 +170,27 @@ def test_loss_memory_follows_the_loss_path():
     # 10 bytes per logit.
     tp2 = type(args)(**(vars(args) | {"tensor_model_parallel_size": 2}))
     assert estimate_memory(tp2, attention).parts["logits + loss"] == 3533 * (vocab // 2) * 10
+
+
+def test_node_gather_keeps_the_whole_sequences_kv_and_the_planner_refuses_it():
+    """K/V gathered inside nodes: the estimate adds the whole sequence's K/V in bf16 and two
+    outer steps' node-chunk gradients in fp32; the planner, which has no model of it, names
+    the option."""
+    from megatron_mtraining.planning import model
+
+    path = CONFIGS / "qwen2.5-3b/512k.yaml"
+    config = load_config(path, ["attention.kv_exchange=allgather"])
+    args, attention = resolve(config), config.attention
+    assert attention.hierarchy and attention.hierarchy < args.context_parallel_size
+    seq, nodes = args.seq_length, args.context_parallel_size // attention.hierarchy
+    per_token = 2 * args.num_query_groups * args.kv_channels  # K and V, micro-batch 1
+    parts = estimate_memory(args, attention).parts
+    assert parts["node-gathered K/V (whole sequence kept)"] == per_token * (2 * seq + 2 * 4 * seq // nodes)
+    ring = load_config(path)
+    assert not any("gathered" in k for k in estimate_memory(resolve(ring), ring.attention).parts)
+    run = types.SimpleNamespace(attention=attention, cp=args.context_parallel_size, tp=1, gpus_per_node=8)
+    with pytest.raises(ValueError, match=r"attention.kv_exchange='allgather'.*does not model K/V gathered inside"):
+        model.exchange_of(run)
 
 
 def test_activations_reduce_to_korthikanti():

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..sparse.dispatch import KV_OUTER_MAX_BLOCK, KV_OUTER_MAX_SHARE, KV_OUTER_MAX_SHARE_WIDE, VARLEN_MIN_BLOCK
+from ..sparse.validation import fail
 from ..training.memory import kv_exchange
 from .flops import attention_flops, layer_matmul_flops_per_token, mlp_share, model_flops
 from .hardware import GPU, network_gb_s
@@ -266,8 +267,17 @@ def work_spec(run: Run, pattern: str) -> WorkSpec:
 
 
 def exchange_of(run: Run) -> str:
-    """How K/V reach the queries (``training.memory.kv_exchange``)."""
-    return kv_exchange(run.attention, run.cp, run.tp, run.gpus_per_node)
+    """How K/V reach the queries (``training.memory.kv_exchange``); the gather inside nodes has
+    no calibrated model yet (it has not run on NCCL), so the planner refuses it by name."""
+    exchange = kv_exchange(run.attention, run.cp, run.tp, run.gpus_per_node)
+    if exchange == "node_allgather":
+        fail(
+            "attention.kv_exchange",
+            "allgather",
+            f"'ring' or 'auto' with attention.hierarchy={run.attention.hierarchy} for the planner, which does not "
+            "model K/V gathered inside nodes yet",
+        )
+    return exchange
 
 
 def _link_gb_s(run: Run, crosses_nodes: bool) -> tuple[str, float]:

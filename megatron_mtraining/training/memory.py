@@ -34,7 +34,9 @@ Sources of the formulas:
   limits"), int64 ``S_global x heads x k``; vertical-slash indices are O(heads x cap).
 * All-gathered K/V: where the attention gathers the whole sequence's K/V (``kv_exchange``;
   ``auto`` on a flat CP group inside a node), one layer at a time holds them in the compute
-  dtype and, in its backward, their gradients in fp32 before the reduce-scatter.
+  dtype and, in its backward, their gradients in fp32 before the reduce-scatter. Gathered
+  inside nodes (``allgather`` with a hierarchy), it keeps the whole sequence's K/V as well, and
+  the gradients of two outer steps' node chunks.
 * Logits and loss: at TP 1 (no MuP) the training step takes the fused linear + cross entropy
   (``linear_cross_entropy``, chosen by ``chunked_loss``): one chunk's logits in the compute
   dtype (2 bytes per element, overwritten by their gradient) with fp32 row statistics, and the
@@ -201,14 +203,15 @@ def loss_bytes(args, local_seq: int) -> float:
 
 
 def kv_exchange(attention, cp: int, tp: int, gpus_per_node: int | None) -> str:
-    """How K/V reach the queries: ``single`` (no CP), ``hierarchical``, ``ring`` or
-    ``allgather``: ``ring_attention``'s ``auto`` takes the all-gather on a flat group whose
-    ranks share a host (a CP group spans ``cp x tp`` consecutive ranks); without
+    """How K/V reach the queries: ``single`` (no CP), ``hierarchical``, ``node_allgather``
+    (an explicit ``allgather`` with a hierarchy: gathered inside nodes, ``node_gather``),
+    ``ring`` or ``allgather``: ``ring_attention``'s ``auto`` takes the all-gather on a flat
+    group whose ranks share a host (a CP group spans ``cp x tp`` consecutive ranks); without
     ``gpus_per_node`` only an explicit ``allgather`` counts."""
     if cp == 1:
         return "single"
     if attention.hierarchy and attention.hierarchy < cp:
-        return "hierarchical"
+        return "node_allgather" if attention.kv_exchange == "allgather" else "hierarchical"
     if attention.kv_exchange != "auto":
         return attention.kv_exchange
     return "allgather" if gpus_per_node and cp * tp <= gpus_per_node else "ring"
@@ -259,11 +262,17 @@ def estimate_memory(
         f"activations (local seq {local_seq})": activations,
         "logits + loss": logits,
     }
-    if kv_exchange(attention, cp, t, gpus_per_node) == "allgather":
-        # One layer's whole-sequence K/V (compute dtype) and, in its backward, their dK/dV
-        # summed in fp32 before the reduce-scatter (context_parallel/kv_allgather.py).
-        hkv = (args.num_query_groups or args.num_attention_heads) // t
-        parts["all-gathered K/V (whole sequence)"] = args.seq_length * b * 2 * hkv * args.kv_channels * (2 + 4)
+    exchange = kv_exchange(attention, cp, t, gpus_per_node)
+    # One layer's whole-sequence K/V in the compute dtype, and in its backward their dK/dV in
+    # fp32 before the reduce-scatter: all of them (context_parallel/kv_allgather.py), or a
+    # node's chunks of two outer steps, one being reduced while the next is computed
+    # (context_parallel/node_gather.py).
+    kv_tokens_bytes = b * 2 * ((args.num_query_groups or args.num_attention_heads) // t) * args.kv_channels
+    if exchange == "allgather":
+        parts["all-gathered K/V (whole sequence)"] = args.seq_length * kv_tokens_bytes * (2 + 4)
+    elif exchange == "node_allgather":
+        node_tokens = args.seq_length // (cp // attention.hierarchy)
+        parts["node-gathered K/V (whole sequence kept)"] = (2 * args.seq_length + 2 * 4 * node_tokens) * kv_tokens_bytes
     notes.append(f"attention index state per layer: {attn_state / GIB:.3f} GiB ({attention.type})")
     return MemoryEstimate(params, parts, gpu_memory_gib, notes)
 
