@@ -2,11 +2,14 @@
 each piece (every ring step, the last attending the gathered vertical columns too, as
 the ring does; with ``--separate-columns`` the columns as a piece of their own, as the
 ring did before; with ``--allgather`` the one piece over the whole sequence's K/V that
-``kv_exchange="allgather"`` runs) against the single-GPU kernel on the whole sequence,
-with no process group and no transfer.
+``kv_exchange="allgather"`` runs; with ``--node-gather G`` one piece per outer step over a
+node's gathered K/V, as the hierarchical ``allgather`` runs on nodes of ``G`` ranks, the layout
+numbered node-major) against the single-GPU kernel on the whole sequence, with no process
+group and no transfer.
 
     python scripts/bench_ring_pieces.py [--seq-len 524288] [--cp 2] [--layout striped]
-        [--block 128] [--documents MIX [--mean-doc 2048]] [--separate-columns | --allgather]
+        [--block 128] [--documents MIX [--mean-doc 2048]]
+        [--separate-columns | --allgather | --node-gather 8]
         [--link-gbs 300 50 25] [--out r.json]
 
 Same index and shape as ``bench_context_parallel.py`` (16 query heads, 2 KV heads,
@@ -79,9 +82,19 @@ def piece_times(q, k, v, tables, scale, rep_ms, running=None, last=True, columns
 
 
 def rank_pieces(
-    q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int, separate_columns: bool
+    q,
+    k,
+    v,
+    index,
+    layout: ContextParallelLayout,
+    rank: int,
+    scale: float,
+    rep_ms: int,
+    separate_columns: bool,
+    node_size: int | None = None,
 ) -> dict:
-    """Kernel times of ``rank``'s pieces, in the ring's order (flat ring)."""
+    """Kernel times of ``rank``'s pieces, in the ring's order (flat ring), or with ``node_size``
+    in the node gather's: one piece per outer step over the K/V of node ``node - o``."""
     dev = q.device
     queries = layout.token_positions(rank, dev)
     q_r = layout.shard(q, rank)
@@ -98,17 +111,28 @@ def rank_pieces(
         pieces["columns"] = piece_times(q_r, k_cols, v_cols, bar_tables, scale, rep_ms, None, last=False)
         columns = None
     steps = StepTables(ring_work(index), queries)
-    for i in range(layout.cp_size):
-        source = (rank - i) % layout.cp_size
-        step_tables = steps.of(layout.token_positions(source, dev))
-        k_s, v_s = layout.shard(k, source), layout.shard(v, source)
-        last = i == layout.cp_size - 1
+    n_steps = ring_steps(layout.cp_size, node_size)
+    for i in range(n_steps):
+        if node_size is None:
+            source = (rank - i) % layout.cp_size
+            keys = layout.token_positions(source, dev)
+        else:
+            node = (rank // node_size - i) % n_steps
+            keys = layout.gathered(tuple(range(node * node_size, (node + 1) * node_size)), dev).keys
+        step_tables = steps.of(keys)
+        k_s, v_s = (x.index_select(1, keys.values) for x in (k, v))
+        last = i == n_steps - 1
         # The first piece starts the running result: it reads none.
         run = None if i == 0 and not separate_columns else running
         pieces[f"step {i}"] = piece_times(
             q_r, k_s, v_s, step_tables, scale, rep_ms, run, last, columns if last else None
         )
     return pieces
+
+
+def ring_steps(cp_size: int, node_size: int | None) -> int:
+    """A rank's ring steps: one per rank, or with the node gather one per node."""
+    return cp_size if node_size is None else cp_size // node_size
 
 
 def allgather_piece(q, k, v, index, layout: ContextParallelLayout, rank: int, scale: float, rep_ms: int) -> dict:
@@ -134,17 +158,20 @@ def ring_with_transfers(ms: dict, chunk_bytes: int, gbs: float, balanced: bool =
     return total
 
 
-def balance(ranks: dict, index, layout: ContextParallelLayout, block: int, chunk_bytes: int, links: list) -> dict:
+def balance(
+    ranks: dict, index, layout: ContextParallelLayout, block: int, chunk_bytes: int, links: list, node_size=None
+) -> dict:
     """Worker- and step-level imbalance degrees of every rank's ring steps, in measured
     kernel time (forward, backward, both) and in attended area, and the ring's time with
-    its transfers at each of ``links`` GB/s (``ring_with_transfers``); printed."""
-    steps = [f"step {i}" for i in range(layout.cp_size)]
+    its transfers at each of ``links`` GB/s (``ring_with_transfers``; the flat ring's only:
+    the node gather's steps move a node's K/V inside it besides); printed."""
+    steps = [f"step {i}" for i in range(ring_steps(layout.cp_size, node_size))]
     ms = {
         ph: torch.tensor([[ranks[r]["pieces"][s][f"{ph}_ms"] for s in steps] for r in sorted(ranks)])
         for ph in ("fwd", "bwd")
     }
     ms["fwd+bwd"] = ms["fwd"] + ms["bwd"]
-    areas = simulate_ring_areas(ring_work(index), layout, block)
+    areas = simulate_ring_areas(ring_work(index), layout, block, node_size=node_size)
     found = {name: imbalance_degrees(m) for name, m in (*ms.items(), ("area", areas))}
     for name, (worker, step) in found.items():
         print(f"  imbalance ({name:<7}) worker-level {worker:.3f}  step-level {step:.3f}")
@@ -152,7 +179,7 @@ def balance(ranks: dict, index, layout: ContextParallelLayout, block: int, chunk
     busiest = float(ms["fwd+bwd"].amax(0).sum())
     print(f"  ring kernels: {total:.2f} ms over all pieces; {busiest:.2f} ms if each step waits for its busiest rank")
     timed_links = {}
-    for gbs in links:
+    for gbs in links if node_size is None else ():
         timed_links[gbs] = [ring_with_transfers(ms, chunk_bytes, gbs, balanced) for balanced in (False, True)]
         print(
             f"  with transfers at {gbs:g} GB/s: {timed_links[gbs][0]:.2f} ms; with every step at its mean rank "
@@ -174,6 +201,12 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--separate-columns", action="store_true", help="the columns as a piece of their own")
     p.add_argument("--allgather", action="store_true", help="one piece over the whole K/V (kv_exchange='allgather')")
+    p.add_argument(
+        "--node-gather",
+        type=int,
+        default=None,
+        help="ranks a node: one piece per outer step over a node's K/V (the hierarchical allgather)",
+    )
     p.add_argument(
         "--link-gbs",
         type=float,
@@ -209,16 +242,18 @@ def main() -> None:
     )
     for name, r in single.items():
         print(f"  single GPU, {name:<9} fwd {r['fwd_ms']:8.2f}  bwd {r['bwd_ms']:8.2f} ms  ({r['tiles']} tiles)")
-    layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=block, documents=cu)
+    layout = ContextParallelLayout(args.layout, args.cp, seq, stripe=block, documents=cu, node_size=args.node_gather)
     result = {"seq": seq, "cp": args.cp, "layout": args.layout, "block": block, "device": torch.cuda.get_device_name(),
               "documents": None if cu is None else cu.tolist(), "separate_columns": args.separate_columns,
-              "allgather": args.allgather, "single": single, "ranks": {}}  # fmt: skip
+              "allgather": args.allgather, "node_gather": args.node_gather, "single": single, "ranks": {}}  # fmt: skip
     ranks = args.ranks if args.ranks is not None else range(args.cp)
     for rank in ranks:
         if args.allgather:
             pieces = allgather_piece(q, k, v, index, layout, rank, scale, args.rep_ms)
         else:
-            pieces = rank_pieces(q, k, v, index, layout, rank, scale, args.rep_ms, args.separate_columns)
+            pieces = rank_pieces(
+                q, k, v, index, layout, rank, scale, args.rep_ms, args.separate_columns, args.node_gather
+            )
         total = {ph: sum(r[f"{ph}_ms"] for r in pieces.values()) for ph in ("fwd", "bwd")}
         bound = {ph: single["whole"][f"{ph}_ms"] / args.cp / total[ph] for ph in ("fwd", "bwd")}
         result["ranks"][rank] = {"pieces": pieces, "total": total, "kernel_bound": bound}
@@ -231,7 +266,9 @@ def main() -> None:
         )
     if sorted(ranks) == list(range(args.cp)) and not args.allgather:
         chunk_bytes = 2 * k.numel() // args.cp * k.element_size()  # a rank's K and V
-        result["imbalance"] = balance(result["ranks"], index, layout, block, chunk_bytes, args.link_gbs)
+        result["imbalance"] = balance(
+            result["ranks"], index, layout, block, chunk_bytes, args.link_gbs, args.node_gather
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
