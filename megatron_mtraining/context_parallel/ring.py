@@ -124,8 +124,9 @@ class _VerticalColumns:
     one small copy per step and no collective of their own (a sum over ranks after the
     first step's kernel waited for that kernel and for the other rank; docs/benchmarks.md,
     "Context-parallel layouts in one launch"), the own chunk at the first step included.
-    ``start`` makes the columns' piece and its tables while the first step's kernel runs. Backward, ``add_grads``: the
-    columns' gradients, summed over ranks, added to the owners' dK/dV."""
+    ``start`` makes the columns' piece and its tables while the first step's kernel runs.
+    Backward, ``add_grads``: the columns' gradients, summed over ranks, added to the owners'
+    dK/dV."""
 
     def __init__(self, index: VerticalSlashIndex, queries: TokenPositions, use_kernels: bool, timer, carrier):
         self.index, self.queries, self.use_kernels, self.timer = index, queries, use_kernels, timer
