@@ -485,7 +485,7 @@ def idle_report(fn, title: str, top: int = 6) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events, host, _ = device_and_host_events(prof)
+    events, host = device_and_host_events(prof)
     device = [(e.start_ns(), e.end_ns(), e.name()) for e in events]
     report = idle_gaps(device, host, top)
     span = (max(e for _, e, _ in device) - min(s for s, _, _ in device)) / 1e6 if device else 0.0
