@@ -292,7 +292,7 @@ def check_ring_with_documents(
     attention under the index's mask, which stays inside the block-diagonal causal mask,
     gradients included; the recorded areas add up to the index's. ``layouts``: the kinds
     (``balanced`` placed by the boundaries); ``inner_size``: a hierarchical ring, inner rings
-    of that many ranks."""
+    of that many ranks (with ``allgather``, K/V gathered inside nodes of that many)."""
     from dense_reference import dense_attention, finite
     from documents_reference import block_diagonal, random_boundaries
 
@@ -329,8 +329,10 @@ def check_ring_with_documents(
         g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
         grads = torch.autograd.grad((out * g_out).sum() + (finite(lse) * g_lse).sum(), (qr, kr, vr))
+        # The node gather's ranks numbered node-major, as the config does.
+        node_size = inner_size if inner_size and kv_exchange == "allgather" else None
         for layout_kind in layouts:
-            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, documents=cu)
+            layout = ContextParallelLayout(layout_kind, world, seq, stripe=16, documents=cu, node_size=node_size)
             where = f"documents cp={world} inner={inner_size} {kv_exchange} kernels={kernels} rank={rank} {kind} {layout_kind}"
             lq, lk, lv = (layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
             local = pattern

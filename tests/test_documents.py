@@ -882,6 +882,7 @@ CP_SHAPES = [
     (2, "ring", None),
     (2, "allgather", None),
     (4, "ring", 2),
+    (4, "allgather", 2),  # gathered inside nodes of 2, the ring across them
     *(
         pytest.param(*shape, marks=pytest.mark.slow)
         for shape in (
@@ -903,9 +904,10 @@ def _tokens(world: int) -> int:
 @pytest.mark.parametrize("world,kv_exchange,inner", CP_SHAPES)
 def test_context_parallel_reference_path(world, kv_exchange, inner, rng):
     """fp64 reference path on gloo: contiguous, zigzag and striped layouts, flat rings,
-    hierarchical ones (inner rings of ``inner`` ranks) and the all-gather."""
+    hierarchical ones (inner rings of ``inner`` ranks), the all-gather, and the all-gather
+    inside nodes (with the balanced layout too, numbered node-major)."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    layouts = ("contiguous", "zigzag", "striped")
+    layouts = ("contiguous", "zigzag", "striped") + (("balanced",) if inner and kv_exchange == "allgather" else ())
     run(world, check_ring_with_documents, seed, _tokens(world), False, kv_exchange, layouts, inner)
 
 
@@ -916,12 +918,14 @@ def test_context_parallel_reference_path(world, kv_exchange, inner, rng):
         (2, "ring", None),
         pytest.param(2, "allgather", None, marks=pytest.mark.slow),
         pytest.param(4, "ring", 2, marks=pytest.mark.slow),
+        pytest.param(4, "allgather", 2, marks=pytest.mark.slow),
         pytest.param(8, "ring", None, marks=pytest.mark.slow),
     ],
 )
 def test_context_parallel_kernels(world, kv_exchange, inner, rng):
     """The ring steps (and the column piece) or the all-gathered piece on the kernels: CP 2
-    flat by default; the all-gather, a 2x2 hierarchy and CP 8 behind -m slow. Zigzag chunks
+    flat by default; the all-gather, a 2x2 hierarchy, 2x2 gathered inside nodes and CP 8
+    behind -m slow. Zigzag chunks
     must be whole 16-token tiles here: 256 tokens from CP 4 on."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     layouts = ("contiguous", "zigzag", "striped")
