@@ -38,6 +38,12 @@ Rows:
 
       python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 524288 --patterns moba
 
+``--library-rows-only`` leaves MoBA's KV-outer and union-of-tiles rows out (minutes each at
+512K), e.g. for its 512K row on an H100::
+
+      python scripts/bench_kernels.py --seq-lens 131072 524288 --dense-max 131072 \
+          --patterns dense moba --no-flex --library-rows-only
+
 ``--tune`` first sweeps launch parameters at the first length and keeps the best for the rows:
 the block-bar kernels' on the vertical-slash pattern (``TUNE_CANDIDATES``), and MSA's KV-outer
 kernels and selection on its structured index (``MSA_TUNE``), e.g.::
@@ -153,17 +159,19 @@ def msa_index_inputs(sq, sk, gen, msa_index="structured"):
     return q_idx, k_idx, MSAConfig(128, 16, D)
 
 
-def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured", patterns=("msa", "moba")):
+def topk_rows(
+    seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured", patterns=("msa", "moba"), triton_rows=True
+):
     """MSA (k=16, block 128; index = group-mean queries vs mean keys of structured data, or
     with ``msa_index="untrained"`` independent random index queries and keys, whose
     selections spread evenly over each query's visible blocks as an untrained index
     branch's do) and MoBA (chunk 4096, k=12), those of ``patterns``, through the KV-outer kernels
     and the union-of-tiles kernels (its tile tables built in each call, as ``sparse_attention``
     builds them), each called directly; memory and kernel times through ``sparse_attention``, on
-    the loop order it picks; MoBA on the varlen library too (``varlen_rows``)."""
+    the loop order it picks; MoBA on the varlen library too (``varlen_rows``). Without
+    ``triton_rows`` MoBA's KV-outer and union-of-tiles rows are left out (the union still
+    checks the library's results), which at 512K take minutes."""
     from megatron_mtraining.sparse.dispatch import kv_outer_preferred
-    from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
-    from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
 
     sq, sk = structured_qk(seq, gen)
     indices = {}
@@ -174,18 +182,10 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"
         indices["msa k16 b128"] = msa_select_blocks(q_idx, k_idx, msa_config, HQ)
     if "moba" in patterns:
         indices["moba c4096 k12"] = build_moba_index(sq, sk, MoBAConfig(chunk_size=4096, topk=12))
-    scale = D**-0.5
     for pattern, index in indices.items():
         area = float(index.attended_area().sum())
-        kv_outer = lambda a, b, c, index=index: KVOuterAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
-        union = lambda a, b, c, index=index: TritonBlockBarAttention.apply(a, b, c, block_topk_tables(index), scale)[0]  # noqa: E731
-        for name, run in ((f"ours {pattern} (kv-outer)", kv_outer), (f"ours {pattern} (union of tiles)", union)):
-            measure(name, lambda name=name, run=run, area=area: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep),
-                    cudnn), rows)  # fmt: skip
-        tables = block_topk_tables(index)
-        computed = float(tables.tile_count.sum()) * tables.block**2 * (HQ // tables.tiles.shape[1])
-        print(f"    union of tiles: useful / computed tile area: {area / computed:.3f}")
-        rows[-1]["useful_over_computed"] = area / computed
+        if triton_rows or pattern.startswith("msa"):
+            triton_topk_rows(seq, q, k, v, index, pattern, area, rows, cudnn, rep)
         if pattern.startswith("msa"):
             for what in (memory, kernel_times):
                 try:
@@ -195,6 +195,23 @@ def topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, msa_index="structured"
                     print(f"    {what.__name__} FAILED: {type(e).__name__}: {e}")
         else:
             varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area)
+
+
+def triton_topk_rows(seq, q, k, v, index, pattern, area, rows, cudnn, rep):
+    """A top-k index through the KV-outer kernels and the union-of-tiles kernels, each called
+    directly, with the union's useful share of its computed tile area."""
+    from megatron_mtraining.sparse.kernels.block_bar.attention import TritonBlockBarAttention
+    from megatron_mtraining.sparse.kernels.kv_outer.attention import KVOuterAttention
+
+    scale = D**-0.5
+    kv_outer = lambda a, b, c: KVOuterAttention.apply(a, b, c, index, scale)[0]  # noqa: E731
+    union = lambda a, b, c: TritonBlockBarAttention.apply(a, b, c, block_topk_tables(index), scale)[0]  # noqa: E731
+    for name, run in ((f"ours {pattern} (kv-outer)", kv_outer), (f"ours {pattern} (union of tiles)", union)):
+        measure(name, lambda name=name, run=run: row(name, seq, area, *fwd_bwd_ms(run, q, k, v, rep), cudnn), rows)
+    tables = block_topk_tables(index)
+    computed = float(tables.tile_count.sum()) * tables.block**2 * (HQ // tables.tiles.shape[1])
+    print(f"    union of tiles: useful / computed tile area: {area / computed:.3f}")
+    rows[-1]["useful_over_computed"] = area / computed
 
 
 def varlen_rows(seq, q, k, v, index, rows, cudnn, rep, extra, pattern, area):
@@ -374,7 +391,7 @@ def bench_seq(seq, args, gen, rows, extra):
 
     topk = [p for p in ("msa", "moba") if "topk" in args.patterns or p in args.patterns]
     if topk:
-        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, args.msa_index, topk)
+        topk_rows(seq, q, k, v, gen, rows, cudnn, rep, extra, args.msa_index, topk, not args.library_rows_only)
     if "vertical_slash" not in args.patterns:
         return
     index = natural_index(seq, args.block, args.density, gen, dev)
@@ -805,6 +822,11 @@ def main():
         "index queries and keys (spread evenly, as an untrained indexer at the start of training)",
     )
     p.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention rows (slow to compile)")
+    p.add_argument(
+        "--library-rows-only",
+        action="store_true",
+        help="MoBA on the varlen library only: leave out its KV-outer and union-of-tiles rows (minutes at 512K)",
+    )
     p.add_argument("--profile-index", action="store_true", help="print the index build's device time per kernel")
     p.add_argument(
         "--patterns",
