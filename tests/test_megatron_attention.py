@@ -340,6 +340,22 @@ def test_core_attention_refuses_a_layout_the_patches_do_not_apply(unpatched, lay
         _cp_core_attention(layout, stripe)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_patch_check_wants_the_node_gathers_numbering(unpatched, layout):
+    """K/V gathered inside nodes number the layout's ranks node-major, zigzag's too, which
+    Megatron's own split does not: the patches must apply the same node size."""
+    cfg = MTrainingAttentionConfig(layout=layout, stripe=16, hierarchy=2, kv_exchange="allgather")
+    check = functools.partial(SparseCoreAttention._check_patches, types.SimpleNamespace(attention_config=cfg), 4)
+    for applied in (None, (layout, 16)):
+        if applied:
+            apply_patches(*applied)
+        with pytest.raises(ValueError, match=r"numbered node-major in nodes of 2.*apply_patches\(.*node_size=2\)"):
+            check()
+    remove_patches()
+    apply_patches(layout, 16, 2)
+    check()
+
+
 def test_core_attention_checks_the_patches_again_in_forward(unpatched):
     apply_patches("striped", 16)
     module = _cp_core_attention("striped", 16)

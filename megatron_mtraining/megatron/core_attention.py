@@ -146,9 +146,9 @@ class SparseCoreAttention(MegatronModule):
             return
         cfg = self.attention_config
         applied = patches.applied_layout()
-        if cfg.layout == "zigzag":
+        if cfg.layout == "zigzag" and cfg.layout_node_size is None:
             # Megatron's own split is zigzag, and zigzag patches reproduce it.
-            if applied is None or applied.kind == "zigzag":
+            if applied is None or (applied.kind == "zigzag" and applied.node_size is None):
                 return
             raise ValueError(
                 f"attention.layout='zigzag' does not match the Megatron patches, which split CP batches and RoPE in "
