@@ -16,6 +16,9 @@ backward (median over iterations, slowest rank) of:
 * the vertical-slash ring on the zigzag layout (flat), for comparison;
 * the vertical-slash attention over all-gathered K/V (``kv_exchange="allgather"``, what
   ``auto`` picks on two GPUs), striped;
+* with ``--inner``, the vertical-slash attention over K/V gathered inside each emulated node
+  and passed round the nodes (``kv_exchange="allgather"`` with the hierarchy,
+  ``context_parallel.node_gather``), striped with the ranks numbered node-major;
 
 and reports per-GPU useful TFLOP/s at the slowest rank's time (attended area only,
 backward 2.5x forward), the host-device synchronisations of one forward and one
@@ -103,15 +106,16 @@ def check(seq: int, rank: int, world: int, hierarchy, gen: torch.Generator) -> d
     q, k, v = (torch.randn(1, seq, h, D, generator=gen).cuda().bfloat16() for h in (HQ, HKV, HKV))
     index = natural_index(seq, 128, 0.1, gen, "cuda")
     ref, _ = sparse_attention(q, k, v, index)
-    layout = ContextParallelLayout("striped", world, seq, stripe=128)
     errors = {}
     for name, h, exchange in (
         ("flat", None, "ring"),
         ("allgather", None, "allgather"),
         ("hierarchical", hierarchy, "ring"),
+        ("node gather", hierarchy, "allgather"),
     ):
-        if name == "hierarchical" and h is None:
+        if name in ("hierarchical", "node gather") and h is None:
             continue
+        layout = case_layout(world, seq, h, exchange)
         shards = (layout.shard(t, rank) for t in (q, k, v))
         out, _ = ring_attention(*shards, index, layout, None, hierarchy=h, kv_exchange=exchange)
         errors[name] = slowest(float((out.float() - layout.shard(ref, rank).float()).abs().max()))
@@ -129,8 +133,15 @@ def single_gpu(seq: int, index, gen: torch.Generator, args) -> tuple[float, floa
     return fwd, bwd, timed(lambda: sparse_attention(q, k, v, index), args.iters, args.back_to_back)
 
 
+def case_layout(world: int, seq: int, hierarchy, exchange: str, kind: str = "striped") -> ContextParallelLayout:
+    """The layout of a case: under the node gather its ranks numbered node-major (nodes of
+    the hierarchy's inner size), which balances it."""
+    node_size = hierarchy[0].size() if hierarchy is not None and exchange == "allgather" else None
+    return ContextParallelLayout(kind, world, seq, stripe=128, node_size=node_size)
+
+
 def bench(seq, kind, layout_kind, hierarchy, exchange, index, args, rank, world, gen) -> dict:
-    layout = ContextParallelLayout(layout_kind, world, seq, stripe=128)
+    layout = case_layout(world, seq, hierarchy, exchange, layout_kind)
     q, k, v = qkv(seq, layout, rank, gen)
 
     def ring(stats=None):
@@ -151,7 +162,8 @@ def bench(seq, kind, layout_kind, hierarchy, exchange, index, args, rank, world,
     flops_per_gpu = 4 * area * D / world
     r = {
         "seq": seq, "attention": kind, "layout": layout_kind,
-        "ring": exchange if hierarchy is None else f"hierarchical {world // args.inner}x{args.inner}",
+        "ring": exchange if hierarchy is None else f"{'node gather' if exchange == 'allgather' else 'hierarchical'} "
+        f"{world // args.inner}x{args.inner}",
         "density": area / (HQ * seq * (seq + 1) / 2), "fwd_ms": fwd, "bwd_ms": bwd, "fwd_ms_back_to_back": fwd_b2b,
         "fwd_tflops_per_gpu": flops_per_gpu / fwd / 1e9, "bwd_tflops_per_gpu": 2.5 * flops_per_gpu / bwd / 1e9,
         "fwd_syncs": syncs[0], "bwd_syncs": syncs[1],
@@ -261,6 +273,7 @@ def main() -> None:
         ]
         if hierarchy is not None:
             cases.insert(1, ("vertical_slash", "striped", hierarchy, "ring"))
+            cases.insert(2, ("vertical_slash", "striped", hierarchy, "allgather"))
         if seq <= args.dense_max:
             cases.insert(0, ("dense", "zigzag", None, "ring"))
         single = None
