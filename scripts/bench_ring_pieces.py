@@ -50,7 +50,13 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import HKV, HQ, D, natural_index  # noqa: E402
 
-from megatron_mtraining.context_parallel import ContextParallelLayout, imbalance_degrees, simulate_ring_areas  # noqa: E402
+from megatron_mtraining.context_parallel import (  # noqa: E402
+    ContextParallelLayout,
+    imbalance_degrees,
+    ring_sources,
+    simulate_ring_areas,
+)
+from megatron_mtraining.context_parallel.node_gather import node_members  # noqa: E402
 from megatron_mtraining.context_parallel.ring import ring_work, vertical_columns  # noqa: E402
 from megatron_mtraining.context_parallel.step_index import StepIndex  # noqa: E402
 from megatron_mtraining.context_parallel.step_tables import StepTables  # noqa: E402
@@ -114,11 +120,10 @@ def rank_pieces(
     n_steps = ring_steps(layout.cp_size, node_size)
     for i in range(n_steps):
         if node_size is None:
-            source = (rank - i) % layout.cp_size
-            keys = layout.token_positions(source, dev)
+            keys = layout.token_positions(int(ring_sources(n_steps)[rank, i]), dev)
         else:
-            node = (rank // node_size - i) % n_steps
-            keys = layout.gathered(tuple(range(node * node_size, (node + 1) * node_size)), dev).keys
+            node = int(ring_sources(n_steps)[rank // node_size, i])
+            keys = layout.gathered(node_members(node, node_size), dev).keys
         step_tables = steps.of(keys)
         k_s, v_s = (x.index_select(1, keys.values) for x in (k, v))
         last = i == n_steps - 1

@@ -20,10 +20,9 @@ the global positions.
 ``node_size`` (``G``; default None, one node) numbers the ranks for a group spread over
 ``O = cp_size / G`` nodes, ``rank = node * G + local``: the kind places its tokens on *flat*
 ranks ``local * O + node``, so consecutive flat ranks (consecutive stripes) go round the
-nodes first. The
-hierarchical exchange that gathers K/V inside a node (``node_gather``) then puts each
-block diagonal of the attention on one outer step for every rank, as striping puts it on one
-ring step (``docs/benchmarks.md``, "All-gather inside a node, ring across nodes").
+nodes first. The hierarchical exchange that gathers K/V inside a node (``node_gather``) then
+puts each block diagonal of the attention on one outer step for every rank, as striping puts
+it on one ring step (``docs/benchmarks.md``, "All-gather inside a node, ring across nodes").
 
 ``token_positions(rank, device)`` holds a rank's positions on the host and the device
 with what is derived from them (``TokenPositions``), once per layout, rank and device:

@@ -40,6 +40,11 @@ from .layout import ContextParallelLayout, TokenPositions
 Chunk = list[torch.Tensor]
 
 
+def node_members(node: int, node_size: int) -> tuple[int, ...]:
+    """The group ranks of node ``node`` (``node * G + local``), in local order."""
+    return tuple(range(node * node_size, (node + 1) * node_size))
+
+
 class NodeGatherSchedule:
     """One rank's view of the exchange for one pass over ``inner`` (the node's global ranks,
     in local order; ``inner_group`` their process group) and ``outer`` (the global ranks of
@@ -66,8 +71,7 @@ class NodeGatherSchedule:
 
     def node_ranks(self, o: int) -> tuple[int, ...]:
         """The group ranks whose chunks this rank holds at outer step ``o``: node ``node - o``'s."""
-        n = (self.node - o) % self.n_outer
-        return tuple(range(n * self.g, (n + 1) * self.g))
+        return node_members((self.node - o) % self.n_outer, self.g)
 
     def keys(self, o: int, i: int, layout: ContextParallelLayout, device) -> TokenPositions:
         """The positions of the K/V held at step ``(o, i)`` (``i`` is 0): the node's, ascending."""
