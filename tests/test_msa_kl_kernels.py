@@ -303,14 +303,18 @@ def test_main_queries_and_keys_get_no_gradient(rng, kdevice, kl_passes):
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
 
 
+@pytest.mark.parametrize("stages", [0, 2], ids=["heads-unrolled", "heads-pipelined"])
 @pytest.mark.parametrize("kind", ["topk", "dense", "topk-kv-outer", "topk-kv-outer-documents"])
-def test_recorded_value_is_the_kl(kind, rng, kdevice, monkeypatch):
+def test_recorded_value_is_the_kl(kind, stages, rng, kdevice, monkeypatch):
     """As the layer runs it: the main pass's own LSE (``sparse_attention``'s) normalises the
     teacher; the value reaches ``on_value`` once, in the backward, and equals the fp64 KL and
     ``msa_kl_loss``; the gradients equal ``msa_kl_loss``'s. ``topk-kv-outer``: the density
     rule moved so that the top-k index takes the KV-outer order (attention and KL); with
     ``documents`` (fresh random packed documents, the selection within them) both take the
-    union of tiles instead."""
+    union of tiles instead. ``stages``: the teacher's loop over the group's heads unrolled
+    or pipelined (``TEACHER_STAGES`` of both orders)."""
+    for module in (_loss_module(), _kv_loss()):
+        monkeypatch.setattr(module, "TEACHER_STAGES", stages)
     b, s, hq, hkv, d, di = 1, 80, 4, 2, 16, 16
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, torch.float32, kdevice)
     v = torch.randn(k.shape, generator=rng).to(kdevice)

@@ -113,30 +113,39 @@ def _lse_final(m_i, l_i):
 
 @triton.jit
 def _teacher(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
-             G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``[BLOCK_M, BLOCK_N]`` sum over the group's ``G`` heads of ``exp2(scale * q_h . k - lse_h)``
-    for the rows against keys ``k`` (not masked: the caller selects the visible pairs once).
-    Head ``h`` of the group is ``q_base + h * HEAD_DIM`` at rows ``q_rows`` (``q_stride``
-    apart) and its LSEs ``lse_base + h * S`` at ``lse_rows``. The sum is in registers, in
-    the product's own layout."""
-    p = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for h in tl.static_range(G):
-        q = _load_rows(q_base + h * HEAD_DIM, q_rows, row_ok, q_stride, d, d_ok)
-        lse = _row_stats(lse_base + h * S, lse_rows, row_ok)
-        p += tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+             G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+             KEYS_FIRST: tl.constexpr = False, STAGES: tl.constexpr = 0):  # fmt: skip
+    """``[BLOCK_M, BLOCK_N]`` (``[BLOCK_N, BLOCK_M]`` with ``KEYS_FIRST``, keys the A operand)
+    sum over the group's ``G`` heads of ``exp2(scale * q_h . k - lse_h)`` for the rows against
+    keys ``k`` (not masked: the caller selects the visible pairs once). Head ``h`` of the group
+    is ``q_base + h * HEAD_DIM`` at rows ``q_rows`` (``q_stride`` apart) and its LSEs
+    ``lse_base + h * S`` at ``lse_rows``. The sum is in registers, in the product's own
+    layout. ``STAGES``: 0 unrolls the head loop; more pipelines it over that many stages
+    (each head's query rows are a gather, whose latency an unrolled loop short of registers
+    leaves exposed)."""
+    p = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) if KEYS_FIRST else tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if STAGES == 0:
+        for h in tl.static_range(G):
+            p += _head_probs(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, h,
+                             HEAD_DIM, PRECISION, KEYS_FIRST)  # fmt: skip
+    else:
+        for h in tl.range(0, G, num_stages=STAGES):
+            p += _head_probs(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, h,
+                             HEAD_DIM, PRECISION, KEYS_FIRST)  # fmt: skip
     return p
 
 
 @triton.jit
-def _teacher_t(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, HEAD_DIM: tl.constexpr,
-               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``_teacher`` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x rows), keys the A operand."""
-    p = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for h in tl.static_range(G):
-        q = _load_rows(q_base + h * HEAD_DIM, q_rows, row_ok, q_stride, d, d_ok)
-        lse = _row_stats(lse_base + h * S, lse_rows, row_ok)
-        p += tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-    return p
+def _head_probs(q_base, q_rows, lse_base, lse_rows, row_ok, d, d_ok, k, qk_scale, S, q_stride, h,
+                HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, KEYS_FIRST: tl.constexpr):  # fmt: skip
+    """Head ``h``'s term of :func:`_teacher`."""
+    q = _load_rows(q_base + h * HEAD_DIM, q_rows, row_ok, q_stride, d, d_ok)
+    lse = _row_stats(lse_base + h * S, lse_rows, row_ok)
+    if KEYS_FIRST:
+        z = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :]
+    else:
+        z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None]
+    return tl.exp2(z)
 
 
 @triton.jit
@@ -192,9 +201,10 @@ def _dq_kl_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TEACHER_STAGES: tl.constexpr = 0,
 ):  # fmt: skip
-    """``dq_idx`` (times ``GRAD * grad_scale``) and each row's KL term ``KL [B, Hkv, S]``."""
+    """``dq_idx`` (times ``GRAD * grad_scale``) and each row's KL term ``KL [B, Hkv, S]``;
+    ``TEACHER_STAGES`` is ``_teacher``'s ``STAGES``."""
     qb, b, r, _, rows, row_ok, di, di_ok = _program_rows(BLOCK, BLOCK_M, DI, DI_PAD, S, HKV, HKV)
     row_pos = _positions(QBLK, qb, rows, HAS_QPOS, BLOCK)
     row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
@@ -219,7 +229,7 @@ def _dq_kl_kernel(
         in_range = row_ok[:, None] & col_ok[None, :]
         visible = _visible(in_range, col_pos[None, :], seen[:, None], row_first[:, None], HAS_DOCS)
         p = _teacher(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
-                     BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+                     BLOCK_M, BLOCK_N, PRECISION, STAGES=TEACHER_STAGES)  # fmt: skip
         p = tl.where(visible, p, 0.0) * inv_g
         z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
         log_s = tl.where(visible, z - lse_i[:, None], float("-inf"))
@@ -236,12 +246,13 @@ def _dk_kl_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_ROWSEL: tl.constexpr,
     K_PAD: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, TEACHER_STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """``dk_idx`` of ``BLOCK_N`` keys of KV block ``kb``, summed over the groups (times
     ``GRAD * grad_scale``). With ``FUSE_DQ`` (the one pass) also each step's rows' share of
     ``dq_idx`` (times the same) and of their KL terms, added into the zeroed fp32 ``DQI``
-    and ``KL [B, Hkv, S]``: every program whose keys a row sees adds to it."""
+    and ``KL [B, Hkv, S]``: every program whose keys a row sees adds to it.
+    ``TEACHER_STAGES`` is ``_teacher``'s ``STAGES``."""
     sub = tl.program_id(0)
     kb = sub // (BLOCK // BLOCK_N)
     b = tl.program_id(1)
@@ -269,8 +280,8 @@ def _dk_kl_kernel(
             row_first = _row_starts(DOC_START, row_pos, row_ok, HAS_DOCS)
             in_range = col_ok[:, None] & row_ok[None, :]
             visible = _visible(in_range, col_pos[:, None], seen[None, :], row_first[None, :], HAS_DOCS)
-            p = _teacher_t(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
-                           BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+            p = _teacher(q_base, rows, lse_base, rows, row_ok, d, d_ok, k, qk_scale, S, HQ * HEAD_DIM, HEAD_DIM, G,
+                         BLOCK_M, BLOCK_N, PRECISION, KEYS_FIRST=True, STAGES=TEACHER_STAGES)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
             qi = _load_rows(QI + qi_off, rows, row_ok, HKV * DI, di, di_ok)
             lse_i = _row_stats(LSE_IDX, (b * HKV + r) * S + rows, row_ok)

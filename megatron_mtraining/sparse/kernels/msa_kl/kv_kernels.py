@@ -17,7 +17,7 @@ selection (``[.., k]`` slot buffers of the query chunk, one writer each, no atom
   ``LSE_idx [B, Hkv, S]``.
 * ``_kl_bwd_kernel``: ``BLOCK_N`` keys of an item's block (step ``program_id(1)``) against
   its tiles, transposed (keys x rows) as ``kernels._dk_kl_kernel``: the teacher
-  ``p = mean_h exp2(scale q_h . k - lse_h)`` by ``kernels._teacher_t``'s head loop (the
+  ``p = mean_h exp2(scale q_h . k - lse_h)`` by ``kernels._teacher``'s head loop (the
   group's ``G`` query heads of each gathered row, the main pass's LSEs), the student
   ``s = exp2(z - LSE_idx)``, ``ds = s - p``; ``dk_idx += ds^T q_idx`` over the tiles, and
   where the step is the whole block (``HAS_DQ``) each row's ``dq_idx`` partial ``ds k_idx``
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..kv_outer.kernels import _add_block_grad, _key_rows, _tile, _work_item
 from ..shared.kernels import _load_rows, _scores, _store_rows
-from .kernels import LN2, _kl_terms, _lse_final, _lse_step, _row_stats, _teacher, _teacher_t
+from .kernels import LN2, _kl_terms, _lse_final, _lse_step, _row_stats, _teacher
 
 
 @triton.jit
@@ -111,12 +111,13 @@ def _kl_bwd_kernel(
     chunk, CHUNK, S, HQ, HKV, KSEL, N_KB, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_DQ: tl.constexpr,
-    TEACHER=None, HAS_TEACHER: tl.constexpr = False,
+    TEACHER=None, HAS_TEACHER: tl.constexpr = False, TEACHER_STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """dk_idx of step ``program_id(1)`` of an item's block over its tiles and, with ``HAS_DQ``
     (the step is the whole block), the rows' dq_idx and KL slot partials. Keys x rows. With
     ``HAS_TEACHER`` the teacher is read from ``TEACHER`` (``_stored_teacher``), and ``Q``,
-    ``K`` and ``LSE`` are not read."""
+    ``K`` and ``LSE`` are not read; else ``TEACHER_STAGES`` is ``kernels._teacher``'s
+    ``STAGES``."""
     item, n_tiles, b, r, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)
@@ -142,8 +143,8 @@ def _kl_bwd_kernel(
                 p = _stored_teacher(TEACHER, slot_row, ok, j, BLOCK, BLOCK_N, True)
             else:
                 main_row, main_stat = _main_rows(q_row, stat, row_pos, G)
-                p = _teacher_t(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G,
-                               BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+                p = _teacher(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G,
+                             BLOCK_M, BLOCK_N, PRECISION, KEYS_FIRST=True, STAGES=TEACHER_STAGES)  # fmt: skip
             p = tl.where(visible, p, 0.0) * inv_g
             z = tl.dot(ki, tl.trans(qi), input_precision=PRECISION) * idx_scale
             log_s = tl.where(visible, z - lse_i[None, :], float("-inf"))

@@ -58,6 +58,9 @@ a thread on sm80, where sm90 gets 255 registers and a few hundred bytes; 64-key 
 compile to 255 registers and a few hundred bytes on both. Chosen by those compile-time
 counts: no A100 has timed either."""
 OVERRIDES: dict[str, PassConfig] = {}
+# Pipeline stages of the backward's loop over a group's heads where it recomputes the
+# teacher (``kernels._teacher``'s ``STAGES``; 0 unrolls it).
+TEACHER_STAGES = 0
 
 
 def pass_defaults(major: int | None) -> dict[str, PassConfig]:
@@ -201,7 +204,7 @@ class KLBackward:
     ``ChunkFollower``: the teacher is not recomputed from the main queries and keys but read
     from :attr:`teacher`, where the main backward's dK/dV kernel stored each chunk's sums
     of P over the group's heads just before :meth:`run` (``q``, ``k`` and ``lse`` are then
-    not read). Else the teacher is recomputed (``_teacher_t``) on chunks of its own."""
+    not read). Else the teacher is recomputed (``kernels._teacher``) on chunks of its own."""
 
     def __init__(self, q, k, lse, q_idx, k_idx, lse_idx, index: BlockTopKIndex, scale: float, grad, rows: int,
                  chunks=None):  # fmt: skip
@@ -252,7 +255,7 @@ class KLBackward:
         _kl_bwd_kernel[(work.items_per_chunk, self.steps)](
             *self.tensors, work.tiles, work.items, work.chunk_items, work.partial, self.dk_sum, self.dk_part,
             self.dq_buf, self.kl_buf, c, *self.sizes, *self.scalars, **self.dims, HAS_DQ=self.steps == 1,
-            **_opts(self.cfg, self.block_m, self.block_n),
+            TEACHER_STAGES=TEACHER_STAGES, **_opts(self.cfg, self.block_m, self.block_n),
         )  # fmt: skip
         if self.steps > 1:
             dq_work = self.dq_work

@@ -60,6 +60,9 @@ DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "dk": LaunchConfig(64, 128, 8, 1),
     "fused": LaunchConfig(32, 128, 4, 1),
 }
+# Pipeline stages of the dq and dk kernels' loop over a group's heads (``kernels._teacher``'s
+# ``STAGES``; 0 unrolls it).
+TEACHER_STAGES = 0
 
 
 def parse_table(text: str | None, names, fields: tuple[str, ...], where: str) -> dict[str, tuple[int, ...]]:
@@ -209,7 +212,7 @@ def kl_dq(args: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, t
     _dq_kl_kernel[(n_qb * (tables.block // cfg.block_m), b * hkv)](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dq_idx, kl, tables.tiles, tables.tile_count,
         NQB=n_qb, T_MAX=tables.tiles.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args["scalars"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, TEACHER_STAGES=TEACHER_STAGES, **args["scalars"],
     )  # fmt: skip
     return dq_idx, kl
 
@@ -243,7 +246,8 @@ def _kv_major(args: dict, kernel: str, dtype, dq_idx: torch.Tensor | None, kl: t
     _dk_kl_kernel[(n_kb * (tables.block // cfg.block_n), q_idx.shape[0])](
         q, k, lse, q_idx, k_idx, lse_idx, grad, dk_idx, dq_idx, kl, tables.tiles_t, tables.tile_t_count,
         NKB=n_kb, T_MAX=tables.tiles_t.shape[3], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, FUSE_DQ=dq_idx is not None, **args["scalars"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, FUSE_DQ=dq_idx is not None,
+        TEACHER_STAGES=TEACHER_STAGES, **args["scalars"],
     )  # fmt: skip
     return dk_idx
 
