@@ -2,7 +2,8 @@
 
     python scripts/bench_msa_kl.py [--seq 131072] [--sweep] [--configs "dq:32,64,8,2;fused:32,128,8,1" ...]
                                    [--kl-order both|union|kv-outer] [--kv-configs "bwd:64,128,8,1,8" ...]
-                                   [--documents N] [--runs 5] [--check-seq 4096] [--out kl.json]
+                                   [--teacher-stages 0 2 ...] [--documents N] [--runs 5]
+                                   [--check-seq 4096] [--out kl.json]
 
 Qwen2.5-3B's attention shape (16 query heads, 2 KV heads, head dim 128), index head dim
 128, bf16, batch 1, random RoPE-free inputs. Two indices: the dense warmup index
@@ -34,6 +35,9 @@ the KL run after each of its query chunks on the teacher it stored (``joint-bwd`
 checked as above). ``MTRAINING_KL_TEACHER`` does not apply: both are timed. ``--kv-configs`` sets its
 launch parameters (``pass:block_m,block_n,num_warps,num_stages,tiles_per_item`` for the
 passes ``lse``, ``bwd``, ``dq``, ``;``-separated; '' = its defaults), one timing per string.
+``--teacher-stages`` times each of those with the teacher's head loop (where a kernel
+recomputes it: the union's dq, dk and fused, KV-outer's kv-bwd) unrolled (0) or pipelined
+over that many stages (``msa_kl.kernels._teacher``), in both orders.
 
 ``--documents N`` packs ``N`` documents into each sequence (the timed one and the checked
 one; ``documents_of``): both indices carry them (the top-k one selected within them), so the
@@ -224,6 +228,13 @@ def main():
     parser.add_argument("--configs", nargs="*", default=None, help="MTRAINING_KL_CONFIG strings ('' = defaults)")
     parser.add_argument("--kl-order", choices=("both", "union", "kv-outer"), default="both")
     parser.add_argument("--kv-configs", nargs="*", default=[""], help="KV-outer launch parameters ('' = defaults)")
+    parser.add_argument(
+        "--teacher-stages",
+        nargs="*",
+        type=int,
+        default=None,
+        help="stages of the teacher's head loop (default: built-in)",
+    )
     parser.add_argument("--documents", type=int, default=None, help="packed documents per sequence")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--check-seq", type=int, default=4096)
@@ -256,12 +267,18 @@ def main():
     # (union config, KV-outer config, the order timed): each order's configs in turn.
     runs = [(c, "", "union") for c in configs] if "union" in orders else []
     runs += [("", kc, "kv-outer") for kc in args.kv_configs] if "kv-outer" in orders else []
-    for config, kv_config, order in runs:
-        os.environ[loss.CONFIG_ENV] = config
+    built_in = {loss: loss.TEACHER_STAGES, kv_loss: kv_loss.TEACHER_STAGES}
+    stages = args.teacher_stages or [None]
+    for (config, kv_config, order), teacher_stages in ((r, t) for r in runs for t in stages):
+        for module, value in built_in.items():
+            module.TEACHER_STAGES = value if teacher_stages is None else teacher_stages
         kv_loss.OVERRIDES.clear()
         kv_loss.OVERRIDES.update(kv_overrides(kv_config))
         label = (config or "(defaults)") if order == "union" else f"kv-outer {kv_config or '(defaults)'}"
+        if teacher_stages is not None:
+            label += f" heads@{teacher_stages}"
         entry = {
+            "teacher_stages": {"union": loss.TEACHER_STAGES, "kv-outer": kv_loss.TEACHER_STAGES},
             "config": config,
             "kv_config": kv_config,
             "order": order,
@@ -314,6 +331,8 @@ def main():
                 json.dump({**results, "rows": rows}, f, indent=1)
     os.environ.pop(loss.CONFIG_ENV, None)
     kv_loss.OVERRIDES.clear()
+    for module, value in built_in.items():
+        module.TEACHER_STAGES = value
     results["rows"] = rows
     if args.out:
         with open(args.out, "w") as f:
