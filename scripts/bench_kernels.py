@@ -110,12 +110,12 @@ def natural_index(seq: int, block: int, density: float, gen: torch.Generator, de
     return workload.natural_index(seq, block, density, gen, HQ).to(device)
 
 
-def structured_qk(seq: int, gen: torch.Generator):
+def structured_qk(seq: int, gen: torch.Generator, device="cuda"):
     """q/k with RoPE over a shared mean direction (local attention, as trained models
     have), so neighbouring queries pick similar blocks, as a trained MSA indexer does."""
     mean = torch.randn(1, 1, HKV, D, generator=gen) * 1.5
-    k = (mean + torch.randn(1, seq, HKV, D, generator=gen)).cuda()
-    q = (mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).cuda()
+    k = (mean + torch.randn(1, seq, HKV, D, generator=gen)).to(device)
+    q = (mean.repeat_interleave(HQ // HKV, 2) + torch.randn(1, seq, HQ, D, generator=gen)).to(device)
     return rope(q), rope(k)
 
 
