@@ -542,16 +542,27 @@ KV_CASES = [
 ]
 
 
+def _kv_case_params():
+    """Every KV case with the teacher's head loop unrolled; the cases whose blocks take two
+    key steps (so ``_kl_dq_kernel`` runs) with it pipelined too."""
+    for case in KV_CASES:
+        ids = "-".join(map(str, case[:9])) + ("-shared" if case[9] else "")
+        yield pytest.param(case, 0, id=ids)
+        if case[6] > case[8]:
+            yield pytest.param(case, 2, id=f"{ids}-heads-pipelined")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("case", KV_CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-shared" if c[9] else ""))
-def test_kv_outer_kl_matches_fp64(case, dtype, rng, kdevice, small_kv_work):
+@pytest.mark.parametrize("case,stages", _kv_case_params())
+def test_kv_outer_kl_matches_fp64(case, stages, dtype, rng, kdevice, small_kv_work, monkeypatch):
     """The KV-outer order (``msa_kl.kv_loss``) on fresh random selections, streamed over
     several query chunks with split items: index LSE, per-row KL, the KL value, dq_idx and
-    dk_idx against fp64."""
+    dk_idx against fp64; ``stages``: the teacher's head loop (``TEACHER_STAGES``)."""
     b, s, hq, hkv, d, di, block, topk, block_n, shared = case
     if dtype == torch.bfloat16 and kdevice.type == "cpu":
         pytest.skip("bf16 on a GPU only (the interpreter's bf16 is broken)")
     kv_loss = _kv_loss()
+    monkeypatch.setattr(kv_loss, "TEACHER_STAGES", stages)
     lists = small_kv_work(chunk=48, block_n=block_n)
     q, k, q_idx, k_idx = _inputs(rng, b, s, hq, hkv, d, di, dtype, kdevice)
     blocks = _fresh_topk(rng, b, s, 1 if shared else hkv, topk, block)

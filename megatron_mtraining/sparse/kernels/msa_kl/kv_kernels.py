@@ -166,10 +166,11 @@ def _kl_dq_kernel(
     chunk, CHUNK, S, HQ, HKV, KSEL, N_KB, qk_scale, idx_scale, inv_g, grad_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DI: tl.constexpr, DI_PAD: tl.constexpr, G: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    TEACHER=None, HAS_TEACHER: tl.constexpr = False,
+    TEACHER=None, HAS_TEACHER: tl.constexpr = False, TEACHER_STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """The rows' dq_idx and KL slot partials over a block wider than the dK kernel's step,
-    ``BLOCK_N`` keys a step. Rows x keys. ``HAS_TEACHER`` as ``_kl_bwd_kernel``'s."""
+    ``BLOCK_N`` keys a step. Rows x keys. ``HAS_TEACHER`` and ``TEACHER_STAGES`` as
+    ``_kl_bwd_kernel``'s."""
     _item, n_tiles, b, r, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
         d = tl.arange(0, D_PAD)
@@ -195,7 +196,7 @@ def _kl_dq_kernel(
                 else:
                     k, _, _ = _key_rows(K, b, r, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
                     p = _teacher(Q, main_row, LSE, main_stat, ok, d, d_ok, k, qk_scale, S, HEAD_DIM, HEAD_DIM, G,
-                                 BLOCK_M, BLOCK_N, PRECISION)  # fmt: skip
+                                 BLOCK_M, BLOCK_N, PRECISION, STAGES=TEACHER_STAGES)  # fmt: skip
                 p = tl.where(visible, p, 0.0) * inv_g
                 z = tl.dot(qi, tl.trans(ki), input_precision=PRECISION) * idx_scale
                 log_s = tl.where(visible, z - lse_i[:, None], float("-inf"))

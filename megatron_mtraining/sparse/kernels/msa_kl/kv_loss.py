@@ -261,7 +261,8 @@ class KLBackward:
             dq_work = self.dq_work
             _kl_dq_kernel[(dq_work.items_per_chunk,)](
                 *self.tensors, dq_work.tiles, dq_work.items, dq_work.chunk_items, self.dq_buf, self.kl_buf, c,
-                *self.sizes, *self.scalars, **self.dims, **_opts(self.dq_cfg, self.dq_block_m, self.dq_block_n),
+                *self.sizes, *self.scalars, **self.dims, TEACHER_STAGES=TEACHER_STAGES,
+                **_opts(self.dq_cfg, self.dq_block_m, self.dq_block_n),
             )  # fmt: skip
         # dK alone: the dV arguments are placeholders, not read.
         kv_kernels._reduce_kernel[self.reduce_grid](
