@@ -1,7 +1,7 @@
 """Bounds on MSA's main-branch kernel in its two loop orders, counted from a selection on the CPU.
 
     python scripts/msa_loop_orders.py [--seq-len 131072] [--msa-index structured|untrained]
-                                      [--tile-tokens 8 16 32 64 128] [--hbm-tbs 3.35]
+                                      [--tile-tokens 8 16 32 64 128] [--hbm-tbs 3.35] [--l2-chunk 256]
                                       [--dense-tflops 502.8 565.7] [--triton-tflops 367.9 372.5]
                                       [--out bounds.json]
 
@@ -33,6 +33,12 @@ an H100"), the most each design can reach:
   after the attention kernel, over partials the size of which no cache holds, so time is
   at least the tile products at a dense kernel's rate plus the merge's bytes from HBM
   (shown at cuDNN's rate and at the project's Triton dense kernel's, ``--triton-tflops``);
+* KV-outer on query chunks of ``--l2-chunk`` tokens whose partials are merged while the
+  cache still holds them (a design not built: it would need the merge inside the attention
+  kernel, by whichever program writes a token's last slot): time at least its computed pairs
+  (smaller chunks fill fewer tiles) at a dense rate, or the bytes that still reach HBM
+  (gathers, K/V once an item, the output), whichever is longer; forward only, since the
+  backward's dK/dV sums grow with the items that small chunks add;
 * Q-outer at tile ``T``: the useful share times the dense rate (cuDNN's, Triton's).
 
 These are ceilings of designs, not measurements: the measured rates are in
@@ -76,8 +82,9 @@ def q_outer_areas(blocks: torch.Tensor, n_blocks: int, block: int, group: int, t
     return int(union.sum()) * block * tile_tokens * group
 
 
-def kv_outer_counts(blocks: torch.Tensor, seq: int, block: int) -> dict:
-    """Tiles, items and bytes of the KV-outer forward and backward at the launch defaults."""
+def kv_outer_counts(blocks: torch.Tensor, seq: int, block: int, l2_chunk: int) -> dict:
+    """Tiles, items and bytes of the KV-outer forward and backward at the launch defaults,
+    and of the forward on query chunks of ``l2_chunk`` tokens (``fwd_l2``)."""
     _, _, hs, k = blocks.shape
     group = HQ // hs
     n_blocks = -(-seq // block)
@@ -85,16 +92,19 @@ def kv_outer_counts(blocks: torch.Tensor, seq: int, block: int) -> dict:
     selections = int((blocks >= 0).sum())
     rows = selections * group  # (token, head, slot) rows: each gathers one query row
     out = {"selections": selections}
-    for name, cfg_name in (("fwd", "fwd"), ("bwd", "bwd")):
+    for name, cfg_name, chunk in (
+        ("fwd", "fwd", kv.query_chunk("fwd", q_meta, k)),
+        ("bwd", "bwd", kv.query_chunk("bwd", q_meta, k)),
+        ("fwd_l2", "fwd", l2_chunk),
+    ):
         cfg = kv.DEFAULTS[cfg_name]
         block_m, block_n = kv.tile_shape(cfg, D, torch.bfloat16, block, group)
-        chunk = kv.query_chunk(name, q_meta, k)
         rev = reverse_index(blocks.int(), HKV, n_blocks, chunk)
         work = work_list(rev, block_m // group, max(1, cfg.tiles_per_item // (block // block_n)))
         tiles = int((work.tiles[:, 1] > 0).sum())
         items = int((work.items[:, 2] > 0).sum())
         kv_bytes = items * 2 * block * D * BF16
-        if name == "fwd":
+        if cfg_name == "fwd":
             gathers = rows * D * BF16
             partials = rows * (D * BF16 + FP32)  # bf16 partial and its fp32 LSE
             merge = partials + blocks.numel() * FP32 + seq * HQ * (D * BF16 + FP32)
@@ -116,6 +126,8 @@ def kv_outer_counts(blocks: torch.Tensor, seq: int, block: int) -> dict:
             "merge_bytes": merge,
             "gather_bytes": gathers,
             "partial_bytes": partials,
+            # What reaches HBM if the partials never leave the cache: gathers, K/V, the output.
+            "without_partials_bytes": attention - partials + merge - partials,
         }
     return out
 
@@ -130,11 +142,22 @@ def bounds(useful_area: int, counts: dict, q_outer: dict, args) -> dict:
         c = counts[name]
         all_hbm = (c["attention_bytes"] + c["merge_bytes"]) / bw
         merge = c["merge_bytes"] / bw
+        if name == "fwd":
+            # Partials merged while the cache holds them (not built): the computed pairs at a
+            # dense rate, or the bytes that still reach HBM, whichever is longer.
+            l2 = counts["fwd_l2"]
+            products = 4 * l2["computed_pairs"] * D
+            hbm = l2["without_partials_bytes"] / bw
+            l2_bounds = {f"kv_outer_l2_partials_{rate_name}": flops[name] / max(products / rate, hbm) / cudnn
+                         for rate_name, rate in (("cudnn", cudnn), ("triton", triton))}  # fmt: skip
+        else:
+            l2_bounds = dict.fromkeys(("kv_outer_l2_partials_cudnn", "kv_outer_l2_partials_triton"), float("nan"))
         out[name] = {
             "useful_tflop": flops[name] / 1e12,
             "kv_outer_all_hbm": flops[name] / all_hbm / cudnn,
             "kv_outer_cudnn_tiles_then_merge": flops[name] / (flops[name] / cudnn + merge) / cudnn,
             "kv_outer_triton_tiles_then_merge": flops[name] / (flops[name] / triton + merge) / cudnn,
+            **l2_bounds,
             **{f"q_outer_T{t}_cudnn": share for t, share in q_outer.items()},
             **{f"q_outer_T{t}_triton": share * triton / cudnn for t, share in q_outer.items()},
         }
@@ -147,6 +170,7 @@ def main():
     p.add_argument("--msa-index", choices=("structured", "untrained"), default="structured")
     p.add_argument("--tile-tokens", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--hbm-tbs", type=float, default=3.35, help="HBM bandwidth, TB/s")
+    p.add_argument("--l2-chunk", type=int, default=256, help="query chunk of the cache-resident forward")
     p.add_argument("--dense-tflops", type=float, nargs=2, default=[502.8, 565.7], help="cuDNN fwd, bwd")
     p.add_argument("--triton-tflops", type=float, nargs=2, default=[367.9, 372.5], help="our dense kernel fwd, bwd")
     p.add_argument("--seed", type=int, default=0)
@@ -173,9 +197,9 @@ def main():
         q_outer[t] = useful / computed
         print(f"{t:>20} {t * group:>5} {computed:>15.4e} {q_outer[t]:>13.3f}")
 
-    counts = kv_outer_counts(blocks, seq, config.block_size)
+    counts = kv_outer_counts(blocks, seq, config.block_size, args.l2_chunk)
     print(f"KV-outer: {counts['selections']} selections (token, group, block)")
-    for name in ("fwd", "bwd"):
+    for name in ("fwd", "bwd", "fwd_l2"):
         c = counts[name]
         print(f"  {name}: chunks of {c['chunk_tokens']} tokens, {c['tiles']} tiles of {c['tile_rows']} rows "
               f"({useful / c['computed_pairs']:.3f} of their pairs useful), {c['items']} items; "

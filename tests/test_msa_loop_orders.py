@@ -58,14 +58,18 @@ def test_kv_outer_counts_cover_every_selection():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     seq, topk, block = 640, 3, 128
     blocks = _selection(gen, seq, loop_orders.HKV, topk, block)
-    counts = loop_orders.kv_outer_counts(blocks, seq, block)
+    counts = loop_orders.kv_outer_counts(blocks, seq, block, 128)
     selections = int((blocks >= 0).sum())
     group = loop_orders.HQ // loop_orders.HKV
     assert counts["selections"] == selections
-    fwd, bwd = counts["fwd"], counts["bwd"]
+    fwd, bwd, small = counts["fwd"], counts["bwd"], counts["fwd_l2"]
+    assert small["chunk_tokens"] == 128 and small["gather_bytes"] == fwd["gather_bytes"]
+    # Shorter chunks cut segments short: at least as many tiles and items.
+    assert small["tiles"] >= fwd["tiles"] and small["items"] >= fwd["items"]
+    assert small["without_partials_bytes"] < small["attention_bytes"] + small["merge_bytes"]
     assert fwd["gather_bytes"] == selections * group * loop_orders.D * 2
     assert bwd["gather_bytes"] == selections * group * (2 * loop_orders.D * 2 + 8)
-    for c in (fwd, bwd):
+    for c in (fwd, bwd, small):
         tokens = c["tile_rows"] // group
         # Each tile holds one segment's tokens: at least the selections over the tile size,
         # at most one partial tile more per (chunk, block, head) segment.
