@@ -155,6 +155,55 @@ def test_streamed_kernels_match_dense(kind, b, s, hq, hkv, d, block, dtype, rng,
     check(q, k, v, make_index(kind, q, k, block), rng)
 
 
+def _merged_forward_params():
+    """Every kind in fp32; fp16 too behind ``-m slow`` for MSA and MoBA (the interpreter takes
+    10-15 s a case), in the default run for the small ones."""
+    for kind in ("msa", "moba", "sink", "empty-rows"):
+        yield pytest.param(kind, torch.float32, id=f"{kind}-fp32")
+        slow = kind in ("msa", "moba")
+        yield pytest.param(kind, torch.float16, id=f"{kind}-fp16", marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("kind,dtype", _merged_forward_params())
+def test_forward_merged_in_the_attention_kernel(kind, dtype, rng, kdevice, kv, monkeypatch):
+    """``FWD_MERGE_CHUNK``: the attention kernel takes its items by tickets, a launch per
+    window of several query chunks, and merges each token when its last slot is written.
+    Output and LSE equal the separate merge's and, with the gradients, fp64 dense attention's;
+    every launch took every item of its window, and the counts are back at zero. MoBA's
+    blocks of 32 take two key steps; ``sink``: every token also chooses block 0, so one
+    block's tokens span every item of a window; ``empty-rows``: tokens that choose nothing or
+    only a later block stay at zeros and -inf."""
+    small_work(monkeypatch, kv, chunk=32)
+    b, s, hq, hkv, d = {"sink": (1, 96, 4, 2, 16), "empty-rows": (1, 64, 4, 2, 16)}.get(kind, (2, 83, 6, 2, 24))
+    q, k, v = make_inputs(rng, b, s, hq, hkv, d, dtype, kdevice)
+    if kind == "sink":
+        index = sink_index(rng, s, hq, hkv, 16, kdevice)
+    elif kind == "empty-rows":
+        blocks = torch.full((1, s, 2, 2), -1, dtype=torch.int32)
+        blocks[0, 20:, :, 0] = 0
+        blocks[0, 40:, 1, 1] = 2
+        blocks[0, 5:10, 0, 0] = 3
+        index = BlockTopKIndex(blocks=blocks, block_size=16, num_heads=hq).to(kdevice)
+    else:
+        index = make_index(kind, q, k, 16)
+    separate, separate_lse = sparse_attention(q, k, v, index, backend="triton")
+    monkeypatch.setattr(kv, "FWD_MERGE_CHUNK", 8)
+    launches = Launches(kv.kernels._fwd_merging_kernel)
+    monkeypatch.setattr(kv.kernels, "_fwd_merging_kernel", launches)
+    out, lse, _ = check(q, k, v, index, rng)
+    torch.testing.assert_close(out, separate, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)
+    torch.testing.assert_close(lse, separate_lse, rtol=1e-6, atol=1e-6)
+    (grid,), args = launches.calls[0]
+    chunk_items, count, tickets, n_chunks = args[6], args[10], args[11], args[16]
+    assert [a[14] for _, a in launches.calls] == list(range(-(-s // 32)))  # a launch per window of 32 tokens
+    assert args[15] == 4 and n_chunks == -(-s // 8)  # of four chunks of 8 tokens
+    assert int(count.abs().sum()) == 0
+    for w in range(len(launches.calls)):
+        items = int(chunk_items[min(4 * (w + 1), n_chunks)] - chunk_items[4 * w])
+        # Every program took tickets until one past the window's items.
+        assert int(tickets[w]) == items + grid
+
+
 def sink_index(gen, s, hq, hs, block, device):
     """Every token chooses block 0, its own block and one random earlier block."""
     pos = torch.arange(s)
@@ -383,13 +432,17 @@ def gpu_index(kind, q, k, block):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_chunk", [0, 256], ids=["merge-kernel", "merge-in-attention"])
 @pytest.mark.parametrize("kind", ["msa", "moba"])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("s", [1000, 4096])
-def test_kv_outer_on_gpu_shapes(kind, block, s, rng, device):
-    """bf16, head dim 128, 16 query heads over 2 KV heads, default launch parameters."""
+def test_kv_outer_on_gpu_shapes(kind, block, s, merge_chunk, rng, device, kv, monkeypatch):
+    """bf16, head dim 128, 16 query heads over 2 KV heads, default launch parameters, the
+    forward's merge in a kernel of its own or in the attention kernel (``FWD_MERGE_CHUNK``),
+    whose programs run concurrently here: its counts and the ordering of its stores matter."""
     if device.type != "cuda":
         pytest.skip("GPU shapes")
+    monkeypatch.setattr(kv, "FWD_MERGE_CHUNK", merge_chunk)
     q, k, v = make_inputs(rng, 1, s, 16, 2, 128, torch.bfloat16, device)
     check(q, k, v, gpu_index(kind, q, k, block), rng)
 

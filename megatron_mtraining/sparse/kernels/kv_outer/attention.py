@@ -94,6 +94,16 @@ OVERRIDES: dict[str, PassConfig | RowConfig] = {}
 # the gradients exist: its output slots may take twice q's memory, so that its launches are
 # few and full (measured faster than smaller slots, "KV-outer kernels for top-k indexes").
 CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(buffer_share=1.0, min_chunk=256)}
+# The forward's merge. 0: each query chunk's slots are merged by ``_merge_kernel`` after its
+# attention launch, by then long out of every cache (the partials of a chunk take twice q's
+# bytes). A positive count orders the attention's items by query chunks of that many tokens,
+# one ``_fwd_merging_kernel`` launch per forward chunk, and the tile that writes a token's last
+# slot merges the token while its partials are recent: scripts/msa_loop_orders.py counts what
+# this can reach (docs/benchmarks.md, "MSA's main branch: what each loop order can reach"). No
+# GPU has timed it yet, so 0 stays the default.
+FWD_MERGE_CHUNK = 0
+# Programs per multiprocessor of ``_fwd_merging_kernel``, which take the items by tickets.
+FWD_MERGE_PROGRAMS_PER_SM = 2
 # The backward's dK/dV partials of split groups (a whole key block each), as a share of its
 # dQ slots' memory; a chunk whose splits would need more takes longer items.
 PARTIAL_SHARE = 0.5
@@ -241,11 +251,13 @@ def _row_opts(name: str, max_rows: int | None = None) -> dict:
 
 
 def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse fp32 ``[B, Hq, S]``)."""
+    """(out in q's dtype, lse fp32 ``[B, Hq, S]``); merged as ``FWD_MERGE_CHUNK`` says."""
     q = p.q
     b, s, hq, d = q.shape
     cfg, block_m, block_n = _config("fwd", p)
     chunk = query_chunk("fwd", q, p.topk)
+    if FWD_MERGE_CHUNK > 0:
+        return _merging_forward(p, cfg, block_m, block_n, chunk)
     rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
     work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
     out = buffers.new_buffer(q.shape, q.dtype, q.device)
@@ -263,6 +275,47 @@ def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
             o_buf, lse_buf, p.blocks, out, lse, c, *p.slot_args(chunk), HEAD_DIM=d, D_PAD=p.dims()["D_PAD"], **merge
         )
     return out, lse
+
+
+def _merging_forward(p: _Problem, cfg: PassConfig, block_m: int, block_n: int, chunk: int):
+    """:func:`kv_outer_forward` with the merge in the attention kernel: the reverse index on
+    query chunks of ``FWD_MERGE_CHUNK`` tokens, a launch per window of them as long as the
+    forward's ``chunk`` at most (its slot buffers as before), rows that choose nothing left
+    at zeros and -inf."""
+    q = p.q
+    b, s, hq, d = q.shape
+    hs = p.blocks.shape[2]
+    small = min(FWD_MERGE_CHUNK, s)
+    window_chunks = max(1, chunk // small)
+    window = small * window_chunks
+    rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, small)
+    work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
+    n_windows = -(-rev.n_chunks // window_chunks)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+    rows = p.slot_rows(window) * p.topk
+    o_buf = buffers.new_buffer((rows, d), q.dtype, q.device)
+    lse_buf = buffers.new_buffer((rows,), torch.float32, q.device)
+    count = torch.zeros((b * window * hs,), dtype=torch.int32, device=q.device)  # zeroed again by the merges
+    tickets = torch.zeros((n_windows,), dtype=torch.int32, device=q.device)
+    tokens = max(16, triton.next_power_of_2(-(-block_m // p.group)))
+    grid = (merging_programs(q.device),)
+    for w in range(n_windows):
+        kernels._fwd_merging_kernel[grid](
+            q, p.k, p.v, rev.entries, work.tiles, work.items, work.chunk_items, o_buf, lse_buf, p.blocks, count,
+            tickets, out, lse, w, window_chunks, rev.n_chunks, window, s, hq, p.k.shape[2], hs, p.topk, p.n_blocks,
+            p.scale * LOG2E, **p.dims(), TOKENS=tokens, **_opts(cfg, block_m, block_n),
+        )  # fmt: skip
+    return out, lse
+
+
+def merging_programs(device: torch.device) -> int:
+    """Programs of a ``_fwd_merging_kernel`` launch: ``FWD_MERGE_PROGRAMS_PER_SM`` per
+    multiprocessor on CUDA; in the interpreter two, so that the tests' tickets pass between
+    programs."""
+    if device.type == "cuda":
+        return FWD_MERGE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
 
 
 def backward_chunks(p: _Problem) -> tuple[int, ReverseIndex]:

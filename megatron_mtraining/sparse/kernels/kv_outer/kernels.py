@@ -44,11 +44,17 @@ def _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB):
     """This program's item of the chunk: (item, tiles (0 past the chunk's items), batch,
     KV head, key block, first tile)."""
     item = tl.load(CHUNK_ITEMS + chunk) + tl.program_id(0)
-    live = item < tl.load(CHUNK_ITEMS + chunk + 1)
+    n_tiles, b, kvh, kb, first = _item_fields(ITEMS, item, item < tl.load(CHUNK_ITEMS + chunk + 1), HKV, N_KB)
+    return item, n_tiles, b, kvh, kb, first
+
+
+@triton.jit
+def _item_fields(ITEMS, item, live, HKV, N_KB):
+    """Work item ``item``: (tiles (0 unless ``live``), batch, KV head, key block, first tile)."""
     group = tl.load(ITEMS + 3 * item, mask=live, other=0)
     first = tl.load(ITEMS + 3 * item + 1, mask=live, other=0)
     n_tiles = tl.load(ITEMS + 3 * item + 2, mask=live, other=0)
-    return item, n_tiles, group // (HKV * N_KB), group // N_KB % HKV, group % N_KB, first
+    return n_tiles, group // (HKV * N_KB), group // N_KB % HKV, group % N_KB, first
 
 
 @triton.jit
@@ -103,35 +109,117 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Each of the program's item's tiles into its slots (``_merge_kernel`` merges them)."""
     _item, n_tiles, b, kvh, kb, first = _work_item(ITEMS, CHUNK_ITEMS, chunk, HKV, N_KB)
     if n_tiles > 0:
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        if BLOCK == BLOCK_N:
-            k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, 0, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
-        q_row, ok, row_pos, _stat, slot_row = _tile(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HQ, HS, KSEL, G,
-                                                     BLOCK_M)  # fmt: skip
-        for i in range(n_tiles):
-            q = _load_rows(Q, q_row, ok, HEAD_DIM, d, d_ok)
-            # The next tile's rows now, so that its loads wait on no index lookup. Its queries
-            # too were no faster here, and slowed the backward: their registers spill.
-            n_row, n_ok, n_pos, _stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
-                                                      HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-            for j in range(BLOCK // BLOCK_N):
-                if BLOCK != BLOCK_N:
-                    k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
-                # Masked everywhere: a compare and select per score, against a branch per tile.
-                acc, m_i, l_i = _online_step(
-                    acc, m_i, l_i, q, k, v, cols, col_ok, row_pos, row_pos, qk_scale, True, False, PRECISION
-                )
-            empty = l_i == 0.0
-            l_safe = tl.where(empty, 1.0, l_i)
-            _store_rows(O_BUF, slot_row, ok, HEAD_DIM, d, d_ok, acc / l_safe[:, None])
-            tl.store(LSE_BUF + slot_row, tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / _LOG2E), mask=ok)
-            q_row, ok, row_pos, slot_row = n_row, n_ok, n_pos, n_slot
+        _fwd_item(Q, K, V, ENTRIES, TILES, O_BUF, LSE_BUF, n_tiles, b, kvh, kb, first, chunk, CHUNK, S, HQ, HKV, HS,
+                  KSEL, qk_scale, HEAD_DIM, D_PAD, BLOCK, BLOCK_M, BLOCK_N, G, PRECISION)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["window"])
+def _fwd_merging_kernel(
+    Q, K, V, ENTRIES, TILES, ITEMS, CHUNK_ITEMS, O_BUF, LSE_BUF, BLOCKS, COUNT, TICKETS, OUT, LSE, window,
+    WINDOW_CHUNKS, N_CHUNKS, WINDOW, S, HQ, HKV, HS, KSEL, N_KB, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, PRECISION: tl.constexpr, TOKENS: tl.constexpr,
+):  # fmt: skip
+    """The items of the ``WINDOW_CHUNKS`` query chunks of window ``window`` (``WINDOW``
+    tokens, whose slot rows ``O_BUF`` / ``LSE_BUF`` hold; ``N_CHUNKS`` in all), taken in order by tickets
+    (``TICKETS [window]``, zero before the launch) by a grid of any size: the items are
+    chunk-major, so a token's slots are written close together in time, and the tile that
+    writes a token's last slot merges them (``_merge_finished``) while the cache may still
+    hold them."""
+    first_item = tl.load(CHUNK_ITEMS + window * WINDOW_CHUNKS)
+    n_items = tl.load(CHUNK_ITEMS + tl.minimum((window + 1) * WINDOW_CHUNKS, N_CHUNKS)) - first_item
+    ticket = tl.atomic_add(TICKETS + window, 1)
+    while ticket < n_items:
+        n_tiles, b, kvh, kb, first = _item_fields(ITEMS, first_item + ticket, True, HKV, N_KB)
+        if n_tiles > 0:
+            _fwd_item(Q, K, V, ENTRIES, TILES, O_BUF, LSE_BUF, n_tiles, b, kvh, kb, first, window, WINDOW, S, HQ, HKV,
+                      HS, KSEL, qk_scale, HEAD_DIM, D_PAD, BLOCK, BLOCK_M, BLOCK_N, G, PRECISION, BLOCKS, COUNT, OUT,
+                      LSE, True, TOKENS)  # fmt: skip
+        ticket = tl.atomic_add(TICKETS + window, 1)
+
+
+@triton.jit
+def _fwd_item(Q, K, V, ENTRIES, TILES, O_BUF, LSE_BUF, n_tiles, b, kvh, kb, first, chunk, CHUNK, S, HQ, HKV, HS, KSEL,
+              qk_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr, BLOCKS=None, COUNT=None, OUT=None,
+              LSE=None, MERGE: tl.constexpr = False, TOKENS: tl.constexpr = 16):  # fmt: skip
+    """An item's tiles (``n_tiles`` from ``first``) against its key block: each row's softmax
+    over the block alone, written locally normalised with its LSE into slot ``slot`` of its
+    (token, head) rows of ``O_BUF`` / ``LSE_BUF`` (rows counted from query ``chunk`` of
+    ``CHUNK`` tokens). With ``MERGE``, after each tile, ``_merge_finished``."""
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if BLOCK == BLOCK_N:
+        k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, 0, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+    q_row, ok, row_pos, stat, slot_row = _tile(TILES, ENTRIES, first, True, b, chunk, CHUNK, S, HQ, HS, KSEL, G,
+                                               BLOCK_M)  # fmt: skip
+    for i in range(n_tiles):
+        q = _load_rows(Q, q_row, ok, HEAD_DIM, d, d_ok)
+        # The next tile's rows now, so that its loads wait on no index lookup. Its queries
+        # too were no faster here, and slowed the backward: their registers spill.
+        n_row, n_ok, n_pos, n_stat, n_slot = _tile(TILES, ENTRIES, first + i + 1, i + 1 < n_tiles, b, chunk, CHUNK, S,
+                                                   HQ, HS, KSEL, G, BLOCK_M)  # fmt: skip
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for j in range(BLOCK // BLOCK_N):
+            if BLOCK != BLOCK_N:
+                k, v, cols, col_ok = _key_step(K, V, b, kvh, kb, j, S, HKV, d, d_ok, HEAD_DIM, BLOCK, BLOCK_N)
+            # Masked everywhere: a compare and select per score, against a branch per tile.
+            acc, m_i, l_i = _online_step(
+                acc, m_i, l_i, q, k, v, cols, col_ok, row_pos, row_pos, qk_scale, True, False, PRECISION
+            )
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        _store_rows(O_BUF, slot_row, ok, HEAD_DIM, d, d_ok, acc / l_safe[:, None])
+        tl.store(LSE_BUF + slot_row, tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) / _LOG2E), mask=ok)
+        if MERGE:
+            _merge_finished(TILES, ENTRIES, first + i, O_BUF, LSE_BUF, BLOCKS, COUNT, OUT, LSE, q_row, ok, stat,
+                            slot_row, b, chunk, CHUNK, S, HQ, HS, KSEL, d, d_ok, HEAD_DIM, D_PAD, BLOCK_M, G,
+                            TOKENS)  # fmt: skip
+        q_row, ok, row_pos, stat, slot_row = n_row, n_ok, n_pos, n_stat, n_slot
+
+
+@triton.jit
+def _merge_finished(TILES, ENTRIES, tile, O_BUF, LSE_BUF, BLOCKS, COUNT, OUT, LSE, q_row, ok, stat, slot_row, b, chunk,
+                    CHUNK, S, HQ, HS, KSEL, d, d_ok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, G: tl.constexpr, TOKENS: tl.constexpr):  # fmt: skip
+    """Once a tile's partials are stored: counts the slot it wrote for each of its tokens in
+    ``COUNT`` (one int32 per (token, selection head) of the window's slot rows) and, for the
+    tokens whose every selected slot is now written, merges their rows' slots in slot order
+    as ``_merge_kernel`` does, into ``OUT`` / ``LSE``, and zeroes their counts for the next
+    window. The stores are ordered before the count by a barrier and the count's release;
+    the merge's loads after it by its acquire and a barrier, and they bypass L1 (``.cg``),
+    which may hold a line of the buffer from an earlier window."""
+    sel_row, tok_ok, _pos, _stat, tok_slot = _tile(TILES, ENTRIES, tile, True, b, chunk, CHUNK, S, HS, HS, KSEL, 1,
+                                                   TOKENS)  # fmt: skip
+    n_valid = tl.zeros([TOKENS], tl.int32)
+    for s in range(KSEL):
+        n_valid += (tl.load(BLOCKS + sel_row * KSEL + s, mask=tok_ok, other=-1) >= 0).to(tl.int32)
+    tl.debug_barrier()
+    written = tl.atomic_add(COUNT + tok_slot // KSEL, 1, mask=tok_ok, sem="acq_rel", scope="gpu") + 1
+    done = tok_ok & (written == n_valid)
+    tl.debug_barrier()
+    member = (tl.arange(0, BLOCK_M) // G)[:, None] == tl.arange(0, TOKENS)[None, :]
+    rows = ok & (tl.max(tl.where(member & done[None, :], 1, 0), 1) > 0)
+    if tl.max(rows.to(tl.int32), 0) > 0:
+        base = slot_row - slot_row % KSEL
+        selection = q_row // G * KSEL
+        out = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(KSEL):
+            chosen = rows & (tl.load(BLOCKS + selection + s, mask=rows, other=-1) >= 0)
+            part_lse = tl.load(LSE_BUF + base + s, mask=chosen, other=float("-inf"), cache_modifier=".cg")
+            w_out, w_part, lse = merge_weights(lse, part_lse)
+            part = tl.load(O_BUF + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=chosen[:, None] & d_ok[None, :],
+                           other=0.0, cache_modifier=".cg")  # fmt: skip
+            out = out * w_out[:, None] + part.to(tl.float32) * w_part[:, None]
+        _store_rows(OUT, q_row, rows, HEAD_DIM, d, d_ok, out)
+        tl.store(LSE + stat, lse, mask=rows)
+        tl.store(COUNT + tok_slot // KSEL, tl.zeros([TOKENS], tl.int32), mask=done)
 
 
 @triton.jit
