@@ -9,7 +9,8 @@ The forward (``forward``, first): per ``--merge-chunks`` value as
 own; else the attention's items ordered by query chunks of that many tokens and each token
 merged by the tile that writes its last slot), the forward of ``KVOuterAttention`` on the
 MSA index below: median time, each kernel's device time, peak memory above the inputs, and
-the largest difference of output and LSE from the separate merge's.
+the largest difference of output and LSE from the separate merge's. An empty list skips a
+part (``--attention-shares --kl-shares`` times the forward alone).
 
 The KV-outer backward streams query chunks whose slot buffers take a share of q's bytes
 (``kv_outer.attention.CHUNKS``, and the KL's ``msa_kl.kv_loss.CHUNKS``): a smaller share
@@ -79,6 +80,8 @@ def msa_problem(seq: int):
 def forward_rows(seq: int, merge_chunks: list[int]) -> list[dict]:
     """The KV-outer forward per ``kv.FWD_MERGE_CHUNK`` (0: the separate merge kernel), its
     output against the separate merge's."""
+    if not merge_chunks:
+        return []
     q, k, v, index = msa_problem(seq)
     old = kv.FWD_MERGE_CHUNK
 
@@ -108,6 +111,8 @@ def forward_rows(seq: int, merge_chunks: list[int]) -> list[dict]:
 
 
 def attention_rows(seq: int, shares: list[float]) -> list[dict]:
+    if not shares:
+        return []
     q, k, v, index = msa_problem(seq)
     out = kv.KVOuterAttention.apply(q, k, v, index, bk.D**-0.5)[0]
     grad = torch.randn_like(out)
@@ -132,6 +137,8 @@ def attention_rows(seq: int, shares: list[float]) -> list[dict]:
 
 
 def kl_rows(seq: int, shares: list[float]) -> list[dict]:
+    if not shares:
+        return []
     prepared = bm.prepared(seq, torch.Generator().manual_seed(3))
     index, _, _, tensors, lse, attention = next(v for name, v in prepared.items() if name != "dense")
     calls = bm.kv_outer_calls(index, tensors, lse, attention)
