@@ -12,7 +12,9 @@ LSE into slot ``slot`` of its (token, head) in ``O_BUF`` / ``LSE_BUF``, the posi
 block in the token's selection: each slot has one writer, so no atomics. ``_merge_kernel``
 then merges each row's slots as split-K partials. A block wider than ``BLOCK_N`` keys is
 walked ``BLOCK_N`` keys a step with an online softmax; a block of one step keeps its K/V
-for all the item's tiles.
+for all the item's tiles. ``_fwd_merging_kernel`` (``attention.FWD_MERGE_CHUNK``) runs the
+same tiles with the items taken in order by tickets and merges each token itself, in the
+program that writes its last slot (``_merge_finished``: atomic counts, never atomic sums).
 
 Backward, deterministic without atomics: ``_bwd_kernel`` takes ``BLOCK_N`` keys of an item's
 block and its tiles, accumulates their dK/dV and, when that is the whole block, writes
