@@ -272,6 +272,7 @@ def main():
     for (config, kv_config, order), teacher_stages in ((r, t) for r in runs for t in stages):
         for module, value in built_in.items():
             module.TEACHER_STAGES = value if teacher_stages is None else teacher_stages
+        os.environ[loss.CONFIG_ENV] = config
         kv_loss.OVERRIDES.clear()
         kv_loss.OVERRIDES.update(kv_overrides(kv_config))
         label = (config or "(defaults)") if order == "union" else f"kv-outer {kv_config or '(defaults)'}"
