@@ -56,15 +56,18 @@ def test_q_outer_areas_equal_a_map_of_each_tiles_blocks():
 
 def test_kv_outer_counts_cover_every_selection():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    seq, topk, block = 640, 3, 128
+    seq, topk, block = 1536, 3, 128
     blocks = _selection(gen, seq, loop_orders.HKV, topk, block)
-    counts = loop_orders.kv_outer_counts(blocks, seq, block, 128)
+    q_meta = torch.empty((1, seq, loop_orders.HQ, loop_orders.D), dtype=torch.bfloat16, device="meta")
+    half = loop_orders.kv.query_chunk("fwd", q_meta, topk) // 2
+    counts = loop_orders.kv_outer_counts(blocks, seq, block, half)
     selections = int((blocks >= 0).sum())
     group = loop_orders.HQ // loop_orders.HKV
     assert counts["selections"] == selections
     fwd, bwd, small = counts["fwd"], counts["bwd"], counts["fwd_l2"]
-    assert small["chunk_tokens"] == 128 and small["gather_bytes"] == fwd["gather_bytes"]
-    # Shorter chunks cut segments short: at least as many tiles and items.
+    assert small["chunk_tokens"] == half and small["gather_bytes"] == fwd["gather_bytes"]
+    # Halved chunks cut segments in two: at least as many tiles and items.
+    assert fwd["chunk_tokens"] == 2 * half < seq
     assert small["tiles"] >= fwd["tiles"] and small["items"] >= fwd["items"]
     assert small["without_partials_bytes"] < small["attention_bytes"] + small["merge_bytes"]
     assert fwd["gather_bytes"] == selections * group * loop_orders.D * 2
