@@ -102,7 +102,8 @@ CHUNKS = {"fwd": Streaming(buffer_share=2.0, min_chunk=256), "bwd": Streaming(bu
 # this can reach (docs/benchmarks.md, "MSA's main branch: what each loop order can reach"). No
 # GPU has timed it yet, so 0 stays the default.
 FWD_MERGE_CHUNK = 0
-# Programs per multiprocessor of ``_fwd_merging_kernel``, which take the items by tickets.
+# Programs per multiprocessor of ``_fwd_merging_kernel``, which take the items by tickets
+# (``programs_on``).
 FWD_MERGE_PROGRAMS_PER_SM = 2
 # The backward's dK/dV partials of split groups (a whole key block each), as a share of its
 # dQ slots' memory; a chunk whose splits would need more takes longer items.
@@ -200,6 +201,11 @@ class _Problem:
     def topk(self) -> int:
         return self.blocks.shape[3]
 
+    def token_columns(self, block_m: int) -> int:
+        """Tokens of a tile of ``block_m`` rows, as a power of two of at least 16: the width
+        of the kernels' per-token columns (the teacher's group sums, the merge's counts)."""
+        return max(16, triton.next_power_of_2(-(-block_m // self.group)))
+
     @property
     def n_blocks(self) -> int:
         return -(-self.q.shape[1] // self.block)
@@ -231,11 +237,17 @@ class _Problem:
 
 
 def reduce_programs(device: torch.device) -> int:
-    """Programs of a dK/dV reduction launch, which stride over the chunk's split groups:
-    ``REDUCE_PROGRAMS_PER_SM`` per multiprocessor on CUDA; in the interpreter a few, fewer than
-    the tests' chunks have splits, so that they walk the stride."""
+    """Programs of a dK/dV reduction launch, which stride over the chunk's split groups
+    (``programs_on``)."""
+    return programs_on(device, REDUCE_PROGRAMS_PER_SM)
+
+
+def programs_on(device: torch.device, per_sm: int) -> int:
+    """Programs of a launch sized to the GPU rather than to its work, which its programs
+    stride over or take by tickets: ``per_sm`` per multiprocessor on CUDA; in the
+    interpreter a few, fewer than the tests' work, so that they walk it."""
     if device.type == "cuda":
-        return REDUCE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
 
 
@@ -258,13 +270,10 @@ def kv_outer_forward(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = query_chunk("fwd", q, p.topk)
     if FWD_MERGE_CHUNK > 0:
         return _merging_forward(p, cfg, block_m, block_n, chunk)
-    rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
-    work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
+    rev, work = _forward_work(p, cfg, block_m, block_n, chunk)
     out = buffers.new_buffer(q.shape, q.dtype, q.device)
     lse = buffers.new_buffer((b, hq, s), torch.float32, q.device)
-    rows = p.slot_rows(chunk) * p.topk
-    o_buf = buffers.new_buffer((rows, d), q.dtype, q.device)
-    lse_buf = buffers.new_buffer((rows,), torch.float32, q.device)
+    o_buf, lse_buf = _slot_buffers(p, chunk)
     merge = _row_opts("merge")
     for c in range(rev.n_chunks):
         kernels._fwd_kernel[(work.items_per_chunk,)](
@@ -283,39 +292,39 @@ def _merging_forward(p: _Problem, cfg: PassConfig, block_m: int, block_n: int, c
     forward's ``chunk`` at most (its slot buffers as before), rows that choose nothing left
     at zeros and -inf."""
     q = p.q
-    b, s, hq, d = q.shape
+    b, s, hq, _ = q.shape
     hs = p.blocks.shape[2]
     small = min(FWD_MERGE_CHUNK, s)
     window_chunks = max(1, chunk // small)
     window = small * window_chunks
-    rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, small)
-    work = work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
+    rev, work = _forward_work(p, cfg, block_m, block_n, small)
     n_windows = -(-rev.n_chunks // window_chunks)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-    rows = p.slot_rows(window) * p.topk
-    o_buf = buffers.new_buffer((rows, d), q.dtype, q.device)
-    lse_buf = buffers.new_buffer((rows,), torch.float32, q.device)
+    o_buf, lse_buf = _slot_buffers(p, window)
     count = torch.zeros((b * window * hs,), dtype=torch.int32, device=q.device)  # zeroed again by the merges
     tickets = torch.zeros((n_windows,), dtype=torch.int32, device=q.device)
-    tokens = max(16, triton.next_power_of_2(-(-block_m // p.group)))
-    grid = (merging_programs(q.device),)
+    grid = (programs_on(q.device, FWD_MERGE_PROGRAMS_PER_SM),)
     for w in range(n_windows):
         kernels._fwd_merging_kernel[grid](
             q, p.k, p.v, rev.entries, work.tiles, work.items, work.chunk_items, o_buf, lse_buf, p.blocks, count,
             tickets, out, lse, w, window_chunks, rev.n_chunks, window, s, hq, p.k.shape[2], hs, p.topk, p.n_blocks,
-            p.scale * LOG2E, **p.dims(), TOKENS=tokens, **_opts(cfg, block_m, block_n),
+            p.scale * LOG2E, **p.dims(), TOKENS=p.token_columns(block_m), **_opts(cfg, block_m, block_n),
         )  # fmt: skip
     return out, lse
 
 
-def merging_programs(device: torch.device) -> int:
-    """Programs of a ``_fwd_merging_kernel`` launch: ``FWD_MERGE_PROGRAMS_PER_SM`` per
-    multiprocessor on CUDA; in the interpreter two, so that the tests' tickets pass between
-    programs."""
-    if device.type == "cuda":
-        return FWD_MERGE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+def _forward_work(p: _Problem, cfg: PassConfig, block_m: int, block_n: int, chunk: int):
+    """The forward's reverse index on query chunks of ``chunk`` tokens, and its work list."""
+    rev = reverse_index(p.blocks, p.k.shape[2], p.n_blocks, chunk)
+    return rev, work_list(rev, block_m // p.group, max(1, cfg.tiles_per_item // (p.block // block_n)))
+
+
+def _slot_buffers(p: _Problem, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's partials (q's dtype) and their fp32 LSEs for ``tokens`` query tokens."""
+    rows, q = p.slot_rows(tokens) * p.topk, p.q
+    o_buf = buffers.new_buffer((rows, q.shape[3]), q.dtype, q.device)
+    return o_buf, buffers.new_buffer((rows,), torch.float32, q.device)
 
 
 def backward_chunks(p: _Problem) -> tuple[int, ReverseIndex]:
@@ -359,8 +368,7 @@ def kv_outer_backward(
     chunk, rev = backward_chunks(p) if follower is None else (follower.chunk, follower.rev)
     teacher = {}
     if follower is not None:
-        tokens = max(16, triton.next_power_of_2(-(-block_m // p.group)))
-        teacher = {"TEACHER": follower.teacher, "HAS_TEACHER": True, "TOKENS": tokens}
+        teacher = {"TEACHER": follower.teacher, "HAS_TEACHER": True, "TOKENS": p.token_columns(block_m)}
     slot_dtype = dq_slot_dtype(q.dtype)
     slot_shape = (p.slot_rows(chunk) * p.topk, d)
     # Partials (fp32 dK and dV of a block) of ``PARTIAL_SHARE`` times the dQ slots' bytes: bf16

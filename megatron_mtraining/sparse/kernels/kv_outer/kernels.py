@@ -135,11 +135,11 @@ def _fwd_merging_kernel(
     n_items = tl.load(CHUNK_ITEMS + tl.minimum((window + 1) * WINDOW_CHUNKS, N_CHUNKS)) - first_item
     ticket = tl.atomic_add(TICKETS + window, 1)
     while ticket < n_items:
+        # A window's first ``n_items`` items are its real ones, each of one tile or more.
         n_tiles, b, kvh, kb, first = _item_fields(ITEMS, first_item + ticket, True, HKV, N_KB)
-        if n_tiles > 0:
-            _fwd_item(Q, K, V, ENTRIES, TILES, O_BUF, LSE_BUF, n_tiles, b, kvh, kb, first, window, WINDOW, S, HQ, HKV,
-                      HS, KSEL, qk_scale, HEAD_DIM, D_PAD, BLOCK, BLOCK_M, BLOCK_N, G, PRECISION, BLOCKS, COUNT, OUT,
-                      LSE, True, TOKENS)  # fmt: skip
+        _fwd_item(Q, K, V, ENTRIES, TILES, O_BUF, LSE_BUF, n_tiles, b, kvh, kb, first, window, WINDOW, S, HQ, HKV, HS,
+                  KSEL, qk_scale, HEAD_DIM, D_PAD, BLOCK, BLOCK_M, BLOCK_N, G, PRECISION, BLOCKS, COUNT, OUT, LSE, True,
+                  TOKENS)  # fmt: skip
         ticket = tl.atomic_add(TICKETS + window, 1)
 
 
@@ -192,7 +192,7 @@ def _merge_finished(TILES, ENTRIES, tile, O_BUF, LSE_BUF, BLOCKS, COUNT, OUT, LS
     """Once a tile's partials are stored: counts the slot it wrote for each of its tokens in
     ``COUNT`` (one int32 per (token, selection head) of the window's slot rows) and, for the
     tokens whose every selected slot is now written, merges their rows' slots in slot order
-    as ``_merge_kernel`` does, into ``OUT`` / ``LSE``, and zeroes their counts for the next
+    (``_merged_slots``, as ``_merge_kernel``), into ``OUT`` / ``LSE``, and zeroes their counts for the next
     window. The stores are ordered before the count by a barrier and the count's release;
     the merge's loads after it by its acquire and a barrier, and they bypass L1 (``.cg``),
     which may hold a line of the buffer from an earlier window."""
@@ -208,17 +208,8 @@ def _merge_finished(TILES, ENTRIES, tile, O_BUF, LSE_BUF, BLOCKS, COUNT, OUT, LS
     member = (tl.arange(0, BLOCK_M) // G)[:, None] == tl.arange(0, TOKENS)[None, :]
     rows = ok & (tl.max(tl.where(member & done[None, :], 1, 0), 1) > 0)
     if tl.max(rows.to(tl.int32), 0) > 0:
-        base = slot_row - slot_row % KSEL
-        selection = q_row // G * KSEL
-        out = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(KSEL):
-            chosen = rows & (tl.load(BLOCKS + selection + s, mask=rows, other=-1) >= 0)
-            part_lse = tl.load(LSE_BUF + base + s, mask=chosen, other=float("-inf"), cache_modifier=".cg")
-            w_out, w_part, lse = merge_weights(lse, part_lse)
-            part = tl.load(O_BUF + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=chosen[:, None] & d_ok[None, :],
-                           other=0.0, cache_modifier=".cg")  # fmt: skip
-            out = out * w_out[:, None] + part.to(tl.float32) * w_part[:, None]
+        out, lse = _merged_slots(O_BUF, LSE_BUF, BLOCKS, slot_row - slot_row % KSEL, q_row // G * KSEL, rows, KSEL,
+                                 d, d_ok, HEAD_DIM, BLOCK_M, D_PAD, True, ".cg")  # fmt: skip
         _store_rows(OUT, q_row, rows, HEAD_DIM, d, d_ok, out)
         tl.store(LSE + stat, lse, mask=rows)
         tl.store(COUNT + tok_slot // KSEL, tl.zeros([TOKENS], tl.int32), mask=done)
@@ -245,18 +236,32 @@ def _merge_kernel(O_BUF, LSE_BUF, BLOCKS, OUT, LSE, chunk, CHUNK, N, S, HQ, HS, 
     visible key gets zeros and -inf. Without ``HAS_OUT``, the LSE alone (``O_BUF`` and
     ``OUT`` are not read: MSA's index LSE, ``msa_kl.kv_kernels``)."""
     r, ok, out_row, stat, selection, d, d_ok = _chunk_rows(chunk, CHUNK, N, S, HQ, HS, KSEL, HEAD_DIM, ROWS, D_PAD)
+    out, lse = _merged_slots(O_BUF, LSE_BUF, BLOCKS, r * KSEL, selection, ok, KSEL, d, d_ok, HEAD_DIM, ROWS, D_PAD,
+                             HAS_OUT)  # fmt: skip
+    if HAS_OUT:
+        _store_rows(OUT, out_row, ok, HEAD_DIM, d, d_ok, out)
+    tl.store(LSE + stat, lse, mask=ok)
+
+
+@triton.jit
+def _merged_slots(O_BUF, LSE_BUF, BLOCKS, slot_base, selection, ok, KSEL, d, d_ok, HEAD_DIM: tl.constexpr,
+                  ROWS: tl.constexpr, D_PAD: tl.constexpr, HAS_OUT: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+    """The ``ROWS`` rows' (output fp32, LSE) merged over their selected slots in slot order:
+    row ``i``'s slots are rows ``slot_base[i] ..`` of ``O_BUF`` / ``LSE_BUF``, its selection at
+    ``BLOCKS + selection[i]``; rows not ``ok`` or with no slot chosen get zeros and -inf.
+    Without ``HAS_OUT`` the outputs are not read (zeros). ``CACHE``: the loads' cache
+    modifier."""
     out = tl.zeros([ROWS, D_PAD], tl.float32)
     lse = tl.full([ROWS], float("-inf"), tl.float32)
     for slot in range(KSEL):
         chosen = tl.load(BLOCKS + selection + slot, mask=ok, other=-1) >= 0
-        part_lse = tl.load(LSE_BUF + r * KSEL + slot, mask=chosen, other=float("-inf"))
+        part_lse = tl.load(LSE_BUF + slot_base + slot, mask=chosen, other=float("-inf"), cache_modifier=CACHE)
         w_out, w_part, lse = merge_weights(lse, part_lse)
         if HAS_OUT:
-            part = _load_rows(O_BUF, r * KSEL + slot, chosen, HEAD_DIM, d, d_ok).to(tl.float32)
-            out = out * w_out[:, None] + part * w_part[:, None]
-    if HAS_OUT:
-        _store_rows(OUT, out_row, ok, HEAD_DIM, d, d_ok, out)
-    tl.store(LSE + stat, lse, mask=ok)
+            ptrs = O_BUF + (slot_base + slot)[:, None] * HEAD_DIM + d[None, :]
+            part = tl.load(ptrs, mask=chosen[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE)
+            out = out * w_out[:, None] + part.to(tl.float32) * w_part[:, None]
+    return out, lse
 
 
 @triton.jit
