@@ -118,12 +118,12 @@ def rank_pieces(
         columns = None
     steps = StepTables(ring_work(index), queries)
     n_steps = ring_steps(layout.cp_size, node_size)
-    for i in range(n_steps):
+    sources = ring_sources(n_steps)[rank if node_size is None else rank // node_size].tolist()
+    for i, source in enumerate(sources):
         if node_size is None:
-            keys = layout.token_positions(int(ring_sources(n_steps)[rank, i]), dev)
+            keys = layout.token_positions(source, dev)
         else:
-            node = int(ring_sources(n_steps)[rank // node_size, i])
-            keys = layout.gathered(node_members(node, node_size), dev).keys
+            keys = layout.gathered(node_members(source, node_size), dev).keys
         step_tables = steps.of(keys)
         k_s, v_s = (x.index_select(1, keys.values) for x in (k, v))
         last = i == n_steps - 1
